@@ -1,0 +1,1 @@
+"""One module per algorithm: `build_<algorithm>_process(...) -> PersonalizedProcess`."""

@@ -1,0 +1,1 @@
+"""Typed TFF building blocks shared by every algorithm."""

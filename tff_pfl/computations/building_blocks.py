@@ -1,0 +1,139 @@
+"""Typed computations that several algorithms assemble into rounds.
+
+* `build_client_training`: a client reads its own training split by id,
+  starts from broadcast weights and runs local SGD; returns the update in
+  TFF's convention (`initial - trained`) and its weight (#examples).
+* `build_server_update`: applies an aggregated update with a
+  `tff.learning.optimizers` optimizer (SGD with learning rate 1 is FedAvg's
+  plain average).
+* `build_client_evaluation`: a client's loss/accuracy of given weights on one
+  of its splits.
+"""
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+ModelFn = Callable[[], tf.keras.Model]
+
+
+def stats_type() -> tff.Type:
+    """Type of `template.client_metrics` output."""
+    return tff.to_type(
+        collections.OrderedDict(
+            loss=np.float32, accuracy=np.float32, num_examples=np.float32
+        )
+    )
+
+
+def build_client_training(
+    spec: client_data.ClientDataSpec,
+    model_fn: ModelFn,
+    config: local_training.TrainingConfig,
+    *,
+    seed: int,
+    split: str = 'train',
+) -> tff.Computation:
+    """Local SGD from given weights on a client's own split.
+
+    Args:
+      spec: the partition on disk.
+      model_fn: builds a fresh Keras model.
+      config: local epochs, batch size and learning rate.
+      seed: run seed; with the round number and client id it fixes the
+        batch order.
+      split: which split to train on.
+
+    Returns:
+      A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
+      <update, weight, trained_weights, metrics>` where `update = weights -
+      trained_weights`, `weight` is the number of training examples and
+      `metrics` the training loss/accuracy over the examples seen.
+    """
+    weights_type = local_training.weights_type(model_fn)
+
+    @tff.tensorflow.computation(weights_type, np.int32, np.str_)
+    def client_training(weights, round_num, client_id):
+        x, y = client_data.read_split(spec, client_id, split)
+        model = model_fn()
+        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+            stats = local_training.train(
+                model,
+                x,
+                y,
+                epochs=config.epochs,
+                batch_size=config.batch_size,
+                learning_rate=config.learning_rate,
+                seed=local_training.client_seed(seed, round_num, client_id),
+            )
+        with tf.control_dependencies(list(stats)):
+            trained = local_training.get_weights(model)
+        update = [w - t for w, t in zip(weights, trained)]
+        return collections.OrderedDict(
+            update=update,
+            weight=tf.cast(tf.shape(y)[0], tf.float32),
+            trained_weights=trained,
+            metrics=template.client_metrics(stats),
+        )
+
+    return client_training
+
+
+def build_server_update(
+    weights_type: tff.Type, optimizer: tff.learning.optimizers.Optimizer
+) -> tuple[tff.Computation, tff.Computation]:
+    """The server's optimizer step on aggregated client updates.
+
+    Args:
+      weights_type: type of the model weights.
+      optimizer: a `tff.learning.optimizers.Optimizer`; it treats the
+        aggregated update as a gradient (`w <- w - lr * update`).
+
+    Returns:
+      `(init, apply)`: `init: () -> optimizer_state` and
+      `apply: (optimizer_state, weights, update) -> <optimizer_state, weights>`,
+      both `tff.tensorflow.computation`s.
+    """
+    specs = tff.types.type_to_tf_tensor_specs(weights_type)
+
+    @tff.tensorflow.computation
+    def init():
+        return optimizer.initialize(specs)
+
+    state_type = init.type_signature.result
+
+    @tff.tensorflow.computation(state_type, weights_type, weights_type)
+    def apply(optimizer_state, weights, update):
+        new_state, new_weights = optimizer.next(optimizer_state, weights, update)
+        return collections.OrderedDict(optimizer_state=new_state, weights=new_weights)
+
+    return init, apply
+
+
+def build_client_evaluation(
+    spec: client_data.ClientDataSpec, model_fn: ModelFn, split: str = 'test'
+) -> tff.Computation:
+    """A client's loss and accuracy of `weights` on its own `split`.
+
+    Returns:
+      A `tff.tensorflow.computation` `(weights, client_id) -> <loss, accuracy,
+      num_examples>`.
+    """
+    weights_type = local_training.weights_type(model_fn)
+
+    @tff.tensorflow.computation(weights_type, np.str_)
+    def client_evaluation(weights, client_id):
+        x, y = client_data.read_split(spec, client_id, split)
+        model = model_fn()
+        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+            stats = local_training.evaluate(model, x, y)
+        return template.client_metrics(stats)
+
+    return client_evaluation

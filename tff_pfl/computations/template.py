@@ -1,0 +1,92 @@
+"""The one shape every personalized algorithm of the project takes.
+
+A `PersonalizedProcess` is a `tff.templates.IterativeProcess` with:
+
+* `initialize: () -> S@SERVER`
+* `next: (S@SERVER, {C}@CLIENTS) -> <state=S@SERVER, client_states={C}@CLIENTS,
+  metrics=M@SERVER>`, one training round over the sampled clients' states;
+* `initial_client_state: tf.string -> C`, a client's state before its first
+  round (every state carries its `client_id`);
+* `evaluate: (S@SERVER, {C}@CLIENTS) -> {E}@CLIENTS`, each client's metrics on
+  its own test split, of the global model and, where the algorithm has one,
+  of its personalized model;
+* `personalize` (optional): a clients-only stage that yields personalized
+  models into the client states, e.g. PersFL's distillation.
+
+Client states are pass-in/pass-out (TFF's stateful-clients pattern): the
+driver keeps them in a store keyed by client id, passes the sampled clients'
+states into `next` and writes the returned ones back.
+"""
+
+import collections
+from typing import Optional
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+RoundOutput = collections.namedtuple('RoundOutput', ['state', 'client_states', 'metrics'])
+
+
+def client_metrics(stats) -> collections.OrderedDict:
+    """Per-client means from `local_training.Stats` sums (TF code)."""
+    denominator = tf.maximum(stats.num_examples, 1.0)
+    return collections.OrderedDict(
+        loss=stats.loss_sum / denominator,
+        accuracy=stats.num_correct / denominator,
+        num_examples=stats.num_examples,
+    )
+
+
+class PersonalizedProcess(tff.templates.IterativeProcess):
+    """An `IterativeProcess` with per-client state, evaluation and personalization."""
+
+    def __init__(
+        self,
+        initialize_fn: tff.Computation,
+        next_fn: tff.Computation,
+        *,
+        initial_client_state: tff.Computation,
+        evaluate: tff.Computation,
+        personalize: Optional[tff.Computation] = None,
+    ):
+        """Builds the process; see the module docstring for the signatures.
+
+        Args:
+          initialize_fn: `() -> S@SERVER`.
+          next_fn: `(S@SERVER, {C}@CLIENTS) -> <S@SERVER, {C}@CLIENTS, M@SERVER>`.
+          initial_client_state: `tf.string -> C`.
+          evaluate: `(S@SERVER, {C}@CLIENTS) -> {E}@CLIENTS`.
+          personalize: optional clients-only stage.
+
+        Raises:
+          TypeError: if the client state types of the computations disagree.
+        """
+        super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
+        client_state_type = initial_client_state.type_signature.result
+        states_in = next_fn.type_signature.parameter[1].member
+        states_out = next_fn.type_signature.result[1].member
+        if not (states_in.is_equivalent_to(client_state_type) and states_out.is_equivalent_to(client_state_type)):
+            raise TypeError(
+                f'client state types disagree: initial {client_state_type}, '
+                f'next takes {states_in} and returns {states_out}'
+            )
+        self._initial_client_state = initial_client_state
+        self._evaluate = evaluate
+        self._personalize = personalize
+        self._client_state_type = client_state_type
+
+    @property
+    def client_state_type(self) -> tff.Type:
+        return self._client_state_type
+
+    @property
+    def initial_client_state(self) -> tff.Computation:
+        return self._initial_client_state
+
+    @property
+    def evaluate(self) -> tff.Computation:
+        return self._evaluate
+
+    @property
+    def personalize(self) -> Optional[tff.Computation]:
+        return self._personalize

@@ -1,0 +1,1 @@
+"""Data sources, client partitioning and per-client splits."""

@@ -1,0 +1,200 @@
+"""The TFF runtime the project runs on: a `worker_binary` whose lifetime we own.
+
+`import tensorflow_federated` installs a local C++ context that starts TFF's
+`worker_binary` lazily, lets it inherit stdout/stderr, and kills it only in a
+`__del__` that fails at interpreter exit, so the worker outlives the Python
+process (and keeps any pipe open). This module starts the worker itself and
+installs an equivalent execution context in its place:
+
+* the worker is started eagerly, from the calling (main) thread, with its
+    output sent to a log file (or discarded), never to our stdout/stderr;
+* the kernel ends it if the driver dies by any means, SIGKILL included
+    (`PR_SET_PDEATHSIG`, set through `setpriv --pdeathsig KILL`);
+* `LocalRuntime.close()` ends it by PID on normal exit and on exceptions (use
+    it as a context manager), and an `atexit` hook covers the rest;
+* SIGTERM is turned into `SystemExit` by `install_sigterm_handler()`, so the
+    same clean-up runs.
+
+Typical use:
+
+```python
+with runtime.local_runtime() as rt:
+    state = process.initialize()
+    ...
+```
+"""
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import IO, Iterator, Optional
+
+import grpc
+import portpicker
+import tensorflow_federated as tff
+
+_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
+_GRPC_OPTIONS = [
+        ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
+        ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
+        ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
+]
+_READY_TIMEOUT_S = 60.0
+
+
+class RuntimeStartError(RuntimeError):
+    """The TFF worker could not be started."""
+
+
+def worker_binary_path() -> str:
+    """Returns the path of the `worker_binary` shipped inside the TFF wheel."""
+    package_dir = os.path.dirname(tff.__file__)
+    return os.path.join(package_dir, 'data', 'worker_binary')
+
+
+def _worker_command(port: int, max_concurrent_computation_calls: int) -> list[str]:
+    command = [
+            worker_binary_path(),
+            f'--port={port}',
+            f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
+    ]
+    setpriv = shutil.which('setpriv')
+    if setpriv is not None:
+        # The kernel sends SIGKILL to the worker when its parent dies, whatever
+        # the cause; the setting survives the exec of the worker.
+        command = [setpriv, '--pdeathsig', 'KILL', '--'] + command
+    return command
+
+
+class LocalRuntime:
+    """A TFF `worker_binary` owned by this process, and a context that uses it.
+
+    Attributes:
+        pid: PID of the worker process (None once closed).
+        port: the TCP port the worker serves on.
+    """
+
+    def __init__(
+            self,
+            *,
+            max_concurrent_computation_calls: int = 2,
+            log_path: Optional[str] = None,
+    ):
+        """Starts a worker and installs it as TFF's default execution context.
+
+        Args:
+            max_concurrent_computation_calls: how many client computations the
+                worker runs at once (-1: unlimited). 2 matches the 2-core machines
+                this project is measured on and keeps worker memory low and flat.
+            log_path: file that receives the worker's stdout and stderr; None
+                discards them.
+
+        Raises:
+            RuntimeStartError: if the worker binary is missing or does not become
+                ready within 60 seconds.
+        """
+        binary = worker_binary_path()
+        if not os.path.isfile(binary):
+            raise RuntimeStartError(f'TFF worker binary not found at {binary}')
+        self.port = portpicker.pick_unused_port()
+        self._log: Optional[IO[bytes]] = (
+                open(log_path, 'ab') if log_path else None
+        )
+        sink = self._log if self._log is not None else subprocess.DEVNULL
+        self._process: Optional[subprocess.Popen] = subprocess.Popen(
+                _worker_command(self.port, max_concurrent_computation_calls),
+                stdin=subprocess.DEVNULL,
+                stdout=sink,
+                stderr=sink,
+                close_fds=True,
+        )
+        self.pid: Optional[int] = self._process.pid
+        atexit.register(self.close)
+        try:
+            channel = grpc.insecure_channel(f'localhost:{self.port}', _GRPC_OPTIONS)
+            stub = tff.framework.RemoteExecutorGrpcStub(channel)
+            deadline = time.monotonic() + _READY_TIMEOUT_S
+            while not stub.is_ready:
+                if self._process.poll() is not None:
+                    raise RuntimeStartError(
+                            f'TFF worker exited with code {self._process.returncode} '
+                            'before it was ready'
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeStartError('TFF worker did not become ready in 60 s')
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
+
+        def executor_fn(cardinalities):
+            # Computations with no CLIENTS-placed argument (initialize) still
+            # need a CLIENTS cardinality; 0 is what TFF's own context uses.
+            cardinalities.setdefault(tff.CLIENTS, 0)
+            executor = tff.framework.RemoteExecutor(stub)
+            executor.set_cardinalities(cardinalities)
+            return executor
+
+        self.context = tff.framework.SyncExecutionContext(
+                executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
+                compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+                transform_args=tff.tensorflow.transform_args,
+                transform_result=tff.tensorflow.transform_result,
+        )
+        tff.framework.set_default_context(self.context)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the worker process is still running."""
+        return self._process is not None and self._process.poll() is None
+
+    def close(self) -> None:
+        """Ends the worker (SIGTERM, then SIGKILL after 5 s) and reaps it.
+
+        Safe to call more than once.
+        """
+        process, self._process = self._process, None
+        if process is not None:
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            self.pid = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> 'LocalRuntime':
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def local_runtime(**kwargs) -> Iterator[LocalRuntime]:
+    """Context manager form of `LocalRuntime(**kwargs)`."""
+    runtime = LocalRuntime(**kwargs)
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+
+
+def install_sigterm_handler() -> None:
+    """Turns SIGTERM into `SystemExit(143)` so `finally`/`atexit` clean-up runs."""
+
+    def _raise_exit(signum, frame):
+        del frame
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise_exit)
