@@ -1,0 +1,302 @@
+"""Tests for tff_pfl.data.partition."""
+
+import numpy as np
+import pytest
+
+from tff_pfl.data import partition
+
+NUM_CLASSES = 10
+PER_CLASS = 60
+
+
+@pytest.fixture
+def labels() -> np.ndarray:
+    """600 labels, 60 of each of 10 classes, in a fixed shuffled order."""
+    values = np.repeat(np.arange(NUM_CLASSES), PER_CLASS)
+    return np.random.default_rng(123).permutation(values)
+
+
+def assert_valid(parts: list[np.ndarray], num_examples: int) -> None:
+    """Asserts sorted, int64, in-range, non-empty and pairwise disjoint."""
+    for indices in parts:
+        assert indices.dtype == np.int64
+        assert indices.size > 0
+        assert np.all(np.diff(indices) > 0)
+        assert indices.min() >= 0 and indices.max() < num_examples
+    merged = np.concatenate(parts)
+    assert np.unique(merged).size == merged.size
+
+
+def sizes(parts: list[np.ndarray]) -> list[int]:
+    return [len(p) for p in parts]
+
+
+def test_iid_splits_evenly_with_extra_to_first_clients(labels):
+    parts = partition.iid(labels, 7, seed=0)
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == [86] * 5 + [85] * 2
+    np.testing.assert_array_equal(
+        np.sort(np.concatenate(parts)), np.arange(labels.size)
+    )
+
+
+def test_iid_fixed_size(labels):
+    parts = partition.iid(labels, 10, seed=0, examples_per_client=20)
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == [20] * 10
+
+
+def test_ds1_exact_size_and_k_classes(labels):
+    parts = partition.persfl_ds1(
+        labels, 8, seed=0, k=3, examples_per_client=20
+    )
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == [20] * 8
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    assert np.all((histogram > 0).sum(axis=1) == 3)
+    # Dirichlet proportions: per-class counts are not all equal.
+    nonzero_rows = [row[row > 0] for row in histogram]
+    assert any(len(set(row.tolist())) > 1 for row in nonzero_rows)
+
+
+def test_ds1_automatic_size_matches_explicit(labels):
+    parts = partition.persfl_ds1(labels, 20, seed=3, k=4)
+    size = len(parts[0])
+    assert sizes(parts) == [size] * 20
+    assert 4 <= size <= labels.size // 20
+    explicit = partition.persfl_ds1(
+        labels, 20, seed=3, k=4, examples_per_client=size
+    )
+    for a, b in zip(parts, explicit):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ds1_all_classes_is_close_to_iid(labels):
+    parts = partition.persfl_ds1(
+        labels, 5, seed=0, k=NUM_CLASSES, examples_per_client=50
+    )
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    assert np.all(histogram > 0)
+
+
+@pytest.mark.parametrize('partitioner', [partition.dirichlet_over_clients,
+                                         partition.persfl_ds2])
+def test_ds2_assigns_every_example(labels, partitioner):
+    parts = partitioner(labels, 8, seed=0, min_examples=20)
+    assert_valid(parts, labels.size)
+    np.testing.assert_array_equal(
+        np.sort(np.concatenate(parts)), np.arange(labels.size)
+    )
+    assert min(sizes(parts)) >= 20
+    assert len(set(sizes(parts))) > 1
+
+
+def test_dirichlet_labels_sizes(labels):
+    parts = partition.dirichlet_labels(
+        labels, 6, seed=0, alpha=0.5, examples_per_client=25
+    )
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == [25] * 6
+    varied = [5, 10, 15, 20, 25, 30]
+    parts = partition.dirichlet_labels(
+        labels, 6, seed=0, alpha=0.5, examples_per_client=varied
+    )
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == varied
+
+
+def test_ds3_classes_and_total(labels):
+    parts = partition.persfl_ds3(
+        labels, 10, seed=0, sigma=0.5, total_examples=200
+    )
+    assert_valid(parts, labels.size)
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    assert np.all((histogram > 0).sum(axis=1) == 2)
+    assert sum(sizes(parts)) == 200
+    assert min(sizes(parts)) >= 10
+    # A client's size is split evenly over its two classes.
+    for row in histogram:
+        first, second = sorted(row[row > 0].tolist(), reverse=True)
+        assert first - second <= 1
+
+
+def test_ds3_scales_down_when_classes_run_out(labels):
+    parts = partition.persfl_ds3(labels, 15, seed=1, sigma=2.0)
+    assert_valid(parts, labels.size)
+    assert min(sizes(parts)) >= 10
+    assert 15 * 10 <= sum(sizes(parts)) < labels.size
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    assert np.all(histogram.sum(axis=0) <= PER_CLASS)
+
+
+def test_shards_sizes_and_classes(labels):
+    parts = partition.shards(labels, 10, seed=0, shards_per_client=2)
+    assert_valid(parts, labels.size)
+    assert sizes(parts) == [60] * 10
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    # 20 shards of 30 over 10 classes of 60: each shard holds one class.
+    assert np.all((histogram > 0).sum(axis=1) <= 2)
+    assert np.all(histogram % 30 == 0)
+
+
+def test_shards_drop_remainder(labels):
+    parts = partition.shards(labels[:599], 7, seed=0, shards_per_client=3)
+    assert_valid(parts, 599)
+    assert sizes(parts) == [3 * (599 // 21)] * 7
+
+
+def test_natural_validates_and_sorts():
+    parts = partition.natural((np.array([3, 1]), np.array([0, 2, 4])))
+    assert [p.tolist() for p in parts] == [[1, 3], [0, 2, 4]]
+    assert all(p.dtype == np.int64 for p in parts)
+    with pytest.raises(partition.PartitionError, match='two clients'):
+        partition.natural((np.array([0, 1]), np.array([1, 2])))
+    with pytest.raises(partition.PartitionError, match='no natural'):
+        partition.natural(None)
+    with pytest.raises(partition.PartitionError, match='no examples'):
+        partition.natural((np.array([0]), np.array([], dtype=np.int64)))
+
+
+@pytest.mark.parametrize(
+    'name, params',
+    [
+        ('iid', {}),
+        ('ds1', {'k': 2}),
+        ('ds2', {}),
+        ('ds3', {}),
+        ('dirichlet', {'alpha': 0.3, 'examples_per_client': 20}),
+        ('dirichlet_clients', {'alpha': 0.5}),
+        ('shards', {'shards_per_client': 3}),
+    ],
+)
+def test_determinism_and_dispatch(labels, name, params):
+    first = partition.build_partition(name, labels, 8, 5, **params)
+    again = partition.build_partition(name, labels, 8, 5, **params)
+    other = partition.build_partition(name, labels, 8, 6, **params)
+    assert_valid(first, labels.size)
+    assert len(first) == 8
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    assert any(
+        a.shape != b.shape or np.any(a != b) for a, b in zip(first, other)
+    )
+
+
+def _error_cases():
+    labels = np.repeat(np.arange(4), 10)
+    return [
+        (lambda: partition.iid(labels, 0, 0), 'num_clients must be >= 1'),
+        (lambda: partition.iid(labels, 41, 0), '41 clients requested'),
+        (lambda: partition.iid(labels, 5, 0, examples_per_client=9),
+         'exceeds'),
+        (lambda: partition.iid(np.array([0.5, 1.0]), 1, 0), 'integers'),
+        (lambda: partition.iid(np.array([0, -1]), 1, 0), '>= 0'),
+        (lambda: partition.persfl_ds1(labels, 2, 0, k=5), 'k must be in'),
+        (lambda: partition.persfl_ds1(labels, 2, 0, k=0), 'k must be in'),
+        (lambda: partition.persfl_ds1(labels, 2, 0, k=2,
+                                      examples_per_client=1), '>= k'),
+        (lambda: partition.persfl_ds1(labels, 4, 0, k=4,
+                                      examples_per_client=12), 'runs out'),
+        (lambda: partition.persfl_ds1(labels, 40, 0, k=4),
+         'cannot give 40 clients'),
+        (lambda: partition.dirichlet_over_clients(labels, 2, 0, alpha=0),
+         'alpha must be > 0'),
+        (lambda: partition.dirichlet_over_clients(labels, 4, 0,
+                                                  min_examples=11), 'exceeds'),
+        (lambda: partition.dirichlet_over_clients(labels, 8, 0, alpha=0.01,
+                                                  min_examples=5),
+         'Dirichlet draws'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=-1,
+                                            examples_per_client=5),
+         'alpha must be > 0'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
+                                            examples_per_client=[5]),
+         '1 entries for 2 clients'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
+                                            examples_per_client=0), '>= 1'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
+                                            examples_per_client=20),
+         'runs out'),
+        (lambda: partition.persfl_ds3(labels, 2, 0, classes_per_client=5),
+         'classes_per_client must be in'),
+        (lambda: partition.persfl_ds3(labels, 2, 0, min_examples=1),
+         'must be >= classes_per_client'),
+        (lambda: partition.persfl_ds3(labels, 5, 0, total_examples=41),
+         'total_examples must be in'),
+        (lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4),
+         'cannot give 4 clients'),
+        (lambda: partition.shards(labels, 21, 0), '42 shards'),
+        (lambda: partition.shards(labels, 2, 0, shards_per_client=0),
+         'shards_per_client must be >= 1'),
+        (lambda: partition.build_partition('nope', labels, 2, 0),
+         'unknown partition .* iid, ds1'),
+        (lambda: partition.build_partition('iid', labels, 2, 0, k=3),
+         'bad parameters'),
+        (lambda: partition.split_client(np.arange(2), labels),
+         'no test examples'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)),
+         '3 positive numbers'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)),
+         '3 positive numbers'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.3, 0.3)),
+         'sum to 1'),
+        (lambda: partition.class_histogram([np.arange(40)], labels, 3),
+         'outside'),
+    ]
+
+
+@pytest.mark.parametrize('call, message', _error_cases())
+def test_errors(call, message):
+    with pytest.raises(partition.PartitionError, match=message) as info:
+        call()
+    assert '\n' not in str(info.value)
+
+
+def test_ds3_over_demand_can_be_impossible():
+    labels = np.repeat(np.arange(3), [100, 2, 2])
+    with pytest.raises(partition.PartitionError, match='cannot give'):
+        partition.persfl_ds3(labels, 3, 0, classes_per_client=3)
+
+
+@pytest.mark.parametrize('size', [50, 37, 13])
+def test_split_client_sizes_disjoint_stratified(labels, size):
+    indices = partition.iid(labels, 1, seed=0, examples_per_client=size)[0]
+    splits = partition.split_client(indices, labels, seed=4)
+    cumulative = np.floor(np.array([0, 0.6, 0.8, 1.0]) * size + 0.5)
+    expected = np.diff(cumulative).astype(int).tolist()
+    assert [len(splits[k]) for k in ('train', 'val', 'test')] == expected
+    merged = np.concatenate(list(splits.values()))
+    np.testing.assert_array_equal(np.sort(merged), np.sort(indices))
+    for part in splits.values():
+        assert np.all(np.diff(part) > 0)
+    client_counts = np.bincount(labels[indices], minlength=NUM_CLASSES)
+    for key, fraction in zip(('train', 'val', 'test'), (0.6, 0.2, 0.2)):
+        counts = np.bincount(labels[splits[key]], minlength=NUM_CLASSES)
+        assert np.all(np.abs(counts - fraction * client_counts) <= 1.5)
+
+
+def test_split_client_small_classes_still_fill_every_split():
+    labels = np.repeat(np.arange(10), 3)
+    splits = partition.split_client(np.arange(30), labels, seed=0)
+    assert [len(splits[k]) for k in ('train', 'val', 'test')] == [18, 6, 6]
+    train_counts = np.bincount(labels[splits['train']], minlength=10)
+    assert set(train_counts.tolist()) <= {1, 2, 3}
+
+
+def test_split_client_determinism(labels):
+    indices = np.arange(100)
+    first = partition.split_client(indices, labels, (0.5, 0.25, 0.25), seed=1)
+    again = partition.split_client(indices, labels, (0.5, 0.25, 0.25), seed=1)
+    other = partition.split_client(indices, labels, (0.5, 0.25, 0.25), seed=2)
+    for key in first:
+        np.testing.assert_array_equal(first[key], again[key])
+    assert any(np.any(first[k] != other[k]) for k in first)
+
+
+def test_class_histogram():
+    labels = np.array([0, 1, 1, 2, 2, 2])
+    histogram = partition.class_histogram(
+        [np.array([0, 1]), np.array([2, 3, 4, 5])], labels, 4
+    )
+    assert histogram.dtype == np.int64
+    np.testing.assert_array_equal(histogram, [[1, 1, 0, 0], [0, 1, 3, 0]])

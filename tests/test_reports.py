@@ -1,0 +1,266 @@
+"""Tests for tff_pfl.program.reports."""
+
+import csv
+import os
+import struct
+
+from matplotlib import pyplot as plt
+import numpy as np
+import pytest
+
+from tff_pfl.program import reports
+
+PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
+
+
+def read_csv(path):
+    with open(path, newline='', encoding='utf-8') as f:
+        return list(csv.reader(f))
+
+
+def assert_png(path):
+    """Asserts a PNG exists with a sane size, and no figure was left open."""
+    assert os.path.getsize(path) > 0
+    with open(path, 'rb') as f:
+        head = f.read(24)
+    assert head.startswith(PNG_MAGIC)
+    # The IHDR chunk comes first: width and height are big-endian uint32.
+    width, height = struct.unpack('>II', head[16:24])
+    assert width > 50 and height > 50
+    assert 0.1 < width / height < 10
+    assert plt.get_fignums() == []
+
+
+def test_write_csv_round_trip(tmp_path):
+    path = str(tmp_path / 'out' / 'rounds.csv')
+    rows = [
+        {'round': 1, 'loss': 0.123456789, 'acc': None},
+        {'round': 2, 'loss': np.float32(0.5), 'note': 'x,y'},
+        {'acc': 1e-8, 'round': 3},
+    ]
+    reports.write_csv(path, rows)
+    assert read_csv(path) == [
+        ['round', 'loss', 'acc', 'note'],
+        ['1', '0.123457', '', ''],
+        ['2', '0.5', '', 'x,y'],
+        ['3', '', '1e-08', ''],
+    ]
+    assert os.listdir(tmp_path / 'out') == ['rounds.csv']
+
+
+def test_write_csv_replaces_existing_file(tmp_path):
+    path = str(tmp_path / 'a.csv')
+    reports.write_csv(path, [{'a': 1, 'b': 2}, {'a': 3, 'b': 4}])
+    reports.write_csv(path, [{'c': 2.0}])
+    assert read_csv(path) == [['c'], ['2']]
+    assert not os.path.exists(path + '.tmp')
+
+
+def test_append_csv_row_writes_header_once(tmp_path):
+    path = str(tmp_path / 'log' / 'metrics.csv')
+    fieldnames = ['round', 'loss', 'acc']
+    reports.append_csv_row(path, {'round': 1, 'loss': 2.0 / 3.0}, fieldnames)
+    # Readable after each call: the row is flushed.
+    assert read_csv(path) == [fieldnames, ['1', '0.666667', '']]
+    reports.append_csv_row(path, {'round': 2, 'loss': 0.5, 'acc': 0.25},
+                           fieldnames)
+    reports.append_csv_row(path, {'acc': None, 'round': 3}, fieldnames)
+    assert read_csv(path) == [
+        fieldnames,
+        ['1', '0.666667', ''],
+        ['2', '0.5', '0.25'],
+        ['3', '', ''],
+    ]
+
+
+def test_append_csv_row_rejects_unknown_keys(tmp_path):
+    path = str(tmp_path / 'metrics.csv')
+    with pytest.raises(ValueError, match='bogus'):
+        reports.append_csv_row(path, {'round': 1, 'bogus': 2}, ['round'])
+    assert not os.path.exists(path)
+
+
+def test_write_text_atomic(tmp_path):
+    path = str(tmp_path / 'sub' / 'summary.md')
+    reports.write_text_atomic(path, 'first\n')
+    reports.write_text_atomic(path, 'héllo\n')
+    with open(path, encoding='utf-8') as f:
+        assert f.read() == 'héllo\n'
+    assert os.listdir(tmp_path / 'sub') == ['summary.md']
+
+
+def test_plot_curves(tmp_path):
+    rows = [
+        {'round': 1, 'train_loss': 1.0, 'val_loss': None},
+        {'round': 2, 'train_loss': 0.7, 'val_loss': 0.9},
+        {'round': 3, 'val_loss': 0.8},
+        {'round': 4, 'train_loss': 0.4, 'val_loss': 0.6},
+    ]
+    path = str(tmp_path / 'plots' / 'loss.png')
+    reports.plot_curves(
+        rows, 'round', ['train_loss', 'val_loss', 'absent'], path, 'Loss',
+        'loss'
+    )
+    assert_png(path)
+
+
+def test_plot_curves_with_no_points(tmp_path):
+    path = str(tmp_path / 'empty.png')
+    reports.plot_curves([], 'round', ['loss'], path, 'Nothing', 'loss')
+    assert_png(path)
+
+
+@pytest.mark.parametrize('num_clients', [3, 15])
+def test_plot_client_bars(tmp_path, num_clients):
+    rng = np.random.default_rng(0)
+    client_ids = [f'client_{i:05d}' for i in range(num_clients)]
+    series = {
+        'global model': rng.uniform(size=num_clients),
+        'personalized model': list(rng.uniform(size=num_clients)),
+    }
+    path = str(tmp_path / 'bars.png')
+    reports.plot_client_bars(client_ids, series, path, 'Accuracy', 'accuracy')
+    assert_png(path)
+
+
+def test_plot_client_bars_rejects_wrong_length(tmp_path):
+    with pytest.raises(ValueError, match='2 values for 3 clients'):
+        reports.plot_client_bars(
+            ['a', 'b', 'c'], {'global model': [0.1, 0.2]},
+            str(tmp_path / 'bars.png'), 'Accuracy', 'accuracy'
+        )
+    assert plt.get_fignums() == []
+
+
+def test_plot_class_histogram(tmp_path):
+    histogram = np.array([[5, 0, 3], [0, 7, 1], [2, 2, 2], [10, 0, 0]])
+    path = str(tmp_path / 'partition.png')
+    reports.plot_class_histogram(histogram, path, 'Partition')
+    assert_png(path)
+
+
+def test_plot_class_histogram_many_clients_and_classes(tmp_path):
+    histogram = np.random.default_rng(1).integers(0, 20, size=(30, 15))
+    path = str(tmp_path / 'partition.png')
+    reports.plot_class_histogram(histogram, path, 'Partition')
+    assert_png(path)
+
+
+def test_plot_class_histogram_rejects_vector(tmp_path):
+    with pytest.raises(ValueError, match='clients, classes'):
+        reports.plot_class_histogram(
+            np.arange(4), str(tmp_path / 'h.png'), 'Partition'
+        )
+
+
+def test_plot_heatmap(tmp_path):
+    matrix = np.arange(12, dtype=float).reshape(3, 4)
+    path = str(tmp_path / 'heat.png')
+    reports.plot_heatmap(
+        matrix, path, 'Similarity', row_labels=['a', 'b', 'c'],
+        col_labels=['w', 'x', 'y', 'z']
+    )
+    assert_png(path)
+    path2 = str(tmp_path / 'heat2.png')
+    reports.plot_heatmap(matrix, path2, 'No labels')
+    assert_png(path2)
+
+
+def test_plot_heatmap_rejects_bad_labels(tmp_path):
+    with pytest.raises(ValueError, match='2 row labels for 3 rows'):
+        reports.plot_heatmap(
+            np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', row_labels=['a', 'b']
+        )
+    with pytest.raises(ValueError, match='column labels'):
+        reports.plot_heatmap(
+            np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', col_labels=['a']
+        )
+
+
+def test_plots_do_not_accumulate_figures(tmp_path):
+    for i in range(5):
+        reports.plot_curves(
+            [{'r': 1, 'v': 1.0}], 'r', ['v'], str(tmp_path / f'{i}.png'),
+            't', 'v'
+        )
+    assert plt.get_fignums() == []
+
+
+def test_markdown_table():
+    rows = [
+        {'name': 'a|b', 'acc': 0.5, 'n': 3},
+        {'name': 'c', 'acc': None},
+        {'name': 'd', 'acc': np.float32(0.25), 'n': 12},
+    ]
+    assert reports.markdown_table(rows, ['name', 'acc', 'n']) == (
+        '| name | acc | n |\n'
+        '| --- | --- | --- |\n'
+        '| a\\|b | 0.5000 | 3 |\n'
+        '| c |  |  |\n'
+        '| d | 0.2500 | 12 |'
+    )
+    assert reports.markdown_table(
+        rows[:1], ['acc'], float_format='{:.1%}'
+    ) == '| acc |\n| --- |\n| 50.0% |'
+
+
+def test_format_table():
+    rows = [
+        {'client': 'client_00000', 'acc': 0.91234, 'n': 37},
+        {'client': 'c1', 'acc': None, 'n': 5},
+        {'client': 'c2', 'acc': 1.0, 'n': 100},
+    ]
+    assert reports.format_table(rows, ['client', 'acc', 'n']) == (
+        'client           acc    n\n'
+        '------------  ------  ---\n'
+        'client_00000  0.9123   37\n'
+        'c1                      5\n'
+        'c2            1.0000  100'
+    )
+
+
+def test_format_table_header_wider_than_values():
+    rows = [{'accuracy': 0.5, 'name': 'x'}]
+    assert reports.format_table(rows, ['name', 'accuracy']) == (
+        'name  accuracy\n'
+        '----  --------\n'
+        'x       0.5000'
+    )
+
+
+def test_tensorboard_writer_scalars_read_back(tmp_path):
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+    logdir = str(tmp_path / 'tb')
+    with reports.TensorBoardWriter(logdir) as writer:
+        writer.scalars(1, {'loss': 0.5, 'accuracy': np.float32(0.75)},
+                       prefix='train')
+        writer.scalars(
+            2,
+            {'loss': 0.25, 'clients': 10, 'name': 'skipped', 'none': None},
+            prefix='train/',
+        )
+        writer.scalars(2, {'accuracy': np.array(0.875)})
+    with pytest.raises(RuntimeError, match='closed'):
+        writer.scalars(3, {'loss': 0.1})
+    writer.close()  # A second close does nothing.
+
+    event_files = [f for f in os.listdir(logdir) if 'tfevents' in f]
+    assert len(event_files) == 1
+    found = []
+    for event in tf.compat.v1.train.summary_iterator(
+        os.path.join(logdir, event_files[0])
+    ):
+        for value in event.summary.value:
+            assert value.metadata.plugin_data.plugin_name == 'scalars'
+            found.append(
+                (event.step, value.tag,
+                 float(tf.make_ndarray(value.tensor)))
+            )
+    assert found == [
+        (1, 'train/loss', 0.5),
+        (1, 'train/accuracy', 0.75),
+        (2, 'train/loss', 0.25),
+        (2, 'train/clients', 10.0),
+        (2, 'accuracy', 0.875),
+    ]

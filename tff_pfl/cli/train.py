@@ -1,0 +1,143 @@
+"""tff-pfl-train: train one algorithm on one partition; one output directory.
+
+With no flags it runs the main job: FedAvg on the Synthetic(1,1) federated
+benchmark (30 clients, generated on the fly, no network), and prints a
+per-client result table and where the report and plots were written.
+
+Bad flag values print one line `tff-pfl-train: error: ...` and exit with 2.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+from tff_pfl.program import experiment
+
+_D = experiment.ExperimentConfig(output_dir='')
+
+# Algorithm and model.
+_ALGORITHM = flags.DEFINE_string('algorithm', _D.algorithm, 'Algorithm to run.')
+_MODEL = flags.DEFINE_string('model', None, 'Model name; default: chosen from the dataset.')
+
+# Data.
+_DATASET = flags.DEFINE_string(
+    'dataset', _D.dataset,
+    'synthetic[:alpha,beta] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH.')
+_DATA_DIR = flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
+_DOWNLOAD = flags.DEFINE_bool('download', False, 'Let TFDS download the dataset.')
+_PARTITION = flags.DEFINE_string(
+    'partition', _D.partition,
+    'natural | iid | ds1 | ds2 | ds3 | dirichlet | dirichlet_clients | shards.')
+_NUM_CLIENTS = flags.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients.')
+_CLASSES_PER_CLIENT = flags.DEFINE_integer(
+    'classes_per_client', _D.classes_per_client, 'k of DS-1; shards per client of `shards`.')
+_DIRICHLET_ALPHA = flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha, 'Dirichlet concentration.')
+_EXAMPLES_PER_CLIENT = flags.DEFINE_integer(
+    'examples_per_client', None, 'Examples per client (ds1, iid, dirichlet); default: as many as fit.')
+_SPLIT_FRACTIONS = flags.DEFINE_list(
+    'split_fractions', ['0.6', '0.2', '0.2'], 'Train,validation,test fractions of each client.')
+
+# Training.
+_ROUNDS = flags.DEFINE_integer('rounds', _D.rounds, 'Training rounds.')
+_CLIENT_FRACTION = flags.DEFINE_float('client_fraction', _D.client_fraction, 'Clients sampled per round, in (0, 1].')
+_LOCAL_EPOCHS = flags.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
+_CLIENT_LR = flags.DEFINE_float('client_learning_rate', _D.client_learning_rate, 'Client SGD learning rate.')
+_SERVER_LR = flags.DEFINE_float('server_learning_rate', _D.server_learning_rate, 'Server SGD learning rate.')
+_EVAL_EVERY = flags.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every client every N rounds (0: at the end).')
+
+# Run.
+_SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')
+_OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty output directory.')
+_MAX_CONCURRENT = flags.DEFINE_integer(
+    'max_concurrent_clients', _D.max_concurrent_clients, 'Client computations the TFF worker runs at once (-1: no limit).')
+
+_PROG = 'tff-pfl-train'
+
+
+def _fail(message: str) -> None:
+    print(f'{_PROG}: error: {message}', file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).splitlines()[0])
+
+
+def config_from_flags() -> experiment.ExperimentConfig:
+    """Builds and validates the configuration from the parsed flags."""
+    try:
+        fractions = tuple(float(f) for f in _SPLIT_FRACTIONS.value)
+    except ValueError:
+        raise experiment.ConfigError(f'split_fractions must be numbers, got {_SPLIT_FRACTIONS.value}') from None
+    output_dir = _OUTPUT_DIR.value or os.path.join(
+        'runs', f'{_ALGORITHM.value}-{time.strftime("%Y%m%d-%H%M%S")}')
+    return experiment.ExperimentConfig(
+        output_dir=output_dir,
+        algorithm=_ALGORITHM.value,
+        dataset=_DATASET.value,
+        data_dir=_DATA_DIR.value,
+        download=_DOWNLOAD.value,
+        partition=_PARTITION.value,
+        num_clients=_NUM_CLIENTS.value,
+        classes_per_client=_CLASSES_PER_CLIENT.value,
+        dirichlet_alpha=_DIRICHLET_ALPHA.value,
+        examples_per_client=_EXAMPLES_PER_CLIENT.value,
+        split_fractions=fractions,
+        model=_MODEL.value,
+        rounds=_ROUNDS.value,
+        client_fraction=_CLIENT_FRACTION.value,
+        local_epochs=_LOCAL_EPOCHS.value,
+        batch_size=_BATCH_SIZE.value,
+        client_learning_rate=_CLIENT_LR.value,
+        server_learning_rate=_SERVER_LR.value,
+        eval_every=_EVAL_EVERY.value,
+        seed=_SEED.value,
+        max_concurrent_clients=_MAX_CONCURRENT.value,
+    ).validate()
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        _fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    from tff_pfl import runtime
+    from tff_pfl.data import partition
+    from tff_pfl.data import sources
+    from tff_pfl.program import reports
+
+    runtime.install_sigterm_handler()
+    try:
+        config = config_from_flags()
+        result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
+    except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        print(f'{_PROG}: interrupted', file=sys.stderr)
+        sys.exit(130)
+    rows, columns = experiment.client_table(result)
+    print()
+    print(reports.format_table(rows, columns))
+    print()
+    rows, columns = experiment.summary_table(result)
+    print(reports.format_table(rows, columns))
+    out = os.path.abspath(config.output_dir)
+    print(f'\nreport: {os.path.join(out, "report.md")}')
+    print(f'plots:  {os.path.join(out, "accuracy.png")}, {os.path.join(out, "clients.png")}, '
+          f'{os.path.join(out, "partition.png")}')
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == '__main__':
+    run()

@@ -1,0 +1,88 @@
+"""From a dataset name to per-client splits on disk, in one call."""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import numpy as np
+
+from tff_pfl.data import client_data
+from tff_pfl.data import partition
+from tff_pfl.data import sources
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedData:
+    """What `prepare` wrote and what reports need.
+
+    Attributes:
+      spec: the on-disk partition.
+      class_histogram: [clients, classes] counts over all of a client's splits.
+      source_name: name of the pooled dataset.
+    """
+
+    spec: client_data.ClientDataSpec
+    class_histogram: np.ndarray
+    source_name: str
+
+
+def prepare(
+    root: str,
+    *,
+    dataset: str,
+    partition_name: str,
+    num_clients: int,
+    seed: int,
+    split_fractions: Sequence[float] = (0.6, 0.2, 0.2),
+    partition_params: Optional[Mapping[str, object]] = None,
+    data_dir: Optional[str] = None,
+    download: bool = False,
+) -> PreparedData:
+    """Loads a dataset, partitions it, splits every client, writes the files.
+
+    Args:
+      root: directory to create for the client files (must not exist).
+      dataset: a source spec for `sources.load_source` (e.g. `synthetic`,
+        `npz:/path/mnist.npz`, `tfds:mnist`).
+      partition_name: `natural` (the dataset's own clients, for synthetic
+        data) or a name known to `partition.build_partition`.
+      num_clients: number of clients (must match a natural partition).
+      seed: fixes the partition and the splits.
+      split_fractions: train/validation/test fractions of each client.
+      partition_params: extra keyword arguments of the partitioner.
+      data_dir: TFDS data directory.
+      download: whether TFDS may download.
+
+    Returns:
+      A `PreparedData`.
+
+    Raises:
+      sources.DataError, partition.PartitionError: on bad data or an
+        impossible partition (nothing is written then).
+    """
+    pool = sources.load_source(
+        dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients
+    )
+    if partition_name == 'natural':
+        if pool.natural_partition is None:
+            raise partition.PartitionError(
+                f'dataset {pool.name!r} has no natural client partition; choose --partition'
+            )
+        clients = partition.natural(pool.natural_partition)
+        if len(clients) != num_clients:
+            raise partition.PartitionError(
+                f'dataset {pool.name!r} has {len(clients)} natural clients, not {num_clients}'
+            )
+    else:
+        clients = partition.build_partition(
+            partition_name, pool.y, num_clients, seed, **dict(partition_params or {})
+        )
+    splits = []
+    for index, indices in enumerate(clients):
+        try:
+            splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
+        except partition.PartitionError as e:
+            raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
+    spec = client_data.write_client_data(root, pool.x, pool.y, pool.num_classes, splits)
+    histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
+    return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)

@@ -1,0 +1,316 @@
+"""One experiment = one output directory: config, data summary, metrics, report.
+
+`run_experiment(config)` is what the `tff-pfl-train` binary calls, and what a
+notebook calls: it validates the configuration, writes the client partition,
+builds the algorithm's process, runs it on a project-owned TFF worker and
+writes
+
+    <output_dir>/config.json       the configuration of the run
+    <output_dir>/client_data/      every client's splits (read inside TFF)
+    <output_dir>/partition.csv|png per-client class histogram
+    <output_dir>/metrics.csv       one row per round
+    <output_dir>/clients.csv       one row per client (final evaluation)
+    <output_dir>/tensorboard/      the round metrics as TensorBoard scalars
+    <output_dir>/accuracy.png      test accuracy (and train accuracy) per round
+    <output_dir>/clients.png       per-client test accuracy bars
+    <output_dir>/report.md         the paper-style summary
+    <output_dir>/worker.log        the TFF worker's own output
+"""
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Optional
+
+from tff_pfl import models
+from tff_pfl import runtime
+from tff_pfl.program import algorithms
+from tff_pfl.program import reports
+from tff_pfl.program import training_loop
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line."""
+
+
+DEFAULT_MODELS = {'synthetic': 'logistic', 'mnist': 'mnist_dnn', 'fashion_mnist': 'mnist_dnn'}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    """Everything that defines a run; saved as `config.json`.
+
+    Attributes mirror the `tff-pfl-train` flags; see `tff_pfl.cli.train`.
+    """
+
+    output_dir: str
+    algorithm: str = 'fedavg'
+    dataset: str = 'synthetic'
+    data_dir: Optional[str] = None
+    download: bool = False
+    partition: str = 'natural'
+    num_clients: int = 30
+    classes_per_client: int = 4
+    dirichlet_alpha: float = 0.9
+    examples_per_client: Optional[int] = None
+    split_fractions: tuple = (0.6, 0.2, 0.2)
+    model: Optional[str] = None
+    rounds: int = 100
+    client_fraction: float = 1.0
+    local_epochs: int = 1
+    batch_size: int = 10
+    client_learning_rate: float = 0.05
+    server_learning_rate: float = 1.0
+    eval_every: int = 10
+    seed: int = 0
+    max_concurrent_clients: int = 2
+
+    def model_name(self) -> str:
+        """The model to use: the explicit one, else the dataset's default."""
+        if self.model:
+            return self.model
+        base = self.dataset.split(':', 1)[-1] if self.dataset.startswith('tfds:') else self.dataset
+        base = base.split(':', 1)[0]
+        if base.endswith('.npz') or base == 'npz':
+            return 'mnist_dnn'
+        return DEFAULT_MODELS.get(base, 'persfl_cnn')
+
+    def partition_params(self) -> dict:
+        """Keyword arguments of the chosen partitioner."""
+        params = {
+            'ds1': {'k': self.classes_per_client, 'examples_per_client': self.examples_per_client},
+            'ds2': {'alpha': self.dirichlet_alpha},
+            'dirichlet_clients': {'alpha': self.dirichlet_alpha},
+            'dirichlet': {'alpha': self.dirichlet_alpha, 'examples_per_client': self.examples_per_client},
+            'shards': {'shards_per_client': self.classes_per_client},
+            'iid': {'examples_per_client': self.examples_per_client},
+            'ds3': {},
+            'natural': {},
+        }
+        return params.get(self.partition, {})
+
+    def validate(self) -> 'ExperimentConfig':
+        """Returns self, or raises ConfigError on the first bad value."""
+        checks = [
+            (self.algorithm in algorithms.names(), f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}'),
+            (self.model_name() in models.names(), f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}'),
+            (self.rounds >= 1, f'rounds must be >= 1, got {self.rounds}'),
+            (0.0 < self.client_fraction <= 1.0, f'client_fraction must be in (0, 1], got {self.client_fraction}'),
+            (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
+            (self.local_epochs >= 1, f'local_epochs must be >= 1, got {self.local_epochs}'),
+            (self.batch_size >= 1, f'batch_size must be >= 1, got {self.batch_size}'),
+            (self.client_learning_rate > 0, f'client_learning_rate must be > 0, got {self.client_learning_rate}'),
+            (self.server_learning_rate > 0, f'server_learning_rate must be > 0, got {self.server_learning_rate}'),
+            (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
+            (self.classes_per_client >= 1, f'classes_per_client must be >= 1, got {self.classes_per_client}'),
+            (self.dirichlet_alpha > 0, f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}'),
+            (self.examples_per_client is None or self.examples_per_client >= 1,
+             f'examples_per_client must be >= 1, got {self.examples_per_client}'),
+            (len(self.split_fractions) == 3 and all(f > 0 for f in self.split_fractions)
+             and abs(sum(self.split_fractions) - 1.0) < 1e-6,
+             f'split_fractions must be three positive numbers summing to 1, got {list(self.split_fractions)}'),
+            (self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
+             f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}'),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        return self
+
+
+def _prepare_output_dir(path: str, overwrite: bool) -> None:
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f'output_dir {path} exists and is not a directory')
+        if os.listdir(path) and not overwrite:
+            raise ConfigError(f'output_dir {path} is not empty; pass --overwrite to replace it')
+    parent = os.path.dirname(os.path.abspath(path)) or '.'
+    try:
+        os.makedirs(parent, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=parent, prefix='.probe.')
+        probe.close()
+    except OSError as e:
+        raise ConfigError(f'output_dir {path} is not writable: {e.strerror}') from None
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> training_loop.RunResult:
+    """Runs one experiment end to end and writes its output directory.
+
+    Args:
+      config: the run's configuration.
+      overwrite: replace a non-empty `output_dir`.
+      log: receives progress lines.
+
+    Returns:
+      The `training_loop.RunResult`.
+
+    Raises:
+      ConfigError, sources.DataError, partition.PartitionError: bad input;
+        raised before anything is written to `output_dir`.
+    """
+    # Local imports keep `--help` and flag errors fast.
+    from tff_pfl.data import pipeline
+
+    config.validate()
+    out = os.path.abspath(config.output_dir)
+    _prepare_output_dir(out, overwrite)
+    staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out)}.staging.', dir=os.path.dirname(out))
+    try:
+        prepared = pipeline.prepare(
+            os.path.join(staging, 'client_data'),
+            dataset=config.dataset,
+            partition_name=config.partition,
+            num_clients=config.num_clients,
+            seed=config.seed,
+            split_fractions=config.split_fractions,
+            partition_params={k: v for k, v in config.partition_params().items() if v is not None},
+            data_dir=config.data_dir,
+            download=config.download,
+        )
+        with open(os.path.join(staging, 'config.json'), 'w') as f:
+            json.dump(dataclasses.asdict(config), f, indent=2)
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
+    _write_partition_summary(out, spec, prepared.class_histogram)
+    log(f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
+        f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
+        f'{sum(spec.split_sizes["test"])}')
+
+    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
+    process = algorithms.build(config, spec, model_fn)
+    metrics_path = os.path.join(out, 'metrics.csv')
+    board = reports.TensorBoardWriter(os.path.join(out, 'tensorboard'))
+    fieldnames: list = []
+
+    def on_round(row):
+        if not fieldnames:
+            fieldnames.extend(row)
+        for key in row:
+            if key not in fieldnames:
+                fieldnames.append(key)
+        reports.append_csv_row(metrics_path, row, fieldnames)
+        board.scalars(row['round'], {k: v for k, v in row.items() if k != 'round'})
+
+    try:
+        with runtime.local_runtime(
+            max_concurrent_computation_calls=config.max_concurrent_clients,
+            log_path=os.path.join(out, 'worker.log'),
+        ):
+            result = training_loop.run(
+                process,
+                spec.client_ids,
+                rounds=config.rounds,
+                client_fraction=config.client_fraction,
+                seed=config.seed,
+                eval_every=config.eval_every,
+                on_round=on_round,
+                log=log,
+            )
+    finally:
+        board.close()
+    # metrics.csv was appended row by row; rewrite it whole so every row has
+    # every column (evaluation columns appear only on evaluated rounds).
+    reports.write_csv(metrics_path, result.rounds)
+    _write_results(out, config, spec, result)
+    return result
+
+
+def _write_partition_summary(out, spec, histogram) -> None:
+    rows = []
+    for client_id, counts in zip(spec.client_ids, histogram):
+        row = collections.OrderedDict(client_id=client_id)
+        for split in ('train', 'val', 'test'):
+            row[f'{split}_examples'] = spec.sizes(split)[client_id]
+        row.update((f'class_{c}', int(n)) for c, n in enumerate(counts))
+        rows.append(row)
+    reports.write_csv(os.path.join(out, 'partition.csv'), rows)
+    reports.plot_class_histogram(histogram, os.path.join(out, 'partition.png'), 'Examples per class and client')
+
+
+def _write_results(out, config, spec, result) -> None:
+    reports.write_csv(os.path.join(out, 'clients.csv'), result.clients)
+    test_columns = [k for k in result.rounds[-1] if k.startswith('test_') and k.endswith('_accuracy_mean')]
+    reports.plot_curves(
+        result.rounds, 'round', ['train_accuracy'] + test_columns,
+        os.path.join(out, 'accuracy.png'), f'{config.algorithm}: accuracy per round', 'accuracy',
+    )
+    series = collections.OrderedDict(
+        (name, [row[f'{name}_accuracy'] for row in result.clients]) for name in result.summary
+    )
+    reports.plot_client_bars(
+        [row['client_id'] for row in result.clients], series,
+        os.path.join(out, 'clients.png'), f'{config.algorithm}: test accuracy per client', 'test accuracy',
+    )
+    reports.write_text_atomic(os.path.join(out, 'report.md'), render_report(config, spec, result))
+
+
+def client_table(result: training_loop.RunResult) -> tuple[list, list]:
+    """Rows and columns of the per-client result table (accuracy in %)."""
+    columns = ['client_id']
+    for name in result.summary:
+        columns += [f'{name}_accuracy', f'{name}_num_examples']
+    rows = []
+    for row in result.clients:
+        shown = {c: row[c] for c in columns}
+        for name in result.summary:
+            shown[f'{name}_accuracy'] = 100.0 * row[f'{name}_accuracy']
+            shown[f'{name}_num_examples'] = int(row[f'{name}_num_examples'])
+        rows.append(shown)
+    return rows, columns
+
+
+def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
+    """Rows and columns of the across-client summary (accuracy in %)."""
+    columns = ['model', 'mean', 'weighted_mean', 'std', 'worst_10', 'best_10']
+    rows = []
+    for name, summary in result.summary.items():
+        rows.append({'model': name, **{c: 100.0 * summary[c] for c in columns[1:]}})
+    return rows, columns
+
+
+def render_report(config, spec, result) -> str:
+    """The markdown report of a run."""
+    client_rows, client_columns = client_table(result)
+    summary_rows, summary_columns = summary_table(result)
+    last = result.rounds[-1]
+    seconds = [row['round_seconds'] for row in result.rounds]
+    lines = [
+        f'# {config.algorithm} on {config.dataset}',
+        '',
+        f'{spec.num_clients} clients, partition `{config.partition}`, model `{config.model_name()}`, '
+        f'{config.rounds} rounds, client fraction {config.client_fraction}, seed {config.seed}.',
+        f'Median round time {sorted(seconds)[len(seconds) // 2]:.3f} s; final train loss '
+        f'{last.get("train_loss", float("nan")):.4f}.',
+        '',
+        '## Test accuracy across clients (%)',
+        '',
+        reports.markdown_table(summary_rows, summary_columns, '{:.2f}'),
+        '',
+        'std is the population standard deviation across clients (the fairness measure);',
+        'worst_10/best_10 average the lowest/highest 10% of clients.',
+        '',
+        '## Per-client test accuracy (%)',
+        '',
+        reports.markdown_table(client_rows, client_columns, '{:.2f}'),
+        '',
+        '![accuracy per round](accuracy.png)',
+        '![per-client accuracy](clients.png)',
+        '![partition](partition.png)',
+        '',
+    ]
+    return '\n'.join(lines)

@@ -1,0 +1,538 @@
+"""What a user looks at after a run: CSV files, plots, tables, TensorBoard.
+
+Files are written atomically where a reader may see them mid-run (a temporary
+`path + '.tmp'` is written and then moved over `path` with `os.replace`), so
+a crashed or concurrent run never leaves a half-written CSV or text file.
+
+Plots use matplotlib's non-interactive Agg backend, selected here before
+`pyplot` is imported, and every figure is closed after saving so memory stays
+flat over many rounds.
+
+TensorFlow is imported only when a `TensorBoardWriter` is created, so that
+importing this module stays fast.
+"""
+
+from collections.abc import Mapping, Sequence
+import csv
+import numbers
+import os
+from typing import Any, Optional
+
+import matplotlib
+
+matplotlib.use('Agg')
+
+from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+_DPI = 120
+_ROTATE_TICKS_ABOVE = 12
+
+
+def _is_float(value: Any) -> bool:
+    """Whether `value` is a Python or numpy floating point scalar."""
+    return isinstance(value, (float, np.floating))
+
+
+def _is_number(value: Any) -> bool:
+    """Whether `value` is a real number (bools excluded)."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _make_parent_dir(path: str) -> None:
+    """Creates the directory that will hold `path`, if it has one."""
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+
+
+def _csv_cell(value: Any) -> Any:
+    """Formats one CSV cell: floats with `.6g`, `None` as empty."""
+    if value is None:
+        return ''
+    if _is_float(value):
+        return format(float(value), '.6g')
+    return value
+
+
+def _union_of_keys(rows: Sequence[Mapping[str, object]]) -> list[str]:
+    """The keys of all rows, in first-seen order."""
+    seen = {}
+    for row in rows:
+        for key in row:
+            seen.setdefault(key, None)
+    return list(seen)
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Writes `text` to `path` (UTF-8) through a temporary file.
+
+    Args:
+      path: The file to write; its parent directory is created if needed.
+      text: The full contents of the file.
+    """
+    _make_parent_dir(path)
+    tmp_path = path + '.tmp'
+    try:
+        with open(tmp_path, 'w', encoding='utf-8') as f:
+            f.write(text)
+        os.replace(tmp_path, path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def write_csv(path: str, rows: Sequence[Mapping[str, object]]) -> None:
+    """Writes `rows` as a CSV file, atomically.
+
+    The header is the union of the rows' keys in first-seen order; a row
+    without some key gets an empty cell there. Floats (Python or numpy) are
+    written with `format(value, '.6g')` and `None` as an empty cell.
+
+    Args:
+      path: The file to write; its parent directory is created if needed.
+      rows: One mapping from column name to value per row.
+    """
+    fieldnames = _union_of_keys(rows)
+    _make_parent_dir(path)
+    tmp_path = path + '.tmp'
+    try:
+        with open(tmp_path, 'w', newline='', encoding='utf-8') as f:
+            writer = csv.DictWriter(f, fieldnames=fieldnames, restval='')
+            writer.writeheader()
+            for row in rows:
+                writer.writerow({k: _csv_cell(v) for k, v in row.items()})
+        os.replace(tmp_path, path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+
+
+def append_csv_row(
+    path: str, row: Mapping[str, object], fieldnames: Sequence[str]
+) -> None:
+    """Appends one row to a CSV file and flushes it.
+
+    The header (`fieldnames`) is written first when the file does not exist
+    or is empty. Cells are formatted as in `write_csv`; fields missing from
+    `row` are left empty.
+
+    Args:
+      path: The CSV file; it and its parent directory are created if needed.
+      row: Column name -> value. Every key must be in `fieldnames`.
+      fieldnames: The columns of the file, in order.
+
+    Raises:
+      ValueError: If `row` has a key that is not in `fieldnames`.
+    """
+    extra = [key for key in row if key not in fieldnames]
+    if extra:
+        raise ValueError(f'row has keys not in fieldnames: {extra}')
+    _make_parent_dir(path)
+    needs_header = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, 'a', newline='', encoding='utf-8') as f:
+        writer = csv.DictWriter(f, fieldnames=list(fieldnames), restval='')
+        if needs_header:
+            writer.writeheader()
+        writer.writerow({k: _csv_cell(v) for k, v in row.items()})
+        f.flush()
+
+
+def _save_and_close(fig: Any, path: str) -> None:
+    """Saves `fig` as a PNG at `path` and closes it."""
+    try:
+        _make_parent_dir(path)
+        fig.savefig(path, dpi=_DPI, format='png', bbox_inches='tight')
+    finally:
+        plt.close(fig)
+
+
+def plot_curves(
+    rows: Sequence[Mapping[str, object]],
+    x_key: str,
+    y_keys: Sequence[str],
+    path: str,
+    title: str,
+    ylabel: str,
+) -> None:
+    """Plots several columns of `rows` against `x_key` as lines.
+
+    Each series uses only the rows where both `x_key` and its own key are
+    present and not `None`; a series with no such rows is left out.
+
+    Args:
+      rows: One mapping per point, e.g. one per round.
+      x_key: The column on the x axis, e.g. `'round'`.
+      y_keys: The columns to plot, one line each, labelled by key.
+      path: Where to write the PNG.
+      title: The figure title.
+      ylabel: The y axis label.
+    """
+    fig, ax = plt.subplots(figsize=(8, 5))
+    try:
+        plotted = False
+        for key in y_keys:
+            points = [
+                (row[x_key], row[key])
+                for row in rows
+                if row.get(x_key) is not None and row.get(key) is not None
+            ]
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker='.' if len(xs) < 50 else None, label=key)
+            plotted = True
+        if plotted:
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
+def plot_client_bars(
+    client_ids: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    path: str,
+    title: str,
+    ylabel: str,
+) -> None:
+    """Grouped bar chart of per-client values, one bar colour per series.
+
+    A dashed horizontal line in the series' colour marks each series' mean
+    (e.g. the mean accuracy of the global and of the personalized models).
+
+    Args:
+      client_ids: The x tick labels, one group of bars per client. Labels are
+        rotated when there are more than 12 clients.
+      series: Series name -> one value per client, in `client_ids` order.
+      path: Where to write the PNG.
+      title: The figure title.
+      ylabel: The y axis label.
+
+    Raises:
+      ValueError: If a series does not have one value per client.
+    """
+    num_clients = len(client_ids)
+    for name, values in series.items():
+        if len(values) != num_clients:
+            raise ValueError(
+                f'series {name!r} has {len(values)} values for '
+                f'{num_clients} clients'
+            )
+    num_series = max(1, len(series))
+    width = 0.8 / num_series
+    positions = np.arange(num_clients)
+    labels = [str(c) for c in client_ids]
+    rotate = num_clients > _ROTATE_TICKS_ABOVE
+    # Inches per client group: room for the bars and, when the tick labels
+    # are horizontal, for the longest label.
+    per_client = 0.25 * num_series
+    if not rotate:
+        longest = max([len(label) for label in labels] + [0])
+        per_client = max(per_client, 0.1 * longest)
+    fig_width = max(6.0, per_client * num_clients + 2.0)
+    fig, ax = plt.subplots(figsize=(fig_width, 5))
+    try:
+        for i, (name, values) in enumerate(series.items()):
+            color = f'C{i % 10}'
+            values = np.asarray(values, dtype=np.float64)
+            offsets = positions - 0.4 + width * (i + 0.5)
+            ax.bar(offsets, values, width=width, color=color, label=name)
+            if values.size:
+                mean = float(np.nanmean(values))
+                ax.axhline(
+                    mean,
+                    color=color,
+                    linestyle='--',
+                    linewidth=1,
+                    label=f'{name} mean ({mean:.4g})',
+                )
+        ax.set_xticks(positions)
+        if rotate:
+            ax.set_xticklabels(labels, rotation=90, fontsize='small')
+        else:
+            ax.set_xticklabels(labels)
+        if series:
+            ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title)
+        ax.set_xlabel('client')
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis='y', alpha=0.3)
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
+def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
+    """Stacked horizontal bars of each client's examples per class.
+
+    Args:
+      histogram: Counts of shape `[num_clients, num_classes]`; row `i` is
+        client `i` (drawn top to bottom), column `c` is class `c`.
+      path: Where to write the PNG.
+      title: The figure title.
+
+    Raises:
+      ValueError: If `histogram` is not 2-D.
+    """
+    histogram = np.asarray(histogram)
+    if histogram.ndim != 2:
+        raise ValueError(
+            f'histogram must be [clients, classes], got shape {histogram.shape}'
+        )
+    num_clients, num_classes = histogram.shape
+    cmap = plt.get_cmap('tab10' if num_classes <= 10 else 'tab20')
+    positions = np.arange(num_clients)
+    fig, ax = plt.subplots(figsize=(8, max(3.0, 0.25 * num_clients + 1.5)))
+    try:
+        left = np.zeros(num_clients, dtype=np.float64)
+        for c in range(num_classes):
+            counts = histogram[:, c].astype(np.float64)
+            ax.barh(
+                positions,
+                counts,
+                left=left,
+                color=cmap(c % cmap.N),
+                label=str(c),
+                height=0.8,
+            )
+            left += counts
+        ax.set_yticks(positions)
+        ax.set_yticklabels(
+            [str(i) for i in range(num_clients)],
+            fontsize='small' if num_clients > _ROTATE_TICKS_ABOVE else None,
+        )
+        ax.invert_yaxis()
+        if num_classes:
+            ax.legend(
+                title='class',
+                loc='center left',
+                bbox_to_anchor=(1.0, 0.5),
+                ncol=1 if num_classes <= 20 else 2,
+            )
+        ax.set_title(title)
+        ax.set_xlabel('examples')
+        ax.set_ylabel('client')
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
+def plot_heatmap(
+    matrix: np.ndarray,
+    path: str,
+    title: str,
+    row_labels: Optional[Sequence[str]] = None,
+    col_labels: Optional[Sequence[str]] = None,
+) -> None:
+    """Draws a matrix as an image with a colour bar.
+
+    Args:
+      matrix: A 2-D array of numbers.
+      path: Where to write the PNG.
+      title: The figure title.
+      row_labels: Optional y tick labels, one per row.
+      col_labels: Optional x tick labels, one per column.
+
+    Raises:
+      ValueError: If `matrix` is not 2-D or the labels do not match its
+        shape.
+    """
+    matrix = np.asarray(matrix, dtype=np.float64)
+    if matrix.ndim != 2:
+        raise ValueError(f'matrix must be 2-D, got shape {matrix.shape}')
+    num_rows, num_cols = matrix.shape
+    if row_labels is not None and len(row_labels) != num_rows:
+        raise ValueError(f'{len(row_labels)} row labels for {num_rows} rows')
+    if col_labels is not None and len(col_labels) != num_cols:
+        raise ValueError(
+            f'{len(col_labels)} column labels for {num_cols} columns'
+        )
+    fig, ax = plt.subplots(figsize=(7, 6))
+    try:
+        image = ax.imshow(matrix, aspect='auto', interpolation='nearest')
+        fig.colorbar(image, ax=ax)
+        if row_labels is not None:
+            ax.set_yticks(np.arange(num_rows))
+            ax.set_yticklabels([str(label) for label in row_labels])
+        if col_labels is not None:
+            ax.set_xticks(np.arange(num_cols))
+            ax.set_xticklabels(
+                [str(label) for label in col_labels],
+                rotation=90 if num_cols > _ROTATE_TICKS_ABOVE else 0,
+            )
+        ax.set_title(title)
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
+def _markdown_cell(value: Any, float_format: str) -> str:
+    """Formats one markdown cell; `|` is escaped so it cannot split cells."""
+    if value is None:
+        return ''
+    if _is_float(value):
+        text = float_format.format(float(value))
+    else:
+        text = str(value)
+    return text.replace('|', '\\|').replace('\n', ' ')
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, object]],
+    columns: Sequence[str],
+    float_format: str = '{:.4f}',
+) -> str:
+    """Formats rows as a GitHub markdown table.
+
+    Args:
+      rows: One mapping per table row.
+      columns: The columns to show, in order; a row missing a column gets an
+        empty cell.
+      float_format: A `str.format` pattern applied to floats.
+
+    Returns:
+      The table: a header line, a `---` separator line and one line per row,
+      joined by newlines, without a trailing newline. `None` is shown as an
+      empty cell.
+    """
+    lines = [
+        '| ' + ' | '.join(_markdown_cell(c, float_format) for c in columns)
+        + ' |',
+        '| ' + ' | '.join('---' for _ in columns) + ' |',
+    ]
+    for row in rows:
+        cells = [_markdown_cell(row.get(c), float_format) for c in columns]
+        lines.append('| ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def _plain_cell(value: Any) -> str:
+    """Formats one plain-text cell: floats with 4 decimals, `None` empty."""
+    if value is None:
+        return ''
+    if _is_float(value):
+        return f'{float(value):.4f}'
+    return str(value)
+
+
+def format_table(
+    rows: Sequence[Mapping[str, object]], columns: Sequence[str]
+) -> str:
+    """Formats rows as a fixed-width plain-text table for a terminal.
+
+    A column whose present values are all numbers is right-aligned (its
+    header too); other columns are left-aligned. Columns are separated by two
+    spaces, floats have 4 decimals and `None` or a missing value is blank.
+
+    Args:
+      rows: One mapping per table row.
+      columns: The columns to show, in order.
+
+    Returns:
+      The header line, a line of dashes and one line per row, joined by
+      newlines, without trailing spaces or a trailing newline.
+    """
+    cells = [[_plain_cell(row.get(c)) for c in columns] for row in rows]
+    numeric = []
+    for c in columns:
+        present = [row.get(c) for row in rows if row.get(c) is not None]
+        numeric.append(bool(present) and all(_is_number(v) for v in present))
+    widths = [
+        max([len(str(c))] + [len(line[i]) for line in cells])
+        for i, c in enumerate(columns)
+    ]
+
+    def _line(texts: Sequence[str]) -> str:
+        parts = [
+            text.rjust(width) if is_numeric else text.ljust(width)
+            for text, width, is_numeric in zip(texts, widths, numeric)
+        ]
+        return '  '.join(parts).rstrip()
+
+    lines = [_line([str(c) for c in columns])]
+    lines.append('  '.join('-' * width for width in widths))
+    lines.extend(_line(line) for line in cells)
+    return '\n'.join(lines)
+
+
+class TensorBoardWriter:
+    """Writes scalar metrics to a TensorBoard event file.
+
+    Typical use:
+
+    ```python
+    with reports.TensorBoardWriter(logdir) as tb:
+        tb.scalars(round_num, {'loss': 0.3, 'accuracy': 0.9}, prefix='train')
+    ```
+    """
+
+    def __init__(self, logdir: str):
+        """Creates the writer.
+
+        Args:
+          logdir: The directory for the event file; created if needed.
+        """
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+        self._tf = tf
+        self._logdir = logdir
+        self._writer = tf.summary.create_file_writer(logdir)
+        self._closed = False
+
+    @property
+    def logdir(self) -> str:
+        return self._logdir
+
+    def scalars(
+        self, step: int, values: Mapping[str, Any], prefix: str = ''
+    ) -> None:
+        """Writes each numeric value as a scalar at `step` and flushes.
+
+        Values that are not real numbers (strings, `None`, bools, arrays with
+        more than one element) are skipped. NaN and infinite values are
+        written as they are.
+
+        Args:
+          step: The step (e.g. round number) of the values.
+          values: Name -> value; the tag is `prefix/name`, or `name` when
+            `prefix` is empty.
+          prefix: Optional tag prefix, e.g. `'train'`.
+
+        Raises:
+          RuntimeError: If the writer is closed.
+        """
+        if self._closed:
+            raise RuntimeError('TensorBoardWriter is closed')
+        prefix = prefix.rstrip('/')
+        with self._writer.as_default():
+            for name, value in values.items():
+                if isinstance(value, np.ndarray) and value.size == 1:
+                    value = value.reshape(()).item()
+                if not _is_number(value):
+                    continue
+                tag = f'{prefix}/{name}' if prefix else str(name)
+                self._tf.summary.scalar(tag, float(value), step=int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file; later calls do nothing."""
+        if not self._closed:
+            self._writer.close()
+            self._closed = True
+
+    def __enter__(self) -> 'TensorBoardWriter':
+        return self
+
+    def __exit__(self, *unused_exc_info: Any) -> None:
+        self.close()

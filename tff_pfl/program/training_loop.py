@@ -1,0 +1,180 @@
+"""The run loop every algorithm shares: sampling, client-state store, rounds,
+evaluation of every client, and release of metrics as the run goes.
+
+The loop talks to a `template.PersonalizedProcess` only through its typed
+computations, so the same loop drives every algorithm.
+"""
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
+
+import numpy as np
+
+from tff_pfl import metrics as metrics_lib
+from tff_pfl.computations import template
+
+
+def sample_clients(rng: np.random.Generator, client_ids: Sequence[str], fraction: float) -> list[str]:
+    """Clients of one round: all of them, or `ceil(fraction * n)` without replacement.
+
+    Args:
+      rng: the run's sampling generator (its state advances).
+      client_ids: every client id.
+      fraction: share of clients per round, in (0, 1].
+
+    Returns:
+      The sampled ids, in the order of `client_ids`.
+    """
+    if fraction >= 1.0:
+        return list(client_ids)
+    count = max(1, int(np.ceil(fraction * len(client_ids))))
+    chosen = np.sort(rng.choice(len(client_ids), size=count, replace=False))
+    return [client_ids[i] for i in chosen]
+
+
+def flatten(nested: Mapping, prefix: str = '') -> collections.OrderedDict:
+    """`{'a': {'b': 1}}` -> `{'a_b': 1}`, values as Python scalars."""
+    flat = collections.OrderedDict()
+    for key, value in nested.items():
+        name = f'{prefix}{key}'
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, name + '_'))
+        else:
+            value = np.asarray(value)
+            flat[name] = value.item() if value.ndim == 0 else value.tolist()
+    return flat
+
+
+class ClientStateStore:
+    """Client states keyed by client id; pass-in/pass-out around `next`."""
+
+    def __init__(self, process: template.PersonalizedProcess, client_ids: Sequence[str]):
+        self._states = {c: process.initial_client_state(c) for c in client_ids}
+
+    def get(self, client_ids: Sequence[str]) -> list:
+        return [self._states[c] for c in client_ids]
+
+    def put(self, client_ids: Sequence[str], states: Sequence) -> None:
+        for client_id, state in zip(client_ids, states):
+            returned_id = state['client_id']
+            if isinstance(returned_id, bytes):
+                returned_id = returned_id.decode()
+            if returned_id != client_id:
+                raise RuntimeError(f'client state of {returned_id!r} returned in the slot of {client_id!r}')
+            self._states[client_id] = state
+
+    def all(self) -> list:
+        return list(self._states.values())
+
+    def ids(self) -> list[str]:
+        return list(self._states)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a finished run returns.
+
+    Attributes:
+      state: final server state.
+      client_states: client id -> final client state.
+      rounds: one metrics dict per round.
+      clients: one dict per client: its final evaluation, flattened.
+      summary: model name -> metric summary of per-client test accuracy.
+    """
+
+    state: object
+    client_states: dict
+    rounds: list
+    clients: list
+    summary: dict
+
+
+def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mapping]):
+    """Per-client rows and across-client summaries of an `evaluate` result.
+
+    Returns:
+      `(rows, summaries)`: one flat dict per client (`client_id` first), and
+      model name (e.g. 'global_model') -> `metrics.summarize` of its test
+      accuracies weighted by the clients' test sizes.
+    """
+    rows = [collections.OrderedDict(client_id=c, **flatten(e)) for c, e in zip(client_ids, evaluations)]
+    summaries = collections.OrderedDict()
+    for model_name in evaluations[0]:
+        accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
+        sizes = [float(e[model_name]['num_examples']) for e in evaluations]
+        summaries[model_name] = metrics_lib.summarize(accuracies, sizes)
+    return rows, summaries
+
+
+def _format_eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
+
+
+def run(
+    process: template.PersonalizedProcess,
+    client_ids: Sequence[str],
+    *,
+    rounds: int,
+    client_fraction: float,
+    seed: int,
+    eval_every: int = 0,
+    on_round: Optional[Callable[[Mapping], None]] = None,
+    log: Callable[[str], None] = print,
+) -> RunResult:
+    """Trains for `rounds` rounds, evaluating every client as it goes.
+
+    Args:
+      process: the algorithm.
+      client_ids: every client of the partition.
+      rounds: number of training rounds.
+      client_fraction: share of clients sampled per round.
+      seed: seeds client sampling (independently of training randomness).
+      eval_every: evaluate all clients every this many rounds (0: only at the
+        end); the last round is always evaluated.
+      on_round: called with each round's metrics row (e.g. to append CSV).
+      log: receives one progress line per round.
+
+    Returns:
+      A `RunResult`.
+    """
+    rng = np.random.default_rng([seed, 0x5A3D])
+    store = ClientStateStore(process, client_ids)
+    state = process.initialize()
+    rows, started = [], time.monotonic()
+    for round_num in range(1, rounds + 1):
+        round_start = time.monotonic()
+        sampled = sample_clients(rng, client_ids, client_fraction)
+        output = process.next(state, store.get(sampled))
+        state = output.state
+        store.put(sampled, output.client_states)
+        row = collections.OrderedDict(round=round_num, **flatten(output.metrics))
+        row['round_seconds'] = time.monotonic() - round_start
+        evaluate_now = round_num == rounds or (eval_every and round_num % eval_every == 0)
+        if evaluate_now:
+            evaluations = process.evaluate(state, store.all())
+            client_rows, summaries = summarize_evaluation(store.ids(), evaluations)
+            for model_name, summary in summaries.items():
+                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10'):
+                    row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+        rows.append(row)
+        if on_round is not None:
+            on_round(row)
+        elapsed = time.monotonic() - started
+        eta = elapsed / round_num * (rounds - round_num)
+        line = f'round {round_num}/{rounds}  train_loss {row.get("train_loss", float("nan")):.4f}  '
+        line += f'train_acc {row.get("train_accuracy", float("nan")):.4f}'
+        for model_name in summaries if evaluate_now else ():
+            line += f'  test_acc[{model_name}] {summaries[model_name]["mean"]:.4f}'
+        line += f'  {row["round_seconds"]:.2f}s  ETA {_format_eta(eta)}'
+        log(line)
+    return RunResult(
+        state=state,
+        client_states=dict(zip(store.ids(), store.all())),
+        rounds=rows,
+        clients=client_rows,
+        summary=summaries,
+    )
