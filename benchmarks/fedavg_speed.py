@@ -109,7 +109,7 @@ def main(argv):
         times = {'floor': [], 'next': [], 'next_and_evaluate': []}
         for r in range(_ROUNDS.value + 3):
             t = time.perf_counter()
-            floor_weights = floor(floor_weights, r)
+            floor_weights = floor(floor_weights, tf.constant(r))
             _ = floor_weights[0].numpy()
             t_floor = time.perf_counter() - t
             t = time.perf_counter()

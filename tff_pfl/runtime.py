@@ -51,6 +51,23 @@ class RuntimeStartError(RuntimeError):
     """The TFF worker could not be started."""
 
 
+class NoRuntimeContext(tff.framework.SyncContext):
+    """Default context while no `LocalRuntime` is open: invoking fails clearly.
+
+    Installed when this module is imported (replacing TFF's lazily started,
+    never reaped local worker) and again when a `LocalRuntime` closes.
+    """
+
+    def invoke(self, comp, arg):
+        del comp, arg
+        raise RuntimeError(
+            'no TFF runtime is running: wrap the calls in `with tff_pfl.runtime.local_runtime():`'
+        )
+
+
+tff.framework.set_default_context(NoRuntimeContext())
+
+
 def worker_binary_path() -> str:
     """Returns the path of the `worker_binary` shipped inside the TFF wheel."""
     package_dir = os.path.dirname(tff.__file__)
@@ -168,6 +185,7 @@ class LocalRuntime:
                     process.kill()
                     process.wait()
             self.pid = None
+            tff.framework.set_default_context(NoRuntimeContext())
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -7,13 +7,17 @@ per-client result table and where the report and plots were written.
 Bad flag values print one line `tff-pfl-train: error: ...` and exit with 2.
 """
 
-import dataclasses
 import os
 import sys
 import time
 
+# TensorFlow's C++ start-up chatter (oneDNN, CPU features) is not for users
+# of the binary; TF_CPP_MIN_LOG_LEVEL=0 brings it back.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
 from absl import app
 from absl import flags
+from absl import logging
 
 from tff_pfl.program import experiment
 
@@ -113,6 +117,7 @@ def main(argv) -> None:
     from tff_pfl.data import sources
     from tff_pfl.program import reports
 
+    logging.set_verbosity(logging.WARNING)
     runtime.install_sigterm_handler()
     try:
         config = config_from_flags()

@@ -1,0 +1,135 @@
+"""tff-pfl-train end to end: outputs of a run, and one-line errors with exit 2."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tff_pfl.program import experiment
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(*flags, cwd=None):
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    return subprocess.run(
+        [sys.executable, '-m', 'tff_pfl.cli.train', *flags],
+        capture_output=True, text=True, env=env, timeout=300, cwd=cwd or REPO,
+    )
+
+
+@pytest.fixture(scope='module')
+def tiny_npz(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp('npz') / 'tiny.npz'
+    y_train = np.repeat(np.arange(4), 60).astype(np.uint8)
+    y_test = np.repeat(np.arange(4), 20).astype(np.uint8)
+    def images(y):
+        x = rng.integers(0, 60, size=(len(y), 6, 6)).astype(np.uint8)
+        x[np.arange(len(y)), y, y] = 255  # a class-specific bright pixel
+        return x
+    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
+    return path
+
+
+def test_run_writes_the_output_directory(tiny_npz, tmp_path):
+    out = tmp_path / 'run'
+    result = _train(
+        f'--dataset=npz:{tiny_npz}', '--partition=ds1', '--classes_per_client=2', '--num_clients=4',
+        '--rounds=3', '--eval_every=2', '--batch_size=8', '--client_learning_rate=0.1', f'--output_dir={out}',
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ('config.json', 'metrics.csv', 'clients.csv', 'partition.csv', 'partition.png',
+                 'accuracy.png', 'clients.png', 'report.md'):
+        assert (out / name).stat().st_size > 0, name
+    assert any(f.startswith('events.out.tfevents') for f in os.listdir(out / 'tensorboard'))
+    rounds = list(csv.DictReader(open(out / 'metrics.csv')))
+    assert [r['round'] for r in rounds] == ['1', '2', '3']
+    assert rounds[0]['test_global_model_accuracy_mean'] == ''  # evaluated at rounds 2 and 3 only
+    assert rounds[1]['test_global_model_accuracy_mean'] != ''
+    clients = list(csv.DictReader(open(out / 'clients.csv')))
+    assert [c['client_id'] for c in clients] == [f'client_{i:05d}' for i in range(4)]
+    partition = list(csv.DictReader(open(out / 'partition.csv')))
+    assert all(sum(int(p[f'class_{c}']) > 0 for c in range(4)) == 2 for p in partition)  # k = 2
+    config = json.load(open(out / 'config.json'))
+    assert config['rounds'] == 3 and config['partition'] == 'ds1'
+    # The per-client table, the summary and where the report is are printed.
+    assert 'client_00003' in result.stdout and 'worst_10' in result.stdout
+    assert f'report: {out}/report.md' in result.stdout
+    assert 'round 3/3' in result.stdout and 'ETA' in result.stdout
+
+
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--rounds=0'], 'rounds must be >= 1'),
+        (['--client_fraction=1.5'], 'client_fraction must be in (0, 1]'),
+        (['--rounds=abc'], 'rounds'),
+        (['--no_such_flag=1'], 'no_such_flag'),
+        (['--dataset=npz:/nonexistent/mnist.npz'], '/nonexistent/mnist.npz'),
+        (['--dataset=tfds:mnist', '--partition=ds1', '--classes_per_client=11', '--data_dir=/nonexistent'], 'mnist'),
+    ],
+)
+def test_bad_input_one_line_exit_2(flags, message, tmp_path):
+    out = tmp_path / 'run'
+    result = _train(*flags, f'--output_dir={out}')
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('tff-pfl-train: error: '), result.stderr[-2000:]
+    assert message in lines[0]
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if 'staging' in p]
+
+
+@pytest.mark.parametrize(
+    'changes, message',
+    [
+        (dict(algorithm='nope'), 'unknown algorithm'),
+        (dict(model='nope'), 'unknown model'),
+        (dict(num_clients=0), 'num_clients'),
+        (dict(local_epochs=0), 'local_epochs'),
+        (dict(batch_size=0), 'batch_size'),
+        (dict(client_learning_rate=-1.0), 'client_learning_rate'),
+        (dict(server_learning_rate=0.0), 'server_learning_rate'),
+        (dict(split_fractions=(0.5, 0.5)), 'split_fractions'),
+        (dict(split_fractions=(0.6, 0.3, 0.3)), 'split_fractions'),
+        (dict(dirichlet_alpha=0.0), 'dirichlet_alpha'),
+        (dict(classes_per_client=0), 'classes_per_client'),
+        (dict(eval_every=-1), 'eval_every'),
+    ],
+)
+def test_config_validation(changes, message):
+    config = experiment.ExperimentConfig(output_dir='x', **changes)
+    with pytest.raises(experiment.ConfigError, match=message):
+        config.validate()
+
+
+def test_partition_error_writes_nothing(tiny_npz, tmp_path):
+    config = experiment.ExperimentConfig(
+        output_dir=str(tmp_path / 'run'), dataset=f'npz:{tiny_npz}', partition='ds1',
+        classes_per_client=5, num_clients=4)  # the tiny set has only 4 classes
+    with pytest.raises(Exception, match='k'):
+        experiment.run_experiment(config)
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_output_dir_is_refused(tmp_path):
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'metrics.csv').write_text('round\n')
+    config = experiment.ExperimentConfig(output_dir=str(tmp_path / 'run'))
+    with pytest.raises(experiment.ConfigError, match='not empty'):
+        experiment.run_experiment(config)
+    assert (tmp_path / 'run' / 'metrics.csv').read_text() == 'round\n'
+
+
+def test_unwritable_output_dir(tmp_path):
+    locked = tmp_path / 'locked'
+    locked.mkdir(mode=0o500)
+    if os.access(locked, os.W_OK):  # root ignores permission bits
+        pytest.skip('running as a user that can write anywhere')
+    config = experiment.ExperimentConfig(output_dir=str(locked / 'run'))
+    with pytest.raises(experiment.ConfigError, match='not writable'):
+        experiment.run_experiment(config)

@@ -1,0 +1,105 @@
+"""No TFF worker outlives the process that started it, on any exit path."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Starts the project's runtime, runs one computation, prints the worker PID,
+# then ends in the way named by argv[1].
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    import tensorflow_federated as tff
+    from tff_pfl import runtime
+
+    runtime.install_sigterm_handler()
+    mode = sys.argv[1]
+
+    @tff.tensorflow.computation(np.float32)
+    def add_one(x):
+        return x + 1.0
+
+    def body():
+        with runtime.local_runtime() as rt:
+            assert add_one(1.0) == 2.0
+            assert 'worker_binary' in open(f'/proc/{rt.pid}/cmdline').read()
+            print(rt.pid, flush=True)
+            if mode == 'exception':
+                raise RuntimeError('boom')
+            if mode in ('sigterm', 'sigkill'):
+                time.sleep(60)
+            if mode == 'exit_inside':
+                sys.exit(3)
+
+    if mode == 'no_context_manager':
+        rt = runtime.LocalRuntime()
+        assert add_one(1.0) == 2.0
+        print(rt.pid, flush=True)
+    else:
+        body()
+    """
+)
+
+
+def _gone(pid, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            process = psutil.Process(pid)
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _start(mode, tmp_path):
+    script = tmp_path / 'driver.py'
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    # stdout is a pipe: a leaked worker holding it open would hang communicate().
+    return subprocess.Popen(
+        [sys.executable, str(script), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
+
+
+def _worker_pid(process):
+    line = process.stdout.readline()
+    assert line.strip().isdigit(), f'driver printed {line!r}'
+    return int(line)
+
+
+@pytest.mark.parametrize(
+    'mode, expected_code',
+    [('normal', 0), ('exception', 1), ('exit_inside', 3), ('no_context_manager', 0)],
+)
+def test_worker_reaped_on_exit(mode, expected_code, tmp_path):
+    process = _start(mode, tmp_path)
+    pid = _worker_pid(process)
+    process.communicate(timeout=60)  # returns only once every pipe holder is gone
+    assert process.returncode == expected_code
+    assert _gone(pid), f'worker {pid} outlived the driver ({mode})'
+
+
+@pytest.mark.parametrize('sig, expected_code', [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_worker_reaped_on_signal(sig, expected_code, tmp_path):
+    process = _start('sigterm', tmp_path)
+    pid = _worker_pid(process)
+    process.send_signal(sig)
+    process.communicate(timeout=60)
+    assert process.returncode == expected_code
+    assert _gone(pid), f'worker {pid} outlived the driver ({sig.name})'
