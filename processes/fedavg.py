@@ -118,7 +118,7 @@ def build_fedavg_process(
         return collections.OrderedDict(
             update=result['update'],
             weight=result['weight'],
-            metrics=result['metrics'],
+            metric_sums=result['metric_sums'],
             client_state=new_state,
         )
 
@@ -146,15 +146,7 @@ def build_fedavg_process(
                 round_num=updated.round_num,
             )
         )
-        client_metrics = outputs.metrics
-        metrics = tff.federated_zip(
-            collections.OrderedDict(
-                train_loss=tff.federated_mean(client_metrics.loss, client_metrics.num_examples),
-                train_accuracy=tff.federated_mean(client_metrics.accuracy, client_metrics.num_examples),
-                num_examples=tff.federated_sum(client_metrics.num_examples),
-                num_clients=tff.federated_sum(tff.federated_value(1, tff.CLIENTS)),
-            )
-        )
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
         return template.RoundOutput(new_state, outputs.client_state, metrics)
 
     @tff.tensorflow.computation(weights_type, client_state_type)

@@ -24,13 +24,42 @@ from tff_pfl.data import client_data
 ModelFn = Callable[[], tf.keras.Model]
 
 
-def stats_type() -> tff.Type:
-    """Type of `template.client_metrics` output."""
-    return tff.to_type(
-        collections.OrderedDict(
-            loss=np.float32, accuracy=np.float32, num_examples=np.float32
-        )
+def training_metric_sums(stats: local_training.Stats) -> collections.OrderedDict:
+    """A client's training metrics as sums, ready for one `federated_sum` (TF code)."""
+    return collections.OrderedDict(
+        loss_sum=stats.loss_sum,
+        num_correct=stats.num_correct,
+        num_examples=stats.num_examples,
+        num_clients=tf.constant(1.0),
     )
+
+
+def aggregate_training_metrics(client_sums):
+    """Round metrics from the clients' `training_metric_sums`, in one sum.
+
+    Must be called inside a `tff.federated_computation`.
+
+    Args:
+      client_sums: `{training_metric_sums}@CLIENTS`.
+
+    Returns:
+      `<train_loss, train_accuracy, num_examples, num_clients>@SERVER`: the
+      example-weighted loss and accuracy over every example seen in local
+      training, and the totals.
+    """
+    totals = tff.federated_sum(client_sums)
+
+    @tff.tensorflow.computation(totals.type_signature.member)
+    def finalize(sums):
+        denominator = tf.maximum(sums['num_examples'], 1.0)
+        return collections.OrderedDict(
+            train_loss=sums['loss_sum'] / denominator,
+            train_accuracy=sums['num_correct'] / denominator,
+            num_examples=sums['num_examples'],
+            num_clients=tf.cast(sums['num_clients'], tf.int32),
+        )
+
+    return tff.federated_map(finalize, totals)
 
 
 def build_client_training(
@@ -53,9 +82,9 @@ def build_client_training(
 
     Returns:
       A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
-      <update, weight, trained_weights, metrics>` where `update = weights -
-      trained_weights`, `weight` is the number of training examples and
-      `metrics` the training loss/accuracy over the examples seen.
+      <update, weight, trained_weights, metric_sums>` where `update = weights
+      - trained_weights`, `weight` is the number of training examples and
+      `metric_sums` the `training_metric_sums` of the examples seen.
     """
     weights_type = local_training.weights_type(model_fn)
 
@@ -80,7 +109,7 @@ def build_client_training(
             update=update,
             weight=tf.cast(tf.shape(y)[0], tf.float32),
             trained_weights=trained,
-            metrics=template.client_metrics(stats),
+            metric_sums=training_metric_sums(stats),
         )
 
     return client_training
