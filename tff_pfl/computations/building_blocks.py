@@ -90,13 +90,12 @@ def build_client_training(
 
     @tff.tensorflow.computation(weights_type, np.int32, np.str_)
     def client_training(weights, round_num, client_id):
-        x, y = client_data.read_split(spec, client_id, split)
+        data = client_data.read_split(spec, client_id, split)
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             stats = local_training.train(
                 model,
-                x,
-                y,
+                data,
                 epochs=config.epochs,
                 batch_size=config.batch_size,
                 learning_rate=config.learning_rate,
@@ -107,7 +106,7 @@ def build_client_training(
         update = [w - t for w, t in zip(weights, trained)]
         return collections.OrderedDict(
             update=update,
-            weight=tf.cast(tf.shape(y)[0], tf.float32),
+            weight=tf.cast(data.num_examples, tf.float32),
             trained_weights=trained,
             metric_sums=training_metric_sums(stats),
         )
@@ -159,10 +158,10 @@ def build_client_evaluation(
 
     @tff.tensorflow.computation(weights_type, np.str_)
     def client_evaluation(weights, client_id):
-        x, y = client_data.read_split(spec, client_id, split)
+        data = client_data.read_split(spec, client_id, split)
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
-            stats = local_training.evaluate(model, x, y)
+            stats = local_training.evaluate(model, data)
         return template.client_metrics(stats)
 
     return client_evaluation

@@ -1,8 +1,8 @@
 """Local work on one client's whole-tensor data: SGD training and evaluation.
 
 These are TensorFlow functions meant to run inside a client's
-`tff.tensorflow.computation`. Data arrive as whole tensors (see
-`tff_pfl.data.client_data.read_split`); batches are cut by slicing a seeded
+`tff.tensorflow.computation`. Data arrive as a whole-tensor
+`client_data.ClientSplit` (see `tff_pfl.data.client_data.read_split`); batches are cut by slicing a seeded
 permutation inside a `tf.while_loop`, never through `tf.data`.
 
 Every algorithm reuses `train`: what differs between algorithms is the loss,
@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
+
+from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
 
@@ -88,8 +90,7 @@ def epoch_permutations(seed: tf.Tensor, epochs, num_examples) -> tf.Tensor:
 
 def train(
     model: tf.keras.Model,
-    x: tf.Tensor,
-    y: tf.Tensor,
+    data: client_data.ClientSplit,
     *,
     epochs,
     batch_size,
@@ -105,8 +106,7 @@ def train(
 
     Args:
       model: the Keras model to train (its variables are updated).
-      x: all training features of the client.
-      y: all training labels, int32.
+      data: the client's whole training split.
       epochs: number of passes over the data (int or scalar tensor).
       batch_size: examples per step.
       learning_rate: SGD step size.
@@ -123,8 +123,9 @@ def train(
     learning_rate = tf.cast(learning_rate, tf.float32)
 
     @tf.function(autograph=False)
-    def loop(x, y, seed):
-        num_examples = tf.shape(y)[0]
+    def loop(features, labels, seed):
+        split = data.with_tensors(features, labels)
+        num_examples = split.num_examples
         batches_per_epoch = (num_examples + batch_size - 1) // batch_size
         total_steps = epochs * batches_per_epoch
         if max_steps is not None:
@@ -136,9 +137,7 @@ def train(
             epoch = step // batches_per_epoch
             start = (step % batches_per_epoch) * batch_size
             stop = tf.minimum(start + batch_size, num_examples)
-            indices = permutations[epoch, start:stop]
-            x_batch = tf.gather(x, indices)
-            y_batch = tf.gather(y, indices)
+            x_batch, y_batch = split.gather(permutations[epoch, start:stop])
             with tf.GradientTape() as tape:
                 loss, logits = loss_fn(model, x_batch, y_batch)
             grads = tape.gradient(loss, variables)
@@ -160,18 +159,15 @@ def train(
         )
         return Stats(loss_sum, num_correct, num_seen)
 
-    return loop(x, y, seed)
+    return loop(data.features, data.labels, seed)
 
 
-def evaluate(
-    model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor, batch_size: int = 1000
-) -> Stats:
-    """Cross-entropy and accuracy sums of `model` on (x, y), in batches.
+def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: int = 1000) -> Stats:
+    """Cross-entropy and accuracy sums of `model` on a whole split, in batches.
 
     Args:
       model: the Keras model to evaluate (inference mode).
-      x: features.
-      y: int32 labels.
+      data: the split.
       batch_size: examples per forward pass (memory bound only).
 
     Returns:
@@ -179,16 +175,16 @@ def evaluate(
     """
 
     @tf.function(autograph=False)
-    def loop(x, y):
-        num_examples = tf.shape(y)[0]
+    def loop(features, labels):
+        split = data.with_tensors(features, labels)
+        num_examples = split.num_examples
 
         def body(start, loss_sum, num_correct):
             stop = tf.minimum(start + batch_size, num_examples)
-            logits = model(x[start:stop], training=False)
-            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y[start:stop], logits=logits
-            )
-            return stop, loss_sum + tf.reduce_sum(losses), num_correct + _correct(logits, y[start:stop])
+            x, y = split.slice(start, stop)
+            logits = model(x, training=False)
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+            return stop, loss_sum + tf.reduce_sum(losses), num_correct + _correct(logits, y)
 
         zero = tf.constant(0.0)
         _, loss_sum, num_correct = tf.while_loop(
@@ -196,7 +192,7 @@ def evaluate(
         )
         return Stats(loss_sum, num_correct, tf.cast(num_examples, tf.float32))
 
-    return loop(x, y)
+    return loop(data.features, data.labels)
 
 
 def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt: int = 0) -> tf.Tensor:

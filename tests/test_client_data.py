@@ -1,0 +1,65 @@
+"""Client files: exact round trip in numpy and inside TF, both encodings."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_pfl.data import client_data
+
+
+def _write(root, x, num_clients=3):
+    y = np.arange(len(x)) % 5
+    idx = np.arange(len(x))
+    splits = [
+        {'train': c[: len(c) // 2], 'val': c[len(c) // 2 : 3 * len(c) // 4], 'test': c[3 * len(c) // 4 :]}
+        for c in np.array_split(idx, num_clients)
+    ]
+    return client_data.write_client_data(str(root), x, y, 5, splits), y, splits
+
+
+@pytest.mark.parametrize(
+    'make_x, encoding',
+    [
+        (lambda rng: rng.integers(0, 256, (48, 3, 3, 1)).astype(np.float32) / np.float32(255.0), client_data.UINT8_OVER_255),
+        (lambda rng: rng.normal(size=(48, 7)).astype(np.float32), client_data.FLOAT32),
+        (lambda rng: rng.random((48, 7), dtype=np.float32), client_data.FLOAT32),
+    ],
+)
+def test_round_trip_is_exact(tmp_path, make_x, encoding):
+    x = make_x(np.random.default_rng(0))
+    spec, y, splits = _write(tmp_path / 'data', x)
+    assert spec.feature_encoding == encoding
+    assert spec == client_data.load_client_data_spec(str(tmp_path / 'data'))
+    for client_id, client_splits in zip(spec.client_ids, splits):
+        for split, indices in client_splits.items():
+            got_x, got_y = client_data.read_split_numpy(spec, client_id, split)
+            np.testing.assert_array_equal(got_x, x[indices])
+            np.testing.assert_array_equal(got_y, y[indices])
+            data = client_data.read_split(spec, tf.constant(client_id), split)
+            assert int(data.num_examples) == len(indices)
+            tf_x, tf_y = data.slice(0, len(indices))
+            np.testing.assert_array_equal(tf_x.numpy(), x[indices])  # bit-exact decode
+            gathered_x, gathered_y = data.gather(tf.constant([len(indices) - 1, 0]))
+            np.testing.assert_array_equal(gathered_x.numpy(), x[indices][[-1, 0]])
+            np.testing.assert_array_equal(gathered_y.numpy(), y[indices][[-1, 0]])
+    assert spec.sizes('train') == {c: len(s['train']) for c, s in zip(spec.client_ids, splits)}
+
+
+def test_uint8_storage_is_a_quarter(tmp_path):
+    x = np.random.default_rng(1).integers(0, 256, (40, 10)).astype(np.float32) / np.float32(255.0)
+    spec, _, _ = _write(tmp_path / 'data', x, num_clients=1)
+    size = (tmp_path / 'data' / spec.client_ids[0] / 'train_x.bin').stat().st_size
+    assert size == 20 * 10  # 20 training examples x 10 features x 1 byte
+
+
+def test_existing_directory_is_refused_and_failed_write_leaves_nothing(tmp_path):
+    x = np.zeros((12, 2), np.float32)
+    _write(tmp_path / 'data', x)
+    with pytest.raises(FileExistsError):
+        _write(tmp_path / 'data', x)
+    with pytest.raises(KeyError):  # a client without a 'test' split
+        client_data.write_client_data(str(tmp_path / 'other'), x, np.zeros(12), 2, [{'train': [0], 'val': [1]}])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['data']
+    assert json.load(open(tmp_path / 'data' / 'manifest.json'))['client_ids'][0] == 'client_00000'
