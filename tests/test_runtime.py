@@ -40,6 +40,12 @@ SCRIPT = textwrap.dedent(
             if mode == 'exit_inside':
                 sys.exit(3)
 
+    if mode == 'no_runtime':
+        try:
+            add_one(1.0)
+        except RuntimeError as e:
+            print('refused:', e, flush=True)
+        sys.exit(0)
     if mode == 'no_context_manager':
         rt = runtime.LocalRuntime()
         assert add_one(1.0) == 2.0
@@ -95,6 +101,13 @@ def test_worker_reaped_on_exit(mode, expected_code, tmp_path):
     assert _gone(pid), f'worker {pid} outlived the driver ({mode})'
 
 
+def test_computations_refuse_to_run_without_a_runtime(tmp_path):
+    process = _start('no_runtime', tmp_path)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 0
+    assert out.startswith('refused: no TFF runtime is running'), out
+
+
 @pytest.mark.parametrize('sig, expected_code', [(signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_worker_reaped_on_signal(sig, expected_code, tmp_path):
     process = _start('sigterm', tmp_path)
@@ -103,3 +116,21 @@ def test_worker_reaped_on_signal(sig, expected_code, tmp_path):
     process.communicate(timeout=60)
     assert process.returncode == expected_code
     assert _gone(pid), f'worker {pid} outlived the driver ({sig.name})'
+
+
+def test_nested_runtime_restores_the_outer_one(tff_runtime):
+    import numpy as np
+    import tensorflow_federated as tff
+
+    from tff_pfl import runtime
+
+    @tff.tensorflow.computation(np.int32)
+    def plus_one(x):
+        return x + 1
+
+    with runtime.local_runtime() as inner:
+        assert plus_one(1) == 2
+        inner_pid = inner.pid
+    assert _gone(inner_pid)
+    assert plus_one(2) == 3  # back on the session's worker
+    assert tff_runtime.alive

@@ -54,8 +54,8 @@ class RuntimeStartError(RuntimeError):
 class NoRuntimeContext(tff.framework.SyncContext):
     """Default context while no `LocalRuntime` is open: invoking fails clearly.
 
-    Installed when this module is imported (replacing TFF's lazily started,
-    never reaped local worker) and again when a `LocalRuntime` closes.
+    Installed when this module is imported, replacing TFF's lazily started,
+    never reaped local worker.
     """
 
     def invoke(self, comp, arg):
@@ -163,6 +163,7 @@ class LocalRuntime:
                 transform_args=tff.tensorflow.transform_args,
                 transform_result=tff.tensorflow.transform_result,
         )
+        self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
 
     @property
@@ -185,7 +186,9 @@ class LocalRuntime:
                     process.kill()
                     process.wait()
             self.pid = None
-            tff.framework.set_default_context(NoRuntimeContext())
+            # Back to what was there before (nested runtimes close LIFO).
+            previous = getattr(self, '_previous_context', None)
+            tff.framework.set_default_context(previous or NoRuntimeContext())
         if self._log is not None:
             self._log.close()
             self._log = None
