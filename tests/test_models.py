@@ -1,0 +1,46 @@
+"""Model builders: architectures as the papers state them."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_pfl import models
+
+
+def _params(model):
+    return int(sum(np.prod(w.shape) for w in model.trainable_weights))
+
+
+def test_mnist_dnn_is_784_100_10():
+    model = models.get('mnist_dnn')((28, 28, 1), 10)
+    assert [w.shape.as_list() for w in model.trainable_weights] == [[784, 100], [100], [100, 10], [10]]
+    assert model(tf.zeros([2, 28, 28, 1])).shape == (2, 10)
+
+
+def test_persfl_cnn_on_cifar_shapes():
+    model = models.get('persfl_cnn')((32, 32, 3), 10)
+    # conv 5x5x3x6, conv 5x5x6x16, then 400-120-84-10.
+    assert _params(model) == (5 * 5 * 3 * 6 + 6) + (5 * 5 * 6 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+    assert model(tf.zeros([2, 32, 32, 3])).shape == (2, 10)
+
+
+def test_persfl_cnn_on_mnist_projects_to_400():
+    model = models.get('persfl_cnn')((28, 28, 1), 10)
+    dense_shapes = [w.shape.as_list() for w in model.trainable_weights if len(w.shape) == 2]
+    assert dense_shapes == [[256, 400], [400, 120], [120, 84], [84, 10]]
+
+
+def test_logistic_regression_and_registry():
+    model = models.get('logistic')((60,), 10)
+    assert _params(model) == 60 * 10 + 10
+    assert models.names() == ['logistic', 'mnist_dnn', 'persfl_cnn']
+    with pytest.raises(ValueError, match='unknown model'):
+        models.get('resnet999')
+    with pytest.raises(ValueError, match='image inputs'):
+        models.persfl_cnn((784,), 10)
+
+
+def test_builders_return_fresh_models():
+    builder = models.get('mnist_dnn')
+    a, b = builder((784,), 10), builder((784,), 10)
+    assert a.trainable_weights[0] is not b.trainable_weights[0]

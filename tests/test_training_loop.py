@@ -1,0 +1,65 @@
+"""The shared run loop: sampling, the client-state store, evaluation of every client."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from processes import fedavg
+from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import local_training
+from tff_pfl.program import training_loop
+
+
+def test_sample_clients_is_seeded_and_sized():
+    ids = [f'c{i}' for i in range(10)]
+    a = [training_loop.sample_clients(np.random.default_rng(3), ids, 0.25) for _ in range(2)]
+    assert a[0] == a[1] and len(a[0]) == 3 and a[0] == sorted(a[0])
+    assert training_loop.sample_clients(np.random.default_rng(3), ids, 1.0) == ids
+    assert len(training_loop.sample_clients(np.random.default_rng(3), ids, 0.01)) == 1
+
+
+def test_flatten():
+    assert training_loop.flatten({'a': {'b': np.float32(1.5)}, 'c': np.int32(2)}) == {'a_b': 1.5, 'c': 2}
+
+
+@pytest.fixture(scope='module')
+def process(tmp_path_factory):
+    spec = make_linear_problem(tmp_path_factory.mktemp('loop') / 'data', num_clients=3)
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.3)
+    return spec, fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=1)
+
+
+def _run(process, spec, **kwargs):
+    lines = []
+    result = training_loop.run(process, spec.client_ids, log=lines.append, **kwargs)
+    return result, lines
+
+
+def test_run_samples_evaluates_everyone_and_is_deterministic(process, tff_runtime):
+    spec, proc = process
+    result, lines = _run(proc, spec, rounds=4, client_fraction=0.5, seed=5, eval_every=2)
+    again, _ = _run(proc, spec, rounds=4, client_fraction=0.5, seed=5, eval_every=2)
+    assert [r['train_loss'] for r in result.rounds] == [r['train_loss'] for r in again.rounds]
+    # ceil(0.5 * 3) = 2 clients per round; participation is recorded in the store.
+    assert all(r['num_clients'] == 2 for r in result.rounds)
+    assert sum(s['num_participations'] for s in result.client_states.values()) == 8
+    # Every client is evaluated, sampled or not, at rounds 2 and 4 only.
+    assert [c['client_id'] for c in result.clients] == list(spec.client_ids)
+    evaluated = [r['round'] for r in result.rounds if 'test_global_model_accuracy_mean' in r]
+    assert evaluated == [2, 4]
+    accuracies = [c['global_model_accuracy'] for c in result.clients]
+    assert result.summary['global_model']['mean'] == pytest.approx(np.mean(accuracies))
+    assert len(lines) == 4 and lines[-1].startswith('round 4/4') and 'ETA' in lines[-1]
+    other, _ = _run(proc, spec, rounds=4, client_fraction=0.5, seed=6, eval_every=0)
+    assert [r['train_loss'] for r in other.rounds] != [r['train_loss'] for r in result.rounds]
+
+
+def test_store_rejects_a_state_in_the_wrong_slot(process, tff_runtime):
+    spec, proc = process
+    store = training_loop.ClientStateStore(proc, spec.client_ids)
+    states = store.get(spec.client_ids[:2])
+    with pytest.raises(RuntimeError, match='slot'):
+        store.put(spec.client_ids[:2], states[::-1])
