@@ -24,6 +24,43 @@ from tff_pfl.data import client_data
 ModelFn = Callable[[], tf.keras.Model]
 
 
+def participation_state(client_id, **fields) -> collections.OrderedDict:
+    """A client state's common part: its id and participation record (TF code).
+
+    Args:
+      client_id: scalar `tf.string`.
+      **fields: the algorithm's own initial fields, appended in order.
+
+    Returns:
+      `<client_id, num_participations=0, last_round=-1, **fields>`.
+    """
+    state = collections.OrderedDict(
+        client_id=client_id,
+        num_participations=tf.constant(0, tf.int32),
+        last_round=tf.constant(-1, tf.int32),
+    )
+    state.update(fields)
+    return state
+
+
+def participated(client_state, round_num, **updates) -> collections.OrderedDict:
+    """The client state after taking part in round `round_num` (TF code).
+
+    Args:
+      client_state: a state made by `participation_state`.
+      round_num: the round just taken part in.
+      **updates: new values of the algorithm's own fields.
+
+    Returns:
+      A new state, same structure, with participation counted.
+    """
+    state = collections.OrderedDict((k, client_state[k]) for k in client_state)
+    state['num_participations'] = client_state['num_participations'] + 1
+    state['last_round'] = round_num
+    state.update(updates)
+    return state
+
+
 def training_metric_sums(stats: local_training.Stats) -> collections.OrderedDict:
     """A client's training metrics as sums, ready for one `federated_sum` (TF code)."""
     return collections.OrderedDict(

@@ -1,0 +1,137 @@
+"""A model-averaging round with per-client state, shared by FedAvg-style algorithms.
+
+`build_averaging_process` assembles the typed round every FedAvg-based
+algorithm has: broadcast the global model and round number, run the
+algorithm's client work on each sampled client's state, aggregate the model
+updates with a `tff.aggregators` factory, apply a `tff.learning` server
+optimizer, and sum the training metrics. The algorithm supplies only its
+client work, its initial client state and its per-client evaluation (and
+optionally a clients-only personalization stage).
+"""
+
+import collections
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+
+# Builds `personalize` from the server state type and the client state type.
+PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
+
+
+def build_averaging_process(
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    client_work: tff.Computation,
+    initial_client_state: tff.Computation,
+    evaluate_client: tff.Computation,
+    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    personalize_builder: Optional[PersonalizeBuilder] = None,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds a FedAvg-shaped `PersonalizedProcess` around `client_work`.
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      client_work: `(weights, round_num, client_state) -> <update, weight,
+        metric_sums, client_state>`, a `tff.tensorflow.computation`; `update`
+        is `initial - trained` and `metric_sums` is
+        `building_blocks.training_metric_sums(...)`.
+      initial_client_state: `tf.string -> client_state`.
+      evaluate_client: `(weights, client_state) -> E`, the client's metrics
+        (of the global `weights` and of any personalized model it holds).
+      server_optimizer: applied to the aggregated update; default SGD with
+        learning rate 1.0 (plain averaging).
+      model_aggregator: weighted aggregation of updates; default
+        `tff.aggregators.MeanFactory()`.
+      personalize_builder: optional; called with the server state type and
+        the client state type, returns the process's `personalize`.
+      seed: fixes the initial global model.
+
+    Returns:
+      A `template.PersonalizedProcess` whose server state is `<model,
+      optimizer_state, aggregator_state, round_num>` and whose metrics are
+      `<train_loss, train_accuracy, num_examples, num_clients>`.
+    """
+    if server_optimizer is None:
+        server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
+    if model_aggregator is None:
+        model_aggregator = tff.aggregators.MeanFactory()
+    weights_type = local_training.weights_type(model_fn)
+    client_state_type = initial_client_state.type_signature.result
+    optimizer_init, optimizer_apply = building_blocks.build_server_update(weights_type, server_optimizer)
+    aggregation = model_aggregator.create(weights_type, tff.TensorType(np.float32))
+
+    @tff.tensorflow.computation
+    def server_init():
+        tf.random.set_seed(seed)
+        return collections.OrderedDict(
+            model=local_training.get_weights(model_fn()),
+            optimizer_state=optimizer_init(),
+            round_num=tf.constant(0, tf.int32),
+        )
+
+    @tff.federated_computation
+    def initialize():
+        init = tff.federated_eval(server_init, tff.SERVER)
+        return tff.federated_zip(
+            collections.OrderedDict(
+                model=init.model,
+                optimizer_state=init.optimizer_state,
+                aggregator_state=aggregation.initialize(),
+                round_num=init.round_num,
+            )
+        )
+
+    server_state_type = initialize.type_signature.result
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+
+    @tff.tensorflow.computation(server_state_type.member, weights_type)
+    def server_update(state, update):
+        applied = optimizer_apply(state['optimizer_state'], state['model'], update)
+        return collections.OrderedDict(
+            model=applied['weights'],
+            optimizer_state=applied['optimizer_state'],
+            round_num=state['round_num'] + 1,
+        )
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        model = tff.federated_broadcast(state.model)
+        round_num = tff.federated_broadcast(state.round_num)
+        outputs = tff.federated_map(client_work, (model, round_num, client_states))
+        aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
+        updated = tff.federated_map(server_update, (state, aggregated.result))
+        new_state = tff.federated_zip(
+            collections.OrderedDict(
+                model=updated.model,
+                optimizer_state=updated.optimizer_state,
+                aggregator_state=aggregated.state,
+                round_num=updated.round_num,
+            )
+        )
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
+        return template.RoundOutput(new_state, outputs.client_state, metrics)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(state, client_states):
+        model = tff.federated_broadcast(state.model)
+        return tff.federated_map(evaluate_client, (model, client_states))
+
+    personalize = None
+    if personalize_builder is not None:
+        personalize = personalize_builder(server_state_type, client_state_type)
+    return template.PersonalizedProcess(
+        initialize,
+        next_fn,
+        initial_client_state=initial_client_state,
+        evaluate=evaluate,
+        personalize=personalize,
+    )
