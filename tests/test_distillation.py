@@ -1,0 +1,139 @@
+"""PersFL's distillation: the loss by hand, one step against numpy, grid == sequential."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tff_pfl import losses
+from tff_pfl import models
+from tff_pfl.computations import distillation
+from tff_pfl.computations import local_training
+from tff_pfl.data import client_data
+from tff_pfl.models import stacked
+
+
+def _softmax(z):
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+STUDENT = np.array([[2.0, -1.0, 0.5], [0.1, 0.2, -0.3]])
+TEACHER = np.array([[1.0, 0.0, -1.0], [-2.0, 3.0, 0.0]])
+LABELS = np.array([0, 2])
+
+
+@pytest.mark.parametrize('soft', ['kl', 'ce'])
+@pytest.mark.parametrize('temperature, imitation', [(1.0, 0.0), (4.0, 0.25), (9.0, 1.0)])
+def test_loss_by_hand(soft, temperature, imitation):
+    p = _softmax(STUDENT)
+    hard = -np.mean(np.log(p[np.arange(2), LABELS]))
+    pt, ps = _softmax(TEACHER / temperature), _softmax(STUDENT / temperature)
+    if soft == 'kl':
+        soft_term = np.mean(np.sum(pt * np.log(pt / ps), axis=1))
+    else:
+        soft_term = np.mean(-np.sum(pt * np.log(ps), axis=1))
+    expected = (1 - imitation) * hard + imitation * temperature**2 * soft_term
+    got = losses.persfl_loss(
+        tf.constant(STUDENT, tf.float32), tf.constant(TEACHER, tf.float32), tf.constant(LABELS), temperature, imitation, soft
+    )
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5)
+
+
+def test_kl_and_ce_differ_by_teacher_entropy_and_share_gradients():
+    student = tf.Variable(STUDENT, dtype=tf.float32)
+    teacher = tf.constant(TEACHER, tf.float32)
+    grads, values = {}, {}
+    for soft in ('kl', 'ce'):
+        with tf.GradientTape() as tape:
+            values[soft] = losses.persfl_loss(student, teacher, tf.constant(LABELS), 3.0, 0.5, soft)
+        grads[soft] = tape.gradient(values[soft], student).numpy()
+    pt = _softmax(TEACHER / 3.0)
+    entropy = np.mean(-np.sum(pt * np.log(pt), axis=1))
+    np.testing.assert_allclose(values['ce'] - values['kl'], 0.5 * 9.0 * entropy, rtol=1e-5)
+    np.testing.assert_allclose(grads['kl'], grads['ce'], atol=1e-6)
+
+
+def test_stacked_losses_broadcast_per_candidate():
+    students = tf.constant(np.stack([STUDENT, STUDENT * 2]), tf.float32)
+    got = losses.persfl_loss(students, tf.constant(TEACHER, tf.float32), tf.constant(LABELS), [1.0, 5.0], [0.0, 0.5])
+    for g, (t, lam) in enumerate([(1.0, 0.0), (5.0, 0.5)]):
+        one = losses.persfl_loss(students[g], tf.constant(TEACHER, tf.float32), tf.constant(LABELS), t, lam)
+        np.testing.assert_allclose(got[g].numpy(), one.numpy(), rtol=1e-6)
+
+
+def test_grid_candidates():
+    candidates = distillation.grid_candidates([5, 1, 5], [0.5, 0, 1])
+    assert candidates == [(1.0, 0.0), (1.0, 0.5), (5.0, 0.5), (1.0, 1.0)]
+    # The paper's grid: 7 x 5 = 35 pairs, of which 1 + 7 * 3 + 1 = 23 differ.
+    assert len(distillation.grid_candidates([1, 5, 9, 13, 17, 21, 25], [0, 0.25, 0.5, 0.75, 1])) == 23
+    for bad in (([], [0.5]), ([0.0], [0.5]), ([1.0], [1.5])):
+        with pytest.raises(ValueError):
+            distillation.grid_candidates(*bad)
+
+
+def _split(x, y):
+    return client_data.ClientSplit(tf.constant(x, tf.float32), tf.constant(y, tf.int32))
+
+
+def _problem(seed=0, n=40, dim=6, classes=3):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(2 * n, dim)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(dim, classes)), axis=1).astype(np.int32)
+    return _split(x[:n], y[:n]), _split(x[n:], y[n:]), x[:n], y[:n]
+
+
+def test_full_batch_steps_match_numpy_gradients():
+    train, val, x, y = _problem()
+    model = models.logistic_regression((6,), 3)
+    rng = np.random.default_rng(1)
+    wt, bt = rng.normal(size=(6, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    candidates = [(1.0, 0.0), (3.0, 0.5), (7.0, 1.0)]
+    temperatures, imitations = distillation.candidate_arrays(candidates)
+    # Three full-batch steps: students start at the teacher (PersFL initialises
+    # A_k with O_k), so the soft term acts from the second step on.
+    config = local_training.TrainingConfig(epochs=3, batch_size=1000, learning_rate=0.5)
+    result = distillation.distill_grid(
+        stacked.plan(model), [tf.constant(wt), tf.constant(bt)], train, val,
+        temperatures=tf.constant(temperatures), imitations=tf.constant(imitations),
+        config=config, seed=tf.constant([0, 0], tf.int64),
+    )
+    x64, onehot = x.astype(np.float64), np.eye(3)[y]
+    pt_logits = x64 @ wt + bt
+    for g, (t, lam) in enumerate(candidates):
+        w, b = wt.astype(np.float64), bt.astype(np.float64)
+        for _ in range(3):
+            z = x64 @ w + b
+            dz = ((1 - lam) * (_softmax(z) - onehot) + lam * t * (_softmax(z / t) - _softmax(pt_logits / t))) / len(y)
+            w, b = w - 0.5 * x64.T @ dz, b - 0.5 * dz.sum(0)
+        np.testing.assert_allclose(result.weights[0][g].numpy(), w, atol=1e-5)
+        np.testing.assert_allclose(result.weights[1][g].numpy(), b, atol=1e-5)
+        if lam == 1.0:  # pure imitation from the teacher's start: the teacher is a fixed point
+            np.testing.assert_allclose(w, wt, atol=1e-6)
+    accuracy = [np.mean(np.argmax(val.features.numpy() @ result.weights[0][g].numpy() + result.weights[1][g].numpy(), 1)
+                        == val.labels.numpy()) for g in range(3)]
+    np.testing.assert_allclose(result.val_accuracy.numpy(), accuracy, rtol=1e-6)
+    assert int(result.best) == int(np.argmax(accuracy))
+
+
+@pytest.mark.parametrize('soft', ['kl', 'ce'])
+def test_grid_equals_sequential(soft):
+    train, val, _, _ = _problem(seed=3, n=50, dim=8, classes=4)
+    model = models.mnist_dnn((8,), 4)
+    teacher = [tf.constant(w) for w in model.get_weights()]
+    temperatures, imitations = distillation.candidate_arrays(distillation.grid_candidates([1, 4, 9], [0, 0.5, 1]))
+    kwargs = dict(
+        temperatures=tf.constant(temperatures), imitations=tf.constant(imitations),
+        config=local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.1),
+        seed=tf.constant([5, 7], tf.int64), soft=soft,
+    )
+    layers = stacked.plan(model)
+    grid = tf.function(lambda: distillation.distill_grid(layers, teacher, train, val, **kwargs))()
+    sequential = tf.function(lambda: distillation.distill_sequential(layers, teacher, train, val, **kwargs))()
+    assert int(grid.best) == int(sequential.best)
+    np.testing.assert_allclose(grid.val_accuracy.numpy(), sequential.val_accuracy.numpy())
+    for a, b in zip(grid.weights, sequential.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    # Training moved the students, differently per candidate.
+    assert not np.allclose(grid.weights[0][0].numpy(), teacher[0].numpy())
+    assert not np.allclose(grid.weights[0][1].numpy(), grid.weights[0][-1].numpy())

@@ -1,0 +1,168 @@
+"""Local distillation of a teacher into a student, over a hyper-parameter grid.
+
+PersFL's stage 2 trains, for every (temperature T, imitation lambda) of a
+grid, a student initialised with the teacher's weights, and keeps the one with
+the best validation accuracy. Here the G candidates are trained together:
+their weights are stacked along a leading dimension and a single
+`tf.while_loop` steps all of them on the same batches (`models.stacked`), so
+the grid costs one loop instead of G sequential trainings. Every candidate
+sees the same batch order, so the result equals training them one by one
+(tests/test_distillation.py; speed-up in benchmarks/results/distillation_grid.md).
+"""
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tff_pfl import losses
+from tff_pfl.computations import local_training
+from tff_pfl.data import client_data
+from tff_pfl.models import stacked
+
+GridResult = collections.namedtuple('GridResult', ['weights', 'val_accuracy', 'best'])
+
+
+def grid_candidates(temperatures: Sequence[float], imitations: Sequence[float]) -> list[tuple[float, float]]:
+    """The (T, lambda) pairs to train, without duplicates.
+
+    T has no effect at the two ends of lambda, so each appears once (with the
+    first temperature): with lambda = 0 the soft term vanishes; with lambda = 1
+    only the soft term is left, and since every student starts from the
+    teacher's weights its gradient is exactly zero: the student stays the
+    teacher. Order: lambda ascending, then T ascending; on equal validation
+    accuracy the earlier candidate wins, i.e. the one that imitates the
+    teacher least.
+
+    Raises:
+      ValueError: on an empty grid, T <= 0 or lambda outside [0, 1].
+    """
+    temperatures = sorted(set(float(t) for t in temperatures))
+    imitations = sorted(set(float(i) for i in imitations))
+    if not temperatures or not imitations:
+        raise ValueError('the distillation grid needs at least one temperature and one imitation value')
+    if temperatures[0] <= 0:
+        raise ValueError(f'temperatures must be > 0, got {temperatures}')
+    if imitations[0] < 0 or imitations[-1] > 1:
+        raise ValueError(f'imitation values (lambda) must be in [0, 1], got {imitations}')
+    candidates = []
+    for imitation in imitations:
+        if imitation in (0.0, 1.0):
+            candidates.append((temperatures[0], imitation))
+        else:
+            candidates.extend((t, imitation) for t in temperatures)
+    return candidates
+
+
+def _stacked_accuracy(layers, weights, data: client_data.ClientSplit, batch_size=1000):
+    """Per-candidate number of correct predictions on a whole split, [G]."""
+    num_examples = data.num_examples
+    num_models = tf.shape(weights[0])[0]
+
+    def body(start, correct):
+        stop = tf.minimum(start + batch_size, num_examples)
+        x, y = data.slice(start, stop)
+        logits = stacked.forward(layers, weights, x)
+        hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y[tf.newaxis, :])
+        return stop, correct + tf.reduce_sum(tf.cast(hits, tf.float32), axis=1)
+
+    _, correct = tf.while_loop(
+        lambda start, _: start < num_examples, body, (tf.constant(0), tf.zeros([num_models]))
+    )
+    return correct
+
+
+def distill_grid(
+    layers: list,
+    teacher_weights: Sequence[tf.Tensor],
+    train: client_data.ClientSplit,
+    val: client_data.ClientSplit,
+    *,
+    temperatures: tf.Tensor,
+    imitations: tf.Tensor,
+    config: local_training.TrainingConfig,
+    seed: tf.Tensor,
+    soft: str = 'kl',
+) -> GridResult:
+    """Trains one student per (T, lambda) from the teacher, all at once (TF code).
+
+    Args:
+      layers: `models.stacked.plan(model)` of the architecture.
+      teacher_weights: O_k, the teacher's weights (also every student's start).
+      train: the client's training split (students are trained on it).
+      val: the client's validation split (the grid is chosen on it).
+      temperatures: float32 [G], T of each candidate.
+      imitations: float32 [G], lambda of each candidate.
+      config: distillation epochs, batch size and learning rate.
+      seed: int64 [2] stateless seed of the batch order (shared by all G).
+      soft: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+
+    Returns:
+      `GridResult(weights, val_accuracy, best)`: the G trained students
+      (stacked), their validation accuracies [G], and the index of the best
+      (first on ties).
+    """
+    num_models = tf.shape(temperatures)[0]
+    teacher_stack = [w[tf.newaxis] for w in teacher_weights]
+    students = [tf.repeat(w, num_models, axis=0) for w in teacher_stack]
+    num_examples = train.num_examples
+    batch_size = int(config.batch_size)
+    batches_per_epoch = (num_examples + batch_size - 1) // batch_size
+    total_steps = int(config.epochs) * batches_per_epoch
+    permutations = local_training.epoch_permutations(seed, config.epochs, num_examples)
+    learning_rate = tf.constant(config.learning_rate, tf.float32)
+
+    def body(step, *weights):
+        epoch = step // batches_per_epoch
+        start = (step % batches_per_epoch) * batch_size
+        stop = tf.minimum(start + batch_size, num_examples)
+        x, y = train.gather(permutations[epoch, start:stop])
+        teacher_logits = stacked.forward(layers, teacher_stack, x)[0]
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            student_logits = stacked.forward(layers, list(weights), x)
+            # Candidates are independent: the gradient of the sum is each one's own.
+            loss = tf.reduce_sum(
+                losses.persfl_loss(student_logits, teacher_logits, y, temperatures, imitations, soft)
+            )
+        grads = tape.gradient(loss, weights)
+        return (step + 1,) + tuple(w - learning_rate * g for w, g in zip(weights, grads))
+
+    result = tf.while_loop(lambda step, *_: step < total_steps, body, (tf.constant(0),) + tuple(students))
+    trained = list(result[1:])
+    correct = _stacked_accuracy(layers, trained, val)
+    val_accuracy = correct / tf.cast(tf.maximum(val.num_examples, 1), tf.float32)
+    best = tf.argmax(val_accuracy, output_type=tf.int32)  # first maximum on ties
+    return GridResult(trained, val_accuracy, best)
+
+
+def distill_sequential(layers, teacher_weights, train, val, *, temperatures, imitations, config, seed, soft='kl'):
+    """The same grid, one candidate after another (reference and benchmark).
+
+    Each candidate is a one-model `distill_grid`; control dependencies chain
+    them so they run strictly in sequence.
+
+    Returns:
+      A `GridResult` like `distill_grid`'s.
+    """
+    trained, accuracies, previous = [], [], []
+    for g in range(int(temperatures.shape[0])):
+        with tf.control_dependencies(previous):
+            one = distill_grid(
+                layers, teacher_weights, train, val,
+                temperatures=temperatures[g : g + 1], imitations=imitations[g : g + 1],
+                config=config, seed=seed, soft=soft,
+            )
+        trained.append(one.weights)
+        accuracies.append(one.val_accuracy)
+        previous = [one.val_accuracy]
+    weights = [tf.concat([t[i] for t in trained], axis=0) for i in range(len(trained[0]))]
+    val_accuracy = tf.concat(accuracies, axis=0)
+    return GridResult(weights, val_accuracy, tf.argmax(val_accuracy, output_type=tf.int32))
+
+
+def candidate_arrays(candidates):
+    """(T, lambda) pairs -> float32 arrays `(temperatures, imitations)`."""
+    array = np.asarray(candidates, np.float32).reshape(-1, 2)
+    return array[:, 0], array[:, 1]
