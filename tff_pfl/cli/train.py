@@ -55,6 +55,17 @@ _CLIENT_LR = flags.DEFINE_float('client_learning_rate', _D.client_learning_rate,
 _SERVER_LR = flags.DEFINE_float('server_learning_rate', _D.server_learning_rate, 'Server SGD learning rate.')
 _EVAL_EVERY = flags.DEFINE_integer('eval_every', _D.eval_every, 'Evaluate every client every N rounds (0: at the end).')
 
+# PersFL / PersFL-GD stage 2 (local distillation).
+_DISTILL_EPOCHS = flags.DEFINE_integer('distill_epochs', _D.distill_epochs, 'Distillation epochs per grid candidate.')
+_DISTILL_BATCH = flags.DEFINE_integer('distill_batch_size', _D.distill_batch_size, 'Distillation batch size.')
+_DISTILL_LR = flags.DEFINE_float('distill_learning_rate', _D.distill_learning_rate, 'Distillation SGD learning rate.')
+_TEMPERATURES = flags.DEFINE_list(
+    'temperatures', [f'{t:g}' for t in _D.temperatures], 'Grid of distillation temperatures T.')
+_IMITATIONS = flags.DEFINE_list(
+    'imitations', [f'{i:g}' for i in _D.imitations], 'Grid of imitation parameters lambda.')
+_TEACHER = flags.DEFINE_enum(
+    'teacher', _D.teacher, ['optimal', 'final'], 'Distil from the optimal teacher or the final global model.')
+
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')
@@ -77,12 +88,18 @@ def _parse_flags(argv):
         _fail(str(e).splitlines()[0])
 
 
+def _floats(flag) -> tuple:
+    try:
+        return tuple(float(v) for v in flag.value)
+    except ValueError:
+        raise experiment.ConfigError(f'{flag.name} must be numbers, got {",".join(flag.value)}') from None
+
+
 def config_from_flags() -> experiment.ExperimentConfig:
     """Builds and validates the configuration from the parsed flags."""
-    try:
-        fractions = tuple(float(f) for f in _SPLIT_FRACTIONS.value)
-    except ValueError:
-        raise experiment.ConfigError(f'split_fractions must be numbers, got {_SPLIT_FRACTIONS.value}') from None
+    fractions = _floats(_SPLIT_FRACTIONS)
+    temperatures = _floats(_TEMPERATURES)
+    imitations = _floats(_IMITATIONS)
     output_dir = _OUTPUT_DIR.value or os.path.join(
         'runs', f'{_ALGORITHM.value}-{time.strftime("%Y%m%d-%H%M%S")}')
     return experiment.ExperimentConfig(
@@ -107,6 +124,12 @@ def config_from_flags() -> experiment.ExperimentConfig:
         eval_every=_EVAL_EVERY.value,
         seed=_SEED.value,
         max_concurrent_clients=_MAX_CONCURRENT.value,
+        distill_epochs=_DISTILL_EPOCHS.value,
+        distill_batch_size=_DISTILL_BATCH.value,
+        distill_learning_rate=_DISTILL_LR.value,
+        temperatures=temperatures,
+        imitations=imitations,
+        teacher=_TEACHER.value,
     ).validate()
 
 

@@ -1,32 +1,129 @@
-"""Algorithm name -> process builder, from an `ExperimentConfig`."""
+"""Algorithm name -> process builder, per-client report columns and plots.
 
+Each entry turns an `ExperimentConfig` into a `PersonalizedProcess`, and may
+say which client-state fields belong in `clients.csv` and which extra plots
+the run's report shows.
+"""
+
+import collections
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Optional
+
+import numpy as np
 import tensorflow_federated as tff
 
 from tff_pfl.computations import local_training
+from tff_pfl.program import reports
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """How the program runs and reports one algorithm.
+
+    Attributes:
+      build: `(config, spec, model_fn) -> PersonalizedProcess`.
+      client_columns: `(client_state) -> {column: value}` for clients.csv.
+      plots: `(output_dir, client_ids, client_states, process) -> [(title, file)]`.
+    """
+
+    build: Callable
+    client_columns: Optional[Callable[[Mapping], Mapping]] = None
+    plots: Optional[Callable] = None
+
+
+def _local_config(config):
+    return local_training.TrainingConfig(config.local_epochs, config.batch_size, config.client_learning_rate)
+
+
+def _server_optimizer(config):
+    return tff.learning.optimizers.build_sgdm(learning_rate=config.server_learning_rate)
 
 
 def _fedavg(config, spec, model_fn):
     from processes import fedavg
 
     return fedavg.build_fedavg_process(
-        spec,
-        model_fn,
-        local_config=local_training.TrainingConfig(
-            config.local_epochs, config.batch_size, config.client_learning_rate
-        ),
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=config.server_learning_rate),
-        seed=config.seed,
+        spec, model_fn, local_config=_local_config(config),
+        server_optimizer=_server_optimizer(config), seed=config.seed,
     )
 
 
-_BUILDERS = {'fedavg': _fedavg}
+def _persfl_builder(soft_loss):
+    def build(config, spec, model_fn):
+        from processes import persfl
+
+        return persfl.build_persfl_process(
+            spec, model_fn,
+            local_config=_local_config(config),
+            distill_config=local_training.TrainingConfig(
+                config.distill_epochs, config.distill_batch_size, config.distill_learning_rate),
+            temperatures=config.temperatures,
+            imitations=config.imitations,
+            soft_loss=soft_loss,
+            teacher=config.teacher,
+            server_optimizer=_server_optimizer(config),
+            seed=config.seed,
+        )
+
+    return build
+
+
+def _persfl_columns(state):
+    return collections.OrderedDict(
+        teacher_round=int(state['teacher_round']),
+        teacher_val_loss=float(state['teacher_loss']),
+        temperature=float(state['temperature']),
+        imitation=float(state['imitation']),
+        personalized_val_accuracy=float(state['personalized_val_accuracy']),
+    )
+
+
+def _persfl_plots(out, client_ids, states, process):
+    short = [c.replace('client_', '') for c in client_ids]
+    reports.plot_client_bars(
+        short, {'teacher round': [int(s['teacher_round']) for s in states]},
+        os.path.join(out, 'teacher_rounds.png'), 'Round of each client\'s optimal teacher', 'round')
+    reports.plot_client_bars(
+        short, {'T (temperature)': [float(s['temperature']) for s in states]},
+        os.path.join(out, 'chosen_temperature.png'), 'Chosen temperature T per client', 'T')
+    reports.plot_client_bars(
+        short, {'lambda (imitation)': [float(s['imitation']) for s in states]},
+        os.path.join(out, 'chosen_imitation.png'), 'Chosen imitation lambda per client', 'lambda')
+    grid = np.stack([np.asarray(s['grid_val_accuracy']) for s in states])
+    labels = [f'T={t:g}, λ={l:g}' for t, l in process.grid_candidates]
+    reports.plot_heatmap(
+        grid, os.path.join(out, 'distillation_grid.png'),
+        'Validation accuracy of each (T, lambda) candidate', row_labels=short, col_labels=labels)
+    header = ['client_id'] + labels
+    rows = [dict(zip(header, [c] + [float(v) for v in row])) for c, row in zip(client_ids, grid)]
+    reports.write_csv(os.path.join(out, 'distillation_grid.csv'), rows)
+    return [
+        ('Teacher round per client', 'teacher_rounds.png'),
+        ('Chosen temperature per client', 'chosen_temperature.png'),
+        ('Chosen imitation per client', 'chosen_imitation.png'),
+        ('Validation accuracy over the (T, lambda) grid', 'distillation_grid.png'),
+    ]
+
+
+_ALGORITHMS = {
+    'fedavg': Algorithm(_fedavg),
+    'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
+    'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
+}
 
 
 def names() -> list[str]:
     """Names accepted by `--algorithm`."""
-    return sorted(_BUILDERS)
+    return sorted(_ALGORITHMS)
+
+
+def get(name: str) -> Algorithm:
+    """The registry entry of `name` (validated by `ExperimentConfig`)."""
+    return _ALGORITHMS[name]
 
 
 def build(config, spec, model_fn):
     """Builds the process of `config.algorithm` for the partition `spec`."""
-    return _BUILDERS[config.algorithm](config, spec, model_fn)
+    return _ALGORITHMS[config.algorithm].build(config, spec, model_fn)

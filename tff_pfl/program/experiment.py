@@ -69,6 +69,13 @@ class ExperimentConfig:
     eval_every: int = 10
     seed: int = 0
     max_concurrent_clients: int = 2
+    # PersFL / PersFL-GD stage 2.
+    distill_epochs: int = 5
+    distill_batch_size: int = 32
+    distill_learning_rate: float = 0.01
+    temperatures: tuple = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
+    imitations: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+    teacher: str = 'optimal'
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -116,6 +123,14 @@ class ExperimentConfig:
              f'split_fractions must be three positive numbers summing to 1, got {list(self.split_fractions)}'),
             (self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
              f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}'),
+            (self.distill_epochs >= 1, f'distill_epochs must be >= 1, got {self.distill_epochs}'),
+            (self.distill_batch_size >= 1, f'distill_batch_size must be >= 1, got {self.distill_batch_size}'),
+            (self.distill_learning_rate > 0, f'distill_learning_rate must be > 0, got {self.distill_learning_rate}'),
+            (len(self.temperatures) >= 1 and all(t > 0 for t in self.temperatures),
+             f'temperatures must be positive numbers, got {list(self.temperatures)}'),
+            (len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
+             f'imitations must be numbers in [0, 1], got {list(self.imitations)}'),
+            (self.teacher in ('optimal', 'final'), f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -226,7 +241,7 @@ def run_experiment(
     # metrics.csv was appended row by row; rewrite it whole so every row has
     # every column (evaluation columns appear only on evaluated rounds).
     reports.write_csv(metrics_path, result.rounds)
-    _write_results(out, config, spec, result)
+    _write_results(out, config, spec, result, process)
     return result
 
 
@@ -242,7 +257,18 @@ def _write_partition_summary(out, spec, histogram) -> None:
     reports.plot_class_histogram(histogram, os.path.join(out, 'partition.png'), 'Examples per class and client')
 
 
-def _write_results(out, config, spec, result) -> None:
+def _add_client_columns(config, result) -> None:
+    """Appends the algorithm's client-state columns to the per-client rows."""
+    columns = algorithms.get(config.algorithm).client_columns
+    if columns is None:
+        return
+    for row in result.clients:
+        row.update(columns(result.client_states[row['client_id']]))
+
+
+def _write_results(out, config, spec, result, process) -> list:
+    """Writes clients.csv, plots and report.md; returns the extra plots."""
+    _add_client_columns(config, result)
     reports.write_csv(os.path.join(out, 'clients.csv'), result.clients)
     test_columns = [k for k in result.rounds[-1] if k.startswith('test_') and k.endswith('_accuracy_mean')]
     reports.plot_curves(
@@ -256,22 +282,30 @@ def _write_results(out, config, spec, result) -> None:
         [row['client_id'] for row in result.clients], series,
         os.path.join(out, 'clients.png'), f'{config.algorithm}: test accuracy per client', 'test accuracy',
     )
-    reports.write_text_atomic(os.path.join(out, 'report.md'), render_report(config, spec, result))
+    plots = algorithms.get(config.algorithm).plots
+    extra = plots(out, list(result.client_states), list(result.client_states.values()), process) if plots else []
+    reports.write_text_atomic(os.path.join(out, 'report.md'), render_report(config, spec, result, extra))
+    return extra
 
 
 def client_table(result: training_loop.RunResult) -> tuple[list, list]:
-    """Rows and columns of the per-client result table (accuracy in %)."""
-    columns = ['client_id']
-    for name in result.summary:
-        columns += [f'{name}_accuracy', f'{name}_num_examples']
+    """Rows and columns of the per-client result table (accuracy in %).
+
+    Columns: client id, test examples, each model's test accuracy, then any
+    algorithm columns (e.g. PersFL's teacher round, T and lambda).
+    """
+    names = list(result.summary)
+    columns = ['client_id', 'test_examples'] + [f'{name}_accuracy' for name in names]
+    known = set(columns) | {f'{n}_{m}' for n in names for m in ('loss', 'accuracy', 'num_examples')}
+    extra = [k for k in result.clients[0] if k not in known]
     rows = []
     for row in result.clients:
-        shown = {c: row[c] for c in columns}
-        for name in result.summary:
+        shown = {'client_id': row['client_id'], 'test_examples': int(row[f'{names[0]}_num_examples'])}
+        for name in names:
             shown[f'{name}_accuracy'] = 100.0 * row[f'{name}_accuracy']
-            shown[f'{name}_num_examples'] = int(row[f'{name}_num_examples'])
+        shown.update((k, row[k]) for k in extra)
         rows.append(shown)
-    return rows, columns
+    return rows, columns + extra
 
 
 def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
@@ -283,7 +317,7 @@ def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
     return rows, columns
 
 
-def render_report(config, spec, result) -> str:
+def render_report(config, spec, result, extra_plots=()) -> str:
     """The markdown report of a run."""
     client_rows, client_columns = client_table(result)
     summary_rows, summary_columns = summary_table(result)
@@ -311,6 +345,7 @@ def render_report(config, spec, result) -> str:
         '![accuracy per round](accuracy.png)',
         '![per-client accuracy](clients.png)',
         '![partition](partition.png)',
-        '',
     ]
-    return '\n'.join(lines)
+    lines += [f'![{title}]({path})' for title, path in extra_plots]
+    return '\n'.join(lines) + '\n'
+

@@ -102,7 +102,8 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
     """
     rows = [collections.OrderedDict(client_id=c, **flatten(e)) for c, e in zip(client_ids, evaluations)]
     summaries = collections.OrderedDict()
-    for model_name in evaluations[0]:
+    model_names = [k for k, v in evaluations[0].items() if isinstance(v, Mapping) and 'accuracy' in v]
+    for model_name in model_names:
         accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
         sizes = [float(e[model_name]['num_examples']) for e in evaluations]
         summaries[model_name] = metrics_lib.summarize(accuracies, sizes)
@@ -135,6 +136,8 @@ def run(
       seed: seeds client sampling (independently of training randomness).
       eval_every: evaluate all clients every this many rounds (0: only at the
         end); the last round is always evaluated.
+      After the last round, a process with a `personalize` stage runs it on
+      every client before the final evaluation.
       on_round: called with each round's metrics row (e.g. to append CSV).
       log: receives one progress line per round.
 
@@ -154,6 +157,11 @@ def run(
         row = collections.OrderedDict(round=round_num, **flatten(output.metrics))
         row['round_seconds'] = time.monotonic() - round_start
         evaluate_now = round_num == rounds or (eval_every and round_num % eval_every == 0)
+        if round_num == rounds and process.personalize is not None:
+            log(f'personalizing {len(client_ids)} clients ...')
+            personalize_start = time.monotonic()
+            store.put(store.ids(), process.personalize(state, store.all()))
+            row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
             evaluations = process.evaluate(state, store.all())
             client_rows, summaries = summarize_evaluation(store.ids(), evaluations)

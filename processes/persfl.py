@@ -1,0 +1,197 @@
+"""PersFL and PersFL-GD: optimal teachers from FedAvg, then local distillation.
+
+S. Divi, H. Farrukh, Z. B. Celik, "Unifying Distillation with Personalization
+in Federated Learning" (arXiv 2105.15191), Algorithm 1.
+
+Stage 1 (lines 1-11, Eq. 2) is FedAvg in which every participating client, on
+receiving the round's global model G_e and before training, computes G_e's
+cross-entropy on its own validation split; if it is the lowest so far, G_e
+becomes the client's optimal teacher O_k (kept in the client state with its
+round and loss; it never leaves the client). Clients not sampled in a round
+keep their teacher.
+
+Stage 2 (lines 12-25, Eq. 3) is `personalize`, on clients only: each client
+initialises its personalized model A_k with O_k and trains it on its training
+split with (1 - lambda) CE(y, A_k) + lambda T^2 KL(softmax(O_k/T) ||
+softmax(A_k/T)) for every (T, lambda) of a grid at once, keeping the candidate
+with the best validation accuracy. PersFL-GD (Eq. 7) replaces the KL term by
+the cross-entropy between the softened teacher and student.
+
+Choices where the paper is silent are listed in docs/algorithms/persfl.md.
+"""
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import averaging
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import distillation
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+from tff_pfl.models import stacked
+
+DEFAULT_TEMPERATURES = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
+DEFAULT_IMITATIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TEACHERS = ('optimal', 'final')
+
+
+def build_persfl_process(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    local_config: local_training.TrainingConfig,
+    distill_config: local_training.TrainingConfig,
+    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
+    imitations: Sequence[float] = DEFAULT_IMITATIONS,
+    soft_loss: str = 'kl',
+    teacher: str = 'optimal',
+    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds PersFL (soft_loss='kl') or PersFL-GD (soft_loss='ce').
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras Sequential model
+        (logits out) of layers `tff_pfl.models.stacked` supports.
+      local_config: FedAvg's local epochs, batch size, learning rate.
+      distill_config: stage 2's epochs, batch size and learning rate.
+      temperatures: grid of T (> 0).
+      imitations: grid of lambda (in [0, 1]).
+      soft_loss: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+      teacher: 'optimal' (the paper) or 'final' (the ablation of Table 4:
+        distil from the final global model instead).
+      server_optimizer: FedAvg's server optimizer; default plain averaging.
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess` with `personalize: (S@SERVER,
+      {C}@CLIENTS) -> {C}@CLIENTS`. Client state: `<client_id,
+      num_participations, last_round, teacher, teacher_loss, teacher_round,
+      personalized, temperature, imitation, personalized_val_accuracy,
+      grid_val_accuracy>`; `personalized` holds O_k until stage 2 has run.
+
+    Raises:
+      ValueError: on a bad grid, soft loss, teacher mode, or a model with
+        layers the stacked grid cannot run.
+    """
+    local_config.validate()
+    distill_config.validate()
+    if soft_loss not in ('kl', 'ce'):
+        raise ValueError(f"soft_loss must be 'kl' or 'ce', got {soft_loss!r}")
+    if teacher not in TEACHERS:
+        raise ValueError(f'teacher must be one of {TEACHERS}, got {teacher!r}')
+    candidates = distillation.grid_candidates(temperatures, imitations)
+    grid_temperatures, grid_imitations = distillation.candidate_arrays(candidates)
+    with tf.Graph().as_default():
+        layers = stacked.plan(model_fn())
+
+    weights_type = local_training.weights_type(model_fn)
+    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    val_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'val')
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        zeros = [tf.zeros(t.shape, t.dtype) for t in weights_type]
+        return building_blocks.participation_state(
+            client_id,
+            teacher=zeros,
+            teacher_loss=tf.constant(np.inf, tf.float32),  # l_k', "arbitrarily large"
+            teacher_round=tf.constant(-1, tf.int32),
+            personalized=zeros,
+            temperature=tf.constant(0.0),  # T chosen in stage 2 (0: not yet)
+            imitation=tf.constant(0.0),  # lambda chosen in stage 2
+            personalized_val_accuracy=tf.constant(0.0),
+            grid_val_accuracy=tf.zeros([len(candidates)]),
+        )
+
+    client_state_type = initial_client_state.type_signature.result
+
+    def consider_teacher(client_state, weights, round_num):
+        """Algorithm 1 lines 5-9: keep G_e if its validation loss is lowest."""
+        val_loss = val_evaluation(weights, client_state['client_id'])['loss']
+        better = tf.less(val_loss, client_state['teacher_loss'])
+        if teacher == 'final':
+            better = tf.constant(True)
+        pick = lambda new, old: tf.where(better, new, old)  # noqa: E731
+        new_teacher = [pick(w, t) for w, t in zip(weights, client_state['teacher'])]
+        return dict(
+            teacher=new_teacher,
+            teacher_loss=pick(val_loss, client_state['teacher_loss']),
+            teacher_round=pick(round_num, client_state['teacher_round']),
+            personalized=new_teacher,  # A_k is initialised with O_k
+        )
+
+    @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+    def client_work(weights, round_num, client_state):
+        updates = consider_teacher(client_state, weights, round_num)
+        with tf.control_dependencies([updates['teacher_loss']]):
+            result = client_training(weights, round_num, client_state['client_id'])
+        return collections.OrderedDict(
+            update=result['update'],
+            weight=result['weight'],
+            metric_sums=result['metric_sums'],
+            client_state=building_blocks.participated(client_state, round_num, **updates),
+        )
+
+    @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+    def client_personalize(weights, round_num, client_state):
+        # The final global model is a teacher candidate too (see docs).
+        updates = consider_teacher(client_state, weights, round_num)
+        train = client_data.read_split(spec, client_state['client_id'], 'train')
+        val = client_data.read_split(spec, client_state['client_id'], 'val')
+        grid = distillation.distill_grid(
+            layers,
+            updates['teacher'],
+            train,
+            val,
+            temperatures=tf.constant(grid_temperatures),
+            imitations=tf.constant(grid_imitations),
+            config=distill_config,
+            seed=local_training.client_seed(seed, round_num, client_state['client_id'], salt=1),
+            soft=soft_loss,
+        )
+        state = collections.OrderedDict((k, client_state[k]) for k in client_state)
+        state.update(updates)
+        state['personalized'] = [w[grid.best] for w in grid.weights]
+        state['temperature'] = tf.gather(grid_temperatures, grid.best)
+        state['imitation'] = tf.gather(grid_imitations, grid.best)
+        state['personalized_val_accuracy'] = grid.val_accuracy[grid.best]
+        state['grid_val_accuracy'] = grid.val_accuracy
+        return state
+
+    def personalize_builder(server_state_type, state_type):
+        @tff.federated_computation(server_state_type, tff.FederatedType(state_type, tff.CLIENTS))
+        def personalize(server_state, client_states):
+            model = tff.federated_broadcast(server_state.model)
+            round_num = tff.federated_broadcast(server_state.round_num)
+            return tff.federated_map(client_personalize, (model, round_num, client_states))
+
+        return personalize
+
+    @tff.tensorflow.computation(weights_type, client_state_type)
+    def evaluate_client(weights, client_state):
+        client_id = client_state['client_id']
+        return collections.OrderedDict(
+            global_model=test_evaluation(weights, client_id),
+            personalized_model=test_evaluation(client_state['personalized'], client_id),
+        )
+
+    process = averaging.build_averaging_process(
+        model_fn,
+        client_work=client_work,
+        initial_client_state=initial_client_state,
+        evaluate_client=evaluate_client,
+        server_optimizer=server_optimizer,
+        personalize_builder=personalize_builder,
+        seed=seed,
+    )
+    process.grid_candidates = candidates
+    return process

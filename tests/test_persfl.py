@@ -1,0 +1,122 @@
+"""PersFL: teacher selection against numpy, personalization, what stays at CLIENTS."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from processes import persfl
+from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import audit
+from tff_pfl.computations import local_training
+from tff_pfl.data import client_data
+from tff_pfl.program import training_loop
+
+GRID = dict(temperatures=[1.0, 5.0], imitations=[0.0, 0.5, 1.0])
+
+
+def _val_loss(weights, spec, client_id):
+    x, y = client_data.read_split_numpy(spec, client_id, 'val')
+    z = x.astype(np.float64) @ weights[0] + weights[1]
+    z -= z.max(axis=1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+    return -np.mean(log_p[np.arange(len(y)), y])
+
+
+@pytest.fixture(scope='module')
+def problem(tmp_path_factory):
+    spec = make_linear_problem(tmp_path_factory.mktemp('persfl') / 'data', num_clients=3)
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    return spec, model_fn
+
+
+def _build(problem, **kwargs):
+    spec, model_fn = problem
+    return persfl.build_persfl_process(
+        spec, model_fn,
+        local_config=local_training.TrainingConfig(1, 8, 0.5),
+        distill_config=local_training.TrainingConfig(2, 8, 0.1),
+        seed=3, **GRID, **kwargs)
+
+
+def test_teacher_selection_matches_numpy(problem, tff_runtime):
+    spec, _ = problem
+    process = _build(problem)
+    state = process.initialize()
+    store = training_loop.ClientStateStore(process, spec.client_ids)
+    expected = {c: (np.inf, -1, None) for c in spec.client_ids}  # loss, round, weights
+    rng = np.random.default_rng(0)
+    for round_num in range(6):
+        sampled = training_loop.sample_clients(rng, spec.client_ids, 0.5)
+        global_weights = [np.asarray(w, np.float64) for w in state['model']]
+        for c in sampled:  # Algorithm 1, lines 5-9, recomputed here
+            loss = _val_loss(global_weights, spec, c)
+            if loss < expected[c][0]:
+                expected[c] = (loss, round_num, global_weights)
+        output = process.next(state, store.get(sampled))
+        state = output.state
+        store.put(sampled, output.client_states)
+        for c, client_state in zip(store.ids(), store.all()):
+            loss, teacher_round, weights = expected[c]
+            assert client_state['teacher_round'] == teacher_round
+            if weights is not None:
+                np.testing.assert_allclose(client_state['teacher_loss'], loss, rtol=1e-5)
+                np.testing.assert_allclose(client_state['teacher'][0], weights[0], atol=1e-6)
+                np.testing.assert_allclose(client_state['personalized'][0], weights[0], atol=1e-6)
+    # Some clients skipped rounds; their teachers stayed (checked every round above).
+    assert any(s['num_participations'] < 6 for s in store.all())
+
+    personalized = process.personalize(state, store.all())
+    final_weights = [np.asarray(w, np.float64) for w in state['model']]
+    for c, before, after in zip(store.ids(), store.all(), personalized):
+        # The final global model is a candidate too.
+        final_loss = _val_loss(final_weights, spec, c)
+        want_round = 6 if final_loss < expected[c][0] else expected[c][1]
+        assert after['teacher_round'] == want_round
+        # The chosen candidate is the best on validation (first on ties) ...
+        best = int(np.argmax(after['grid_val_accuracy']))
+        assert (after['temperature'], after['imitation']) == process.grid_candidates[best]
+        assert after['personalized_val_accuracy'] == after['grid_val_accuracy'][best]
+        # ... and its validation accuracy is what numpy measures for its weights.
+        x, y = client_data.read_split_numpy(spec, c, 'val')
+        accuracy = np.mean(np.argmax(x @ after['personalized'][0] + after['personalized'][1], 1) == y)
+        np.testing.assert_allclose(after['personalized_val_accuracy'], accuracy, rtol=1e-6)
+        assert after['num_participations'] == before['num_participations']
+
+    results = process.evaluate(state, personalized)
+    assert all(set(r) == {'global_model', 'personalized_model'} for r in results)
+
+
+def test_final_teacher_ablation(problem, tff_runtime):
+    spec, _ = problem
+    process = _build(problem, teacher='final')
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(3):
+        state, states, _ = process.next(state, states)
+    assert all(s['teacher_round'] == 2 for s in states)  # the latest model, not the best
+    states = process.personalize(state, states)
+    assert all(s['teacher_round'] == 3 for s in states)  # the final global model
+    for s in states:
+        np.testing.assert_allclose(s['teacher'][0], state['model'][0])
+
+
+def test_teachers_and_personalized_models_stay_at_clients(problem):
+    process = _build(problem, soft_loss='ce')
+    next_type = process.next.type_signature
+    assert 'teacher' not in str(next_type.result.state) and 'personalized' not in str(next_type.result.state)
+    assert 'teacher' not in str(next_type.result.metrics)
+    assert next_type.result.client_states.placement is tff.CLIENTS
+    assert audit.clients_to_server_intrinsics(process.next) <= {'federated_sum', 'federated_mean', 'federated_weighted_mean'}
+    personalize_type = process.personalize.type_signature
+    assert personalize_type.result.placement is tff.CLIENTS
+    assert audit.clients_to_server_intrinsics(process.personalize) == set()
+
+
+def test_bad_arguments(problem):
+    with pytest.raises(ValueError, match='soft_loss'):
+        _build(problem, soft_loss='l2')
+    with pytest.raises(ValueError, match='teacher'):
+        _build(problem, teacher='best')
