@@ -27,3 +27,17 @@ def make_linear_problem(root, num_clients=3, sizes=(37, 50, 23), dim=4, num_clas
         splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
         start += 3 * n
     return client_data.write_client_data(str(root), x, y, num_classes, splits)
+
+
+@pytest.fixture(scope='session')
+def tiny_npz(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp('npz') / 'tiny.npz'
+    y_train = np.repeat(np.arange(4), 60).astype(np.uint8)
+    y_test = np.repeat(np.arange(4), 20).astype(np.uint8)
+    def images(y):
+        x = rng.integers(0, 60, size=(len(y), 6, 6)).astype(np.uint8)
+        x[np.arange(len(y)), y, y] = 255  # a class-specific bright pixel
+        return x
+    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
+    return path

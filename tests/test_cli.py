@@ -22,20 +22,6 @@ def _train(*flags, cwd=None):
     )
 
 
-@pytest.fixture(scope='module')
-def tiny_npz(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    path = tmp_path_factory.mktemp('npz') / 'tiny.npz'
-    y_train = np.repeat(np.arange(4), 60).astype(np.uint8)
-    y_test = np.repeat(np.arange(4), 20).astype(np.uint8)
-    def images(y):
-        x = rng.integers(0, 60, size=(len(y), 6, 6)).astype(np.uint8)
-        x[np.arange(len(y)), y, y] = 255  # a class-specific bright pixel
-        return x
-    np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
-    return path
-
-
 def test_run_writes_the_output_directory(tiny_npz, tmp_path):
     out = tmp_path / 'run'
     result = _train(
@@ -70,6 +56,8 @@ def test_run_writes_the_output_directory(tiny_npz, tmp_path):
         (['--client_fraction=1.5'], 'client_fraction must be in (0, 1]'),
         (['--rounds=abc'], 'rounds'),
         (['--no_such_flag=1'], 'no_such_flag'),
+        (['--algorithm=persfl', '--temperatures=1,hot'], 'temperatures must be numbers'),
+        (['--teacher=best'], 'teacher'),
         (['--dataset=npz:/nonexistent/mnist.npz'], '/nonexistent/mnist.npz'),
         (['--dataset=tfds:mnist', '--partition=ds1', '--classes_per_client=11', '--data_dir=/nonexistent'], 'mnist'),
     ],
@@ -99,6 +87,11 @@ def test_bad_input_one_line_exit_2(flags, message, tmp_path):
         (dict(dirichlet_alpha=0.0), 'dirichlet_alpha'),
         (dict(classes_per_client=0), 'classes_per_client'),
         (dict(eval_every=-1), 'eval_every'),
+        (dict(distill_epochs=0), 'distill_epochs'),
+        (dict(distill_learning_rate=0.0), 'distill_learning_rate'),
+        (dict(temperatures=(1.0, 0.0)), 'temperatures'),
+        (dict(imitations=(0.5, 1.5)), 'imitations'),
+        (dict(teacher='best'), 'teacher'),
     ],
 )
 def test_config_validation(changes, message):

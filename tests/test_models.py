@@ -44,3 +44,34 @@ def test_builders_return_fresh_models():
     builder = models.get('mnist_dnn')
     a, b = builder((784,), 10), builder((784,), 10)
     assert a.trainable_weights[0] is not b.trainable_weights[0]
+
+
+def test_seeded_initial_weights_are_reproducible_across_processes():
+    import subprocess
+    import sys
+
+    script = (
+        'import random; random.seed(None); import numpy as np; '
+        'from tff_pfl import models\n'
+        'with models.seeded(4):\n'
+        '    m = models.mnist_dnn((5,), 3)\n'
+        'print(float(np.sum(m.get_weights()[0])))'
+    )
+    outputs = {
+        subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
+    assert len(outputs) == 1, outputs
+
+
+def test_seeded_restores_python_and_numpy_generators():
+    import random
+
+    random.seed(1)
+    np.random.seed(1)
+    expected = (random.random(), np.random.rand())
+    random.seed(1)
+    np.random.seed(1)
+    with models.seeded(99):
+        models.mnist_dnn((5,), 3)
+    assert (random.random(), np.random.rand()) == expected

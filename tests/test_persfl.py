@@ -120,3 +120,24 @@ def test_bad_arguments(problem):
         _build(problem, soft_loss='l2')
     with pytest.raises(ValueError, match='teacher'):
         _build(problem, teacher='best')
+
+
+def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
+    from tff_pfl.program import experiment
+
+    out = tmp_path / 'run'
+    config = experiment.ExperimentConfig(
+        output_dir=str(out), algorithm='persfl_gd', dataset=f'npz:{tiny_npz}', partition='ds1',
+        classes_per_client=2, num_clients=3, rounds=2, batch_size=8, client_learning_rate=0.1,
+        distill_epochs=1, temperatures=(1.0, 4.0), imitations=(0.0, 0.5, 1.0))
+    result = experiment.run_experiment(config, log=lambda line: None)
+    for name in ('teacher_rounds.png', 'chosen_temperature.png', 'chosen_imitation.png',
+                 'distillation_grid.png', 'distillation_grid.csv'):
+        assert (out / name).stat().st_size > 0, name
+    assert set(result.summary) == {'global_model', 'personalized_model'}
+    row = result.clients[0]
+    assert {'teacher_round', 'temperature', 'imitation', 'personalized_val_accuracy'} <= set(row)
+    assert 0 <= row['teacher_round'] <= 2
+    report = (out / 'report.md').read_text()
+    assert 'personalized_model' in report and 'distillation_grid.png' in report
+    assert 'personalize_seconds' in (out / 'metrics.csv').read_text().splitlines()[0]

@@ -7,6 +7,7 @@ per-client result table and where the report and plots were written.
 Bad flag values print one line `tff-pfl-train: error: ...` and exit with 2.
 """
 
+import dataclasses
 import os
 import sys
 import time
@@ -96,41 +97,20 @@ def _floats(flag) -> tuple:
 
 
 def config_from_flags() -> experiment.ExperimentConfig:
-    """Builds and validates the configuration from the parsed flags."""
-    fractions = _floats(_SPLIT_FRACTIONS)
-    temperatures = _floats(_TEMPERATURES)
-    imitations = _floats(_IMITATIONS)
-    output_dir = _OUTPUT_DIR.value or os.path.join(
+    """Builds and validates the configuration from the parsed flags.
+
+    Every `ExperimentConfig` field has a flag of the same name; list flags
+    become tuples of floats.
+    """
+    values = {}
+    for field in dataclasses.fields(experiment.ExperimentConfig):
+        if field.name == 'output_dir':
+            continue
+        flag = flags.FLAGS[field.name]
+        values[field.name] = _floats(flag) if isinstance(field.default, tuple) else flag.value
+    values['output_dir'] = _OUTPUT_DIR.value or os.path.join(
         'runs', f'{_ALGORITHM.value}-{time.strftime("%Y%m%d-%H%M%S")}')
-    return experiment.ExperimentConfig(
-        output_dir=output_dir,
-        algorithm=_ALGORITHM.value,
-        dataset=_DATASET.value,
-        data_dir=_DATA_DIR.value,
-        download=_DOWNLOAD.value,
-        partition=_PARTITION.value,
-        num_clients=_NUM_CLIENTS.value,
-        classes_per_client=_CLASSES_PER_CLIENT.value,
-        dirichlet_alpha=_DIRICHLET_ALPHA.value,
-        examples_per_client=_EXAMPLES_PER_CLIENT.value,
-        split_fractions=fractions,
-        model=_MODEL.value,
-        rounds=_ROUNDS.value,
-        client_fraction=_CLIENT_FRACTION.value,
-        local_epochs=_LOCAL_EPOCHS.value,
-        batch_size=_BATCH_SIZE.value,
-        client_learning_rate=_CLIENT_LR.value,
-        server_learning_rate=_SERVER_LR.value,
-        eval_every=_EVAL_EVERY.value,
-        seed=_SEED.value,
-        max_concurrent_clients=_MAX_CONCURRENT.value,
-        distill_epochs=_DISTILL_EPOCHS.value,
-        distill_batch_size=_DISTILL_BATCH.value,
-        distill_learning_rate=_DISTILL_LR.value,
-        temperatures=temperatures,
-        imitations=imitations,
-        teacher=_TEACHER.value,
-    ).validate()
+    return experiment.ExperimentConfig(**values).validate()
 
 
 def main(argv) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import models
 from tff_pfl.computations import building_blocks
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template
@@ -71,9 +72,10 @@ def build_averaging_process(
 
     @tff.tensorflow.computation
     def server_init():
-        tf.random.set_seed(seed)
+        with models.seeded(seed):
+            model = model_fn()
         return collections.OrderedDict(
-            model=local_training.get_weights(model_fn()),
+            model=local_training.get_weights(model),
             optimizer_state=optimizer_init(),
             round_num=tf.constant(0, tf.int32),
         )

@@ -6,8 +6,11 @@ losses and distillation apply softmax/temperature themselves. TFF needs a fresh
 model on every call (variables are created only inside computations).
 """
 
+import contextlib
+import random
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 ModelBuilder = Callable[[Sequence[int], int], tf.keras.Model]
@@ -90,6 +93,25 @@ def logistic_regression(input_shape: Sequence[int], num_classes: int) -> tf.kera
         ],
         name='logistic_regression',
     )
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Models built inside get initial weights fixed by `seed`.
+
+    Keras initializers without a seed draw theirs from Python's global
+    `random` module, so the same builder gives different weights in different
+    processes. This sets Keras's, Python's, NumPy's and TF's seeds for the
+    block (`tf.keras.utils.set_random_seed`) and puts the Python and NumPy
+    generators back afterwards, so callers' random streams are untouched.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        tf.keras.utils.set_random_seed(seed)
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 _REGISTRY: dict[str, ModelBuilder] = {
