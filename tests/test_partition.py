@@ -223,7 +223,7 @@ def _error_cases():
          'must be >= classes_per_client'),
         (lambda: partition.persfl_ds3(labels, 5, 0, total_examples=41),
          'total_examples must be in'),
-        (lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4),
+        (lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4, class_assignment='random'),
          'cannot give 4 clients'),
         (lambda: partition.shards(labels, 21, 0), '42 shards'),
         (lambda: partition.shards(labels, 2, 0, shards_per_client=0),
@@ -300,3 +300,14 @@ def test_class_histogram():
     )
     assert histogram.dtype == np.int64
     np.testing.assert_array_equal(histogram, [[1, 1, 0, 0], [0, 1, 3, 0]])
+
+
+def test_ds3_cyclic_classes_cover_every_class_equally():
+    labels = np.repeat(np.arange(10), 300)
+    clients = partition.persfl_ds3(labels, 10, seed=4)
+    held = [sorted(set(labels[c].tolist())) for c in clients]
+    assert held == [sorted({k % 10, (k + 1) % 10}) for k in range(10)]
+    randomly = partition.persfl_ds3(labels, 10, seed=4, class_assignment='random')
+    assert all(len(set(labels[c].tolist())) == 2 for c in randomly)
+    with pytest.raises(partition.PartitionError, match='class_assignment'):
+        partition.persfl_ds3(labels, 10, seed=4, class_assignment='sorted')

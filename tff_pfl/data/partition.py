@@ -231,6 +231,7 @@ def persfl_ds1(
       k: Number of classes per client.
       examples_per_client: Examples per client (at least `k`), or `None`.
       num_classes: Number of classes, or `None` for max label + 1.
+      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
@@ -360,6 +361,7 @@ def dirichlet_labels(
       examples_per_client: Examples per client, one int for all clients or one
         per client; each at least 1.
       num_classes: Number of classes, or `None` for max label + 1.
+      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
@@ -401,10 +403,16 @@ def persfl_ds3(
     total_examples: Optional[int] = None,
     min_examples: int = 10,
     num_classes: Optional[int] = None,
+    class_assignment: str = 'cyclic',
 ) -> list[np.ndarray]:
     """PersFL DS-3 (pFedMe style): few classes, log-normal client sizes.
 
-    Each client gets `classes_per_client` distinct random classes. Client
+    Each client gets `classes_per_client` distinct classes: with
+    `class_assignment='cyclic'` (the default, as in pFedMe's MNIST generator)
+    client k holds classes k, k+1, ... mod C, so every class is held by the
+    same number of clients when the number of clients is a multiple of C;
+    with 'random' each client draws its classes at random (some classes may
+    then be held by no client). Client
     sizes are `min_examples` plus a share of the remaining
     `total_examples - num_clients * min_examples` proportional to a
     `lognormal(mu, sigma)` draw (largest-remainder rounding, so sizes sum to
@@ -427,6 +435,7 @@ def persfl_ds3(
       min_examples: Minimum examples per client; at least
         `classes_per_client`, so every client holds each of its classes.
       num_classes: Number of classes, or `None` for max label + 1.
+      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
@@ -459,9 +468,18 @@ def persfl_ds3(
         )
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
-    classes = _random_class_sets(
-        rng, num_clients, num_classes, classes_per_client
-    )
+    if class_assignment == 'cyclic':
+        classes = (
+            np.arange(num_clients)[:, np.newaxis] + np.arange(classes_per_client)
+        ) % num_classes
+    elif class_assignment == 'random':
+        classes = _random_class_sets(
+            rng, num_clients, num_classes, classes_per_client
+        )
+    else:
+        raise PartitionError(
+            f"class_assignment must be 'cyclic' or 'random', got {class_assignment!r}"
+        )
     weights = rng.lognormal(mu, sigma, size=num_clients)
 
     def counts_for(total: int) -> np.ndarray:
