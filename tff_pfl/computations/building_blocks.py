@@ -119,8 +119,8 @@ def build_client_training(
 
     Returns:
       A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
-      <update, weight, trained_weights, metric_sums>` where `update = weights
-      - trained_weights`, `weight` is the number of training examples and
+      <update, weight, metric_sums>` where `update = weights - trained
+      weights`, `weight` is the number of training examples and
       `metric_sums` the `training_metric_sums` of the examples seen.
     """
     weights_type = local_training.weights_type(model_fn)
@@ -144,7 +144,6 @@ def build_client_training(
         return collections.OrderedDict(
             update=update,
             weight=tf.cast(data.num_examples, tf.float32),
-            trained_weights=trained,
             metric_sums=training_metric_sums(stats),
         )
 
