@@ -33,7 +33,7 @@ def test_persfl_cnn_on_mnist_projects_to_400():
 def test_logistic_regression_and_registry():
     model = models.get('logistic')((60,), 10)
     assert _params(model) == 60 * 10 + 10
-    assert models.names() == ['logistic', 'mnist_dnn', 'persfl_cnn']
+    assert models.names() == ['gaussian_mean', 'logistic', 'mnist_dnn', 'persfl_cnn']
     with pytest.raises(ValueError, match='unknown model'):
         models.get('resnet999')
     with pytest.raises(ValueError, match='image inputs'):

@@ -35,6 +35,7 @@ def build_averaging_process(
     server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     personalize_builder: Optional[PersonalizeBuilder] = None,
+    server_info: Optional[Callable[[tff.Type], tff.Computation]] = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds a FedAvg-shaped `PersonalizedProcess` around `client_work`.
@@ -54,12 +55,19 @@ def build_averaging_process(
         `tff.aggregators.MeanFactory()`.
       personalize_builder: optional; called with the server state type and
         the client state type, returns the process's `personalize`.
+      server_info: optional; called with the aggregator state type, returns
+        a `tff.tensorflow.computation` mapping the aggregator state to a value
+        broadcast to the clients with the model (e.g. an aggregator's
+        variance estimate). `client_work` then takes `(weights, round_num,
+        info, client_state)`.
       seed: fixes the initial global model.
 
     Returns:
       A `template.PersonalizedProcess` whose server state is `<model,
       optimizer_state, aggregator_state, round_num>` and whose metrics are
-      `<train_loss, train_accuracy, num_examples, num_clients>`.
+      `<train_loss, train_accuracy, num_examples, num_clients, ...>` plus the
+      client means of any extra metric sums and the aggregator's
+      measurements (`aggregator`).
     """
     if server_optimizer is None:
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
@@ -94,6 +102,7 @@ def build_averaging_process(
 
     server_state_type = initialize.type_signature.result
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+    info_fn = server_info(server_state_type.member['aggregator_state']) if server_info else None
 
     @tff.tensorflow.computation(server_state_type.member, weights_type)
     def server_update(state, update):
@@ -108,7 +117,11 @@ def build_averaging_process(
     def next_fn(state, client_states):
         model = tff.federated_broadcast(state.model)
         round_num = tff.federated_broadcast(state.round_num)
-        outputs = tff.federated_map(client_work, (model, round_num, client_states))
+        if info_fn is None:
+            outputs = tff.federated_map(client_work, (model, round_num, client_states))
+        else:
+            info = tff.federated_broadcast(tff.federated_map(info_fn, state.aggregator_state))
+            outputs = tff.federated_map(client_work, (model, round_num, info, client_states))
         aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
         updated = tff.federated_map(server_update, (state, aggregated.result))
         new_state = tff.federated_zip(
@@ -119,7 +132,7 @@ def build_averaging_process(
                 round_num=updated.round_num,
             )
         )
-        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
         return template.RoundOutput(new_state, outputs.client_state, metrics)
 
     @tff.federated_computation(server_state_type, client_states_type)

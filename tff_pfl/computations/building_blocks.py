@@ -71,32 +71,57 @@ def training_metric_sums(stats: local_training.Stats) -> collections.OrderedDict
     )
 
 
-def aggregate_training_metrics(client_sums):
+def aggregate_training_metrics(client_sums, measurements=None):
     """Round metrics from the clients' `training_metric_sums`, in one sum.
 
     Must be called inside a `tff.federated_computation`.
 
     Args:
-      client_sums: `{training_metric_sums}@CLIENTS`.
+      client_sums: `{training_metric_sums}@CLIENTS`, optionally with extra
+        float entries (e.g. `local_steps`), reported as their client mean
+        `mean_<name>`.
+      measurements: optional SERVER-placed aggregator measurements, reported
+        under `aggregator` when non-empty.
 
     Returns:
-      `<train_loss, train_accuracy, num_examples, num_clients>@SERVER`: the
-      example-weighted loss and accuracy over every example seen in local
-      training, and the totals.
+      `<train_loss, train_accuracy, num_examples, num_clients, mean_...,
+      aggregator>@SERVER`: the example-weighted loss and accuracy over every
+      example seen in local training, the totals, and the extras.
     """
     totals = tff.federated_sum(client_sums)
+    base = ('loss_sum', 'num_correct', 'num_examples', 'num_clients')
+    extra = [name for name, _ in tff.structure.iter_elements(totals.type_signature.member) if name not in base]
 
     @tff.tensorflow.computation(totals.type_signature.member)
     def finalize(sums):
         denominator = tf.maximum(sums['num_examples'], 1.0)
-        return collections.OrderedDict(
+        metrics = collections.OrderedDict(
             train_loss=sums['loss_sum'] / denominator,
             train_accuracy=sums['num_correct'] / denominator,
             num_examples=sums['num_examples'],
             num_clients=tf.cast(sums['num_clients'], tf.int32),
         )
+        for name in extra:
+            metrics[f'mean_{name}'] = sums[name] / tf.maximum(sums['num_clients'], 1.0)
+        return metrics
 
-    return tff.federated_map(finalize, totals)
+    metrics = tff.federated_map(finalize, totals)
+    if measurements is None or not _has_tensors(measurements.type_signature.member):
+        return metrics
+
+    @tff.tensorflow.computation(metrics.type_signature.member, measurements.type_signature.member)
+    def merge(metrics, measurements):
+        merged = collections.OrderedDict((k, metrics[k]) for k in metrics)
+        merged['aggregator'] = measurements
+        return merged
+
+    return tff.federated_map(merge, (metrics, measurements))
+
+
+def _has_tensors(type_spec) -> bool:
+    if isinstance(type_spec, tff.StructType):
+        return any(_has_tensors(t) for t in type_spec)
+    return True
 
 
 def build_client_training(

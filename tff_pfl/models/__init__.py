@@ -95,6 +95,30 @@ def logistic_regression(input_shape: Sequence[int], num_classes: int) -> tf.kera
     )
 
 
+class _ScalarParameter(tf.keras.layers.Layer):
+    """One trainable scalar theta, output for every example: [B, 1]."""
+
+    def build(self, input_shape):
+        self.theta = self.add_weight(name='theta', shape=(), initializer='zeros')
+
+    def call(self, inputs):
+        return tf.ones_like(inputs[:, :1]) * self.theta
+
+
+def gaussian_mean(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """The two-level Gaussian model's client parameter theta_m (Self-FL §2.1).
+
+    A single scalar, initialised to 0; the model outputs it for every example
+    so a loss can compare it with scalar samples. Not a classifier:
+    `num_classes` is ignored.
+    """
+    del num_classes
+    return tf.keras.Sequential(
+        [tf.keras.layers.InputLayer(input_shape=tuple(input_shape)), _ScalarParameter()],
+        name='gaussian_mean',
+    )
+
+
 @contextlib.contextmanager
 def seeded(seed: int):
     """Models built inside get initial weights fixed by `seed`.
@@ -118,6 +142,7 @@ _REGISTRY: dict[str, ModelBuilder] = {
     'mnist_dnn': mnist_dnn,
     'persfl_cnn': persfl_cnn,
     'logistic': logistic_regression,
+    'gaussian_mean': gaussian_mean,
 }
 
 

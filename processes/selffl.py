@@ -1,0 +1,294 @@
+"""Self-FL: uncertainty-driven initialization, local steps and aggregation.
+
+H. Chen, J. Ding, E. Tramel, S. Wu, A. K. Sahu, S. Avestimehr, T. Zhang,
+"Self-Aware Personalized Federated Learning" (NeurIPS 2022), Algorithm 1.
+
+Per round t and sampled client m, with sigma_0^2 the inter-client and
+sigma_m^2 the intra-client uncertainty, p_k = (sigma_0^2 + sigma_k^2)^-1 and
+S_-m = sum_{k != m} p_k:
+
+* sigma_m^2 (Eq. 13): empirical variance of the client's personal parameters
+  over the rounds it took part in, summed over entries, kept online (Welford)
+  in its state; or, for the Gaussian model, the known s^2 / N_m;
+* theta_m^INIT = theta^{t-1} - (p_m / S_-m)(theta_m^{t-1} - theta^{t-1})
+  (Eq. 10); the server broadcasts sum_k p_k and each client removes its own;
+* l_m from Eq. 8, (1 - eta / sigma_m^2)^l = S_-m / (1/sigma_m^2 + S_-m), capped
+  at l_max (`local_steps` below, with the rule used where Eq. 8 is undefined);
+* theta_m^t = l_m steps of (minibatch) gradient descent from theta_m^INIT;
+* the server's precision-weighted mean (Eq. 11) and sigma_0^2 (Eq. 14), both
+  from federated sums (`aggregators.PrecisionWeightedMeanFactory`), and the
+  smoothing average theta^t = (1 - C) theta^{t-1} + C theta_hat^t (§4.1).
+
+Choices where the paper is silent: docs/algorithms/selffl.md.
+"""
+
+import collections
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import aggregators
+from tff_pfl.computations import averaging
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+LOSSES = ('cross_entropy', 'gaussian')
+
+
+def local_steps(eta, sigma_m_sq, others_precision, l_max: int):
+    """Number of local steps (Eq. 8) and the step size to use (TF code).
+
+    Eq. 8 sets l so that l gradient steps contract the distance to the local
+    optimum by rho = S_-m / (1/sigma_m^2 + S_-m): the weight the FL-optimal
+    posterior mean (Eq. 3) keeps on everyone else. It is exact for the
+    quadratic loss, where one step contracts by (1 - eta / sigma_m^2), and
+    defined only when 0 < eta / sigma_m^2 < 1.
+
+    * Defined: l = round(log rho / log(1 - eta / sigma_m^2)), clipped to
+      [1, l_max].
+    * Undefined (eta / sigma_m^2 >= 1, the normal case for network
+      parameters, whose sigma_m^2 is tiny): a step of the quadratic model
+      would reach or pass its optimum, so Eq. 8 cannot tell how far to go.
+      l = ceil(l_max * (1 - rho)), clipped to [1, l_max]: local training in
+      proportion to the share 1 - rho that Eq. 3 gives the client's own data;
+      more uncertain clients train fewer steps, as the paper intends.
+
+    Args:
+      eta: learning rate.
+      sigma_m_sq: the client's intra-client variance (> 0).
+      others_precision: S_-m (> 0).
+      l_max: the cap.
+
+    Returns:
+      `(steps, exact_eta, eq8_defined)`: int32 steps; the step size for
+      which `steps` quadratic steps contract by exactly rho,
+      sigma_m^2 (1 - rho^(1/steps)) (used for the Gaussian model, where
+      rounding l would otherwise miss Eq. 8's target); and whether Eq. 8 was
+      defined.
+    """
+    eta = tf.cast(eta, tf.float32)
+    rho = others_precision / (1.0 / sigma_m_sq + others_precision)
+    kappa = eta / sigma_m_sq
+    defined = tf.logical_and(kappa > 0.0, kappa < 1.0)
+    safe_kappa = tf.where(defined, kappa, 0.5)
+    eq8 = tf.math.log(rho) / tf.math.log(1.0 - safe_kappa)
+    fallback = tf.math.ceil(l_max * (1.0 - rho))
+    steps = tf.clip_by_value(tf.where(defined, tf.round(eq8), fallback), 1.0, float(l_max))
+    exact_eta = sigma_m_sq * (1.0 - tf.pow(rho, 1.0 / steps))
+    return tf.cast(steps, tf.int32), exact_eta, defined
+
+
+def initialization(global_weights, personal_weights, own_precision, others_precision):
+    """theta_m^INIT of Eq. 10 (TF code)."""
+    shift = own_precision / others_precision
+    return [g - shift * (p - g) for g, p in zip(global_weights, personal_weights)]
+
+
+def welford_update(count, mean, m2, weights):
+    """Adds one observation to an online variance summed over entries (TF code).
+
+    Returns:
+      `(count, mean, m2)`; the empirical variance is m2 / (count - 1).
+    """
+    count = count + 1.0
+    deltas = [w - m for w, m in zip(weights, mean)]
+    mean = [m + d / count for m, d in zip(mean, deltas)]
+    m2 = m2 + tf.add_n([tf.reduce_sum(d * (w - m)) for d, w, m in zip(deltas, weights, mean)])
+    return count, mean, m2
+
+
+def _gaussian_loss(noise_var):
+    def loss_fn(model, x, y):
+        del y
+        theta = model(x)
+        # Negative log-likelihood of the batch (a sum, not a mean): its gradient
+        # is (theta - z_m) / sigma_m^2 with sigma_m^2 = s^2 / N_m (Eq. 4-5).
+        return tf.reduce_sum(tf.square(x - theta)) / (2.0 * noise_var), theta
+
+    return loss_fn
+
+
+def build_selffl_process(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    learning_rate: float,
+    batch_size: int,
+    l_max: int = 40,
+    default_steps: int = 20,
+    activity_rate: float = 1.0,
+    warmup_rounds: int = 0,
+    loss: str = 'cross_entropy',
+    known_sigma0_sq: Optional[float] = None,
+    gaussian_noise_var: Optional[float] = None,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds Self-FL.
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model.
+      learning_rate: eta, the clients' step size.
+      batch_size: local minibatch size (the Gaussian model uses full batches).
+      l_max: cap on the local steps (the paper: 40).
+      default_steps: local steps of a client while the uncertainties are not
+        known yet (warm-up; the paper's baselines use 20).
+      activity_rate: C, the share of clients sampled per round; the server
+        smooths theta^t = (1 - C) theta^{t-1} + C theta_hat^t.
+      warmup_rounds: plain FedAvg rounds (uniform mean, `default_steps`)
+        before Self-FL starts (§3.2, "warm start").
+      loss: 'cross_entropy' (classifiers) or 'gaussian' (the two-level
+        Gaussian model: sum of squared errors / 2 s^2, full-batch steps,
+        sigma_m^2 = s^2 / N_m known, and the step size corrected so that the
+        rounded number of steps contracts exactly as Eq. 8 asks).
+      known_sigma0_sq: a known inter-client variance (no estimation).
+      gaussian_noise_var: s^2, required with loss='gaussian'.
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess`. Client state: `<client_id,
+      num_participations, last_round, personal, var_count, var_mean, var_m2,
+      sigma_m_sq, local_steps>`; `evaluate` reports the global model and
+      each client's personal model on its test split.
+
+    Raises:
+      ValueError: on bad arguments.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
+    if loss == 'gaussian' and not (gaussian_noise_var and gaussian_noise_var > 0):
+        raise ValueError("loss='gaussian' needs gaussian_noise_var > 0")
+    if not 0.0 < activity_rate <= 1.0:
+        raise ValueError(f'activity_rate must be in (0, 1], got {activity_rate}')
+    for name, value in (('learning_rate', learning_rate), ('batch_size', batch_size), ('l_max', l_max),
+                        ('default_steps', default_steps)):
+        if not value > 0:
+            raise ValueError(f'{name} must be > 0, got {value}')
+    if warmup_rounds < 0:
+        raise ValueError(f'warmup_rounds must be >= 0, got {warmup_rounds}')
+
+    gaussian = loss == 'gaussian'
+    loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.supervised_loss
+    weights_type = local_training.weights_type(model_fn)
+    test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    aggregator = aggregators.PrecisionWeightedMeanFactory(spec.num_clients, fixed_sigma0_sq=known_sigma0_sq)
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        zeros = [tf.zeros(t.shape, t.dtype) for t in weights_type]
+        return building_blocks.participation_state(
+            client_id,
+            personal=zeros,  # theta_m; a first participation starts from the global model
+            var_count=tf.constant(0.0),
+            var_mean=zeros,
+            var_m2=tf.constant(0.0),
+            sigma_m_sq=tf.constant(0.0),
+            local_steps=tf.constant(0, tf.int32),
+        )
+
+    client_state_type = initial_client_state.type_signature.result
+
+    def server_info(aggregator_state_type):
+        @tff.tensorflow.computation(aggregator_state_type)
+        def info(state):
+            return collections.OrderedDict(
+                sigma0_sq=state['sigma0_sq'], total_precision=state['total_precision'])
+
+        return info
+
+    info_type = tff.to_type(collections.OrderedDict(sigma0_sq=np.float32, total_precision=np.float32))
+
+    @tff.tensorflow.computation(weights_type, np.int32, info_type, client_state_type)
+    def client_work(weights, round_num, info, state):
+        client_id = state['client_id']
+        data = client_data.read_split(spec, client_id, 'train')
+        sigma0_sq = info['sigma0_sq']
+        if gaussian:
+            sigma_m_sq = tf.constant(gaussian_noise_var, tf.float32) / tf.cast(data.num_examples, tf.float32)
+        else:
+            # Eq. 13; before two observations, the inter-client variance stands in.
+            sigma_m_sq = tf.where(
+                state['var_count'] >= 2.0, state['var_m2'] / tf.maximum(state['var_count'] - 1.0, 1.0), sigma0_sq)
+        total_precision = info['total_precision']
+        active = tf.logical_and(
+            tf.logical_and(sigma0_sq > 0.0, sigma_m_sq > 0.0),
+            tf.logical_and(total_precision > 0.0, round_num >= warmup_rounds))
+        safe_sigma_m_sq = tf.where(active, sigma_m_sq, 1.0)
+        own_precision = 1.0 / (tf.where(active, sigma0_sq, 1.0) + safe_sigma_m_sq)
+        # S_-m = S - p_m. S is last round's (scaled) sum, so with estimated
+        # variances it can fall below p_m; then the others are taken to weigh
+        # like an average client: S (M - 1) / M.
+        others_precision = tf.where(
+            total_precision - own_precision > 0.0,
+            total_precision - own_precision,
+            total_precision * (spec.num_clients - 1) / spec.num_clients)
+        others_precision = tf.maximum(others_precision, 1e-12)
+        previous = [tf.where(state['num_participations'] > 0, p, g) for p, g in zip(state['personal'], weights)]
+        init = initialization(weights, previous, own_precision, others_precision)
+        steps, exact_eta, _ = local_steps(learning_rate, safe_sigma_m_sq, others_precision, l_max)
+        eta = exact_eta if gaussian else tf.constant(learning_rate, tf.float32)
+        steps = tf.where(active, steps, default_steps)
+        eta = tf.where(active, eta, learning_rate)
+        init = [tf.where(active, i, w) for i, w in zip(init, weights)]
+
+        model = model_fn()
+        with tf.control_dependencies(local_training.assign_weights(model, init)):
+            stats = local_training.train(
+                model,
+                data,
+                epochs=steps,  # at least one step per epoch, so `steps` epochs suffice
+                batch_size=data.num_examples if gaussian else batch_size,
+                learning_rate=eta,
+                seed=local_training.client_seed(seed, round_num, client_id),
+                loss_fn=loss_fn,
+                max_steps=steps,
+            )
+        with tf.control_dependencies(list(stats)):
+            personal = local_training.get_weights(model)
+        count, mean, m2 = state['var_count'], state['var_mean'], state['var_m2']
+        if not gaussian:
+            recorded = welford_update(count, mean, m2, personal)
+            keep = round_num >= warmup_rounds
+            count = tf.where(keep, recorded[0], count)
+            mean = [tf.where(keep, r, m) for r, m in zip(recorded[1], mean)]
+            m2 = tf.where(keep, recorded[2], m2)
+        sums = building_blocks.training_metric_sums(stats)
+        sums['local_steps'] = tf.cast(steps, tf.float32)
+        sums['sigma_m_sq'] = sigma_m_sq
+        sums['active'] = tf.cast(active, tf.float32)
+        return collections.OrderedDict(
+            update=[w - p for w, p in zip(weights, personal)],
+            # sigma_m^2 for the precision weight whenever there is one (known, or
+            # the stand-in); 0 (equal weights) during warm-up and before any
+            # variance is known.
+            weight=tf.where(tf.logical_and(sigma_m_sq > 0.0, round_num >= warmup_rounds), sigma_m_sq, 0.0),
+            metric_sums=sums,
+            client_state=building_blocks.participated(
+                state, round_num, personal=personal, var_count=count, var_mean=mean, var_m2=m2,
+                sigma_m_sq=sigma_m_sq, local_steps=steps),
+        )
+
+    @tff.tensorflow.computation(weights_type, client_state_type)
+    def evaluate_client(weights, state):
+        personal = [tf.where(state['num_participations'] > 0, p, g) for p, g in zip(state['personal'], weights)]
+        return collections.OrderedDict(
+            global_model=test_evaluation(weights, state['client_id']),
+            personalized_model=test_evaluation(personal, state['client_id']),
+        )
+
+    return averaging.build_averaging_process(
+        model_fn,
+        client_work=client_work,
+        initial_client_state=initial_client_state,
+        evaluate_client=evaluate_client,
+        # theta^t = theta^{t-1} - C * mean(theta^{t-1} - theta_m^t): the smoothing average.
+        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=activity_rate),
+        model_aggregator=aggregator,
+        server_info=server_info,
+        seed=seed,
+    )

@@ -1,0 +1,137 @@
+"""Self-FL: each rule against numpy, the TFF process against a numpy iteration,
+and the iteration against the closed-form posterior means."""
+
+import functools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from processes import selffl
+from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import aggregators
+from tff_pfl.computations import audit
+from tff_pfl.reference import selffl_gaussian as reference
+
+
+def test_aggregator_matches_numpy(tff_runtime):
+    value_type = tff.to_type([(np.float32, (3,)), (np.float32, ())])
+    process = aggregators.PrecisionWeightedMeanFactory(num_clients=10).create(value_type, tff.TensorType(np.float32))
+    rng = np.random.default_rng(0)
+    values = [[rng.normal(size=3).astype(np.float32), np.float32(rng.normal())] for _ in range(4)]
+    sigma_m_sq = [0.5, 1.0, 2.0, 0.1]
+    flat = np.array([np.concatenate([v[0], [v[1]]]) for v in values], np.float64)
+    first = process.next(process.initialize(), values, sigma_m_sq)
+    # sigma_0^2 unknown: plain mean, variance estimated (trace, ddof 1), no precisions yet.
+    np.testing.assert_allclose(np.concatenate([first.result[0], [first.result[1]]]), flat.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(first.state['sigma0_sq'], flat.var(0, ddof=1).sum(), rtol=1e-5)
+    assert first.state['total_precision'] == 0.0
+    second = process.next(first.state, values, sigma_m_sq)
+    p = 1.0 / (first.state['sigma0_sq'] + np.array(sigma_m_sq))
+    want = (p[:, None] * flat).sum(0) / p.sum()
+    np.testing.assert_allclose(np.concatenate([second.result[0], [second.result[1]]]), want, rtol=1e-5)
+    np.testing.assert_allclose(second.state['total_precision'], p.sum() * 10 / 4, rtol=1e-5)
+    assert second.measurements['num_clients'] == 4
+
+
+def test_fixed_sigma0_is_kept(tff_runtime):
+    process = aggregators.PrecisionWeightedMeanFactory(5, fixed_sigma0_sq=2.0).create(
+        tff.TensorType(np.float32), tff.TensorType(np.float32))
+    out = process.next(process.initialize(), [1.0, 3.0], [0.0, 2.0])
+    np.testing.assert_allclose(out.result, (1 / 2 * 1 + 1 / 4 * 3) / (1 / 2 + 1 / 4), rtol=1e-6)
+    assert out.state['sigma0_sq'] == 2.0
+
+
+@pytest.mark.parametrize('eta, sigma_sq, others', [(0.001, 0.02, 30.0), (0.01, 0.2, 5.0), (0.05, 0.01, 100.0), (0.03, 1e-4, 2.0)])
+def test_local_steps_match_numpy(eta, sigma_sq, others):
+    steps, exact_eta, defined = selffl.local_steps(eta, tf.constant(sigma_sq), tf.constant(others), 40)
+    want_steps, rho = reference.local_steps(eta, sigma_sq, others, 40)
+    assert int(steps) == want_steps
+    assert bool(defined) == (eta / sigma_sq < 1)
+    # `steps` quadratic steps of the corrected size contract by exactly rho.
+    np.testing.assert_allclose((1 - float(exact_eta) / sigma_sq) ** want_steps, rho, rtol=1e-4)
+
+
+def test_eq8_where_defined():
+    # (1 - eta/sigma^2)^l = S/(1/sigma^2 + S): eta/sigma^2 = 0.1, S = 10, 1/sigma^2 = 10 -> l = log(0.5)/log(0.9) = 6.58
+    steps, _, defined = selffl.local_steps(0.01, tf.constant(0.1), tf.constant(10.0), 40)
+    assert bool(defined) and int(steps) == 7
+
+
+def test_initialization_and_welford():
+    init = selffl.initialization([tf.constant([1.0, 2.0])], [tf.constant([3.0, 0.0])], 2.0, 8.0)
+    np.testing.assert_allclose(init[0].numpy(), [1.0 - 0.25 * 2.0, 2.0 + 0.25 * 2.0])
+    history = np.random.default_rng(1).normal(size=(6, 2, 3))
+    count, mean, m2 = tf.constant(0.0), [tf.zeros(3), tf.zeros(3)], tf.constant(0.0)
+    for h in history:
+        count, mean, m2 = selffl.welford_update(count, mean, m2, [tf.constant(h[0], tf.float32), tf.constant(h[1], tf.float32)])
+    flat = history.reshape(6, -1)
+    np.testing.assert_allclose(float(m2) / (float(count) - 1), flat.var(0, ddof=1).sum(), rtol=1e-5)
+
+
+def _gaussian_process(spec, **kwargs):
+    model_fn = functools.partial(models.gaussian_mean, spec.feature_shape, 1)
+    return selffl.build_selffl_process(
+        spec, model_fn, learning_rate=0.001, batch_size=1, loss='gaussian', known_sigma0_sq=1.0,
+        gaussian_noise_var=1.0, **kwargs)
+
+
+def test_tff_process_matches_numpy_iteration(tff_runtime, tmp_path):
+    samples = reference.generate(20, seed=3)
+    spec = reference.write_client_files(str(tmp_path / 'gauss'), samples, seed=3)
+    process = _gaussian_process(spec)
+    want_personal, want_global = reference.iterate(samples, 6, eta=0.001)
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in spec.client_ids]
+    for round_num in range(6):
+        state, states, metrics = process.next(state, states)
+        personal = np.array([float(s['personal'][0]) for s in states])
+        np.testing.assert_allclose(personal, want_personal[round_num], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(float(state['model'][0]), want_global[round_num], atol=1e-5, rtol=1e-5)
+    assert metrics['mean_active'] == 1.0
+    theta_fl, _, z = reference.closed_forms(samples)
+    assert np.abs(personal - theta_fl).max() < 0.2 * np.abs(theta_fl - z).max()
+
+
+def test_iteration_approaches_the_closed_form_as_m_grows():
+    relative = []
+    for num_clients in (20, 80, 320, 1280):
+        distances, shifts = [], []
+        for seed in range(3):
+            samples = reference.generate(num_clients, seed)
+            theta_fl, theta_g, z = reference.closed_forms(samples)
+            personal, global_ = reference.iterate(samples, 30, eta=0.001)
+            distances.append(np.abs(personal[-1] - theta_fl).max())
+            shifts.append(np.abs(theta_fl - z).max())
+            assert abs(global_[-1] - theta_g) < 0.1
+        assert np.mean(distances) < 0.1 * np.mean(shifts)
+        relative.append(np.mean(distances) / np.mean(shifts))
+    assert all(a > b for a, b in zip(relative, relative[1:])), relative
+
+
+def test_classifier_mode_runs_and_only_sums_cross(tff_runtime, tmp_path):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    process = selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=5)
+    assert audit.clients_to_server_intrinsics(process.next) <= {'federated_sum', 'federated_mean'}
+    assert 'personal' not in str(process.next.type_signature.result.state)
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(6):
+        state, states, metrics = process.next(state, states)
+    assert np.isfinite(metrics['train_loss']) and metrics['aggregator']['sigma0_sq'] > 0
+    assert metrics['mean_active'] == 1.0
+    assert all(1 <= s['local_steps'] <= 10 and s['var_count'] == 6 for s in states)
+    results = process.evaluate(state, states)
+    assert all(set(r) == {'global_model', 'personalized_model'} for r in results)
+
+
+def test_bad_arguments(tmp_path):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    with pytest.raises(ValueError, match='gaussian_noise_var'):
+        selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, loss='gaussian')
+    with pytest.raises(ValueError, match='activity_rate'):
+        selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, activity_rate=0.0)

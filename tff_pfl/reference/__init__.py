@@ -1,0 +1,1 @@
+"""Small numpy re-implementations of algorithms, for tests and benchmarks."""
