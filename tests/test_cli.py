@@ -92,6 +92,9 @@ def test_bad_input_one_line_exit_2(flags, message, tmp_path):
         (dict(temperatures=(1.0, 0.0)), 'temperatures'),
         (dict(imitations=(0.5, 1.5)), 'imitations'),
         (dict(teacher='best'), 'teacher'),
+        (dict(local_steps=-1), 'local_steps'),
+        (dict(selffl_max_steps=0), 'selffl_max_steps'),
+        (dict(warmup_rounds=-2), 'warmup_rounds'),
     ],
 )
 def test_config_validation(changes, message):

@@ -135,3 +135,19 @@ def test_bad_arguments(tmp_path):
         selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, loss='gaussian')
     with pytest.raises(ValueError, match='activity_rate'):
         selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, activity_rate=0.0)
+
+
+def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
+    from tff_pfl.program import experiment
+
+    out = tmp_path / 'run'
+    config = experiment.ExperimentConfig(
+        output_dir=str(out), algorithm='selffl', dataset=f'npz:{tiny_npz}', partition='ds1',
+        classes_per_client=2, num_clients=4, rounds=3, client_fraction=0.5, batch_size=8,
+        client_learning_rate=0.05, selffl_max_steps=8, selffl_default_steps=4)
+    result = experiment.run_experiment(config, log=lambda line: None)
+    for name in ('local_steps.png', 'intra_client_variance.png'):
+        assert (out / name).stat().st_size > 0, name
+    assert {'local_steps', 'sigma_m_sq', 'num_participations'} <= set(result.clients[0])
+    assert 'top_10_by_samples' in result.summary['personalized_model']
+    assert result.rounds[0]['num_clients'] == 2 and result.rounds[0]['mean_local_steps'] == 4

@@ -51,6 +51,7 @@ _SPLIT_FRACTIONS = flags.DEFINE_list(
 _ROUNDS = flags.DEFINE_integer('rounds', _D.rounds, 'Training rounds.')
 _CLIENT_FRACTION = flags.DEFINE_float('client_fraction', _D.client_fraction, 'Clients sampled per round, in (0, 1].')
 _LOCAL_EPOCHS = flags.DEFINE_integer('local_epochs', _D.local_epochs, 'Local epochs per round.')
+_LOCAL_STEPS = flags.DEFINE_integer('local_steps', _D.local_steps, 'Local SGD steps per round instead of epochs (0: use epochs).')
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', _D.batch_size, 'Local batch size.')
 _CLIENT_LR = flags.DEFINE_float('client_learning_rate', _D.client_learning_rate, 'Client SGD learning rate.')
 _SERVER_LR = flags.DEFINE_float('server_learning_rate', _D.server_learning_rate, 'Server SGD learning rate.')
@@ -66,6 +67,12 @@ _IMITATIONS = flags.DEFINE_list(
     'imitations', [f'{i:g}' for i in _D.imitations], 'Grid of imitation parameters lambda.')
 _TEACHER = flags.DEFINE_enum(
     'teacher', _D.teacher, ['optimal', 'final'], 'Distil from the optimal teacher or the final global model.')
+
+# Self-FL (--client_fraction is its activity rate C, --client_learning_rate its eta).
+_SELFFL_MAX_STEPS = flags.DEFINE_integer('selffl_max_steps', _D.selffl_max_steps, 'l_max, the cap on local steps.')
+_SELFFL_DEFAULT_STEPS = flags.DEFINE_integer(
+    'selffl_default_steps', _D.selffl_default_steps, 'Local steps while uncertainties are unknown (warm-up).')
+_WARMUP_ROUNDS = flags.DEFINE_integer('warmup_rounds', _D.warmup_rounds, 'Plain FedAvg rounds before Self-FL starts.')
 
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')

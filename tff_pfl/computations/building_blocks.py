@@ -162,6 +162,7 @@ def build_client_training(
                 batch_size=config.batch_size,
                 learning_rate=config.learning_rate,
                 seed=local_training.client_seed(seed, round_num, client_id),
+                max_steps=config.max_steps,
             )
         with tf.control_dependencies(list(stats)):
             trained = local_training.get_weights(model)

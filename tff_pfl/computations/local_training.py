@@ -206,8 +206,11 @@ def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt
     return tf.stack([tf.constant(base_seed, tf.int64) * 1_000_003 + round_part, client_hash])
 
 
-class TrainingConfig(collections.namedtuple('TrainingConfig', ['epochs', 'batch_size', 'learning_rate'])):
-    """Local SGD settings: passes over the data, batch size, step size."""
+class TrainingConfig(
+    collections.namedtuple('TrainingConfig', ['epochs', 'batch_size', 'learning_rate', 'max_steps'], defaults=[None])
+):
+    """Local SGD settings: passes over the data, batch size, step size, and an
+    optional cap on the number of steps (e.g. "20 local steps")."""
 
     def validate(self) -> 'TrainingConfig':
         """Returns self, or raises ValueError naming the bad field."""
@@ -217,4 +220,6 @@ class TrainingConfig(collections.namedtuple('TrainingConfig', ['epochs', 'batch_
             raise ValueError(f'batch size must be a positive integer, got {self.batch_size}')
         if not self.learning_rate > 0:
             raise ValueError(f'learning rate must be positive, got {self.learning_rate}')
+        if self.max_steps is not None and (int(self.max_steps) != self.max_steps or self.max_steps < 1):
+            raise ValueError(f'local steps must be a positive integer, got {self.max_steps}')
         return self

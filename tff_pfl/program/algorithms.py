@@ -34,6 +34,10 @@ class Algorithm:
 
 
 def _local_config(config):
+    if config.local_steps:
+        # "l local steps": enough epochs for them, capped at l.
+        return local_training.TrainingConfig(
+            config.local_steps, config.batch_size, config.client_learning_rate, max_steps=config.local_steps)
     return local_training.TrainingConfig(config.local_epochs, config.batch_size, config.client_learning_rate)
 
 
@@ -107,10 +111,49 @@ def _persfl_plots(out, client_ids, states, process):
     ]
 
 
+def _selffl(config, spec, model_fn):
+    from processes import selffl
+
+    return selffl.build_selffl_process(
+        spec, model_fn,
+        learning_rate=config.client_learning_rate,
+        batch_size=config.batch_size,
+        l_max=config.selffl_max_steps,
+        default_steps=config.selffl_default_steps,
+        activity_rate=config.client_fraction,
+        warmup_rounds=config.warmup_rounds,
+        seed=config.seed,
+    )
+
+
+def _selffl_columns(state):
+    return collections.OrderedDict(
+        num_participations=int(state['num_participations']),
+        local_steps=int(state['local_steps']),
+        sigma_m_sq=float(state['sigma_m_sq']),
+    )
+
+
+def _selffl_plots(out, client_ids, states, process):
+    del process
+    short = [c.replace('client_', '') for c in client_ids]
+    order = sorted(range(len(states)), key=lambda i: float(states[i]['sigma_m_sq']))
+    if len(order) > 60:  # a readable sample of clients, spread over the range
+        order = [order[int(i)] for i in np.linspace(0, len(order) - 1, 60)]
+    reports.plot_client_bars(
+        [short[i] for i in order], {'local steps (last round)': [int(states[i]['local_steps']) for i in order]},
+        os.path.join(out, 'local_steps.png'), 'Self-FL local steps per client (sorted by sigma_m^2)', 'steps')
+    reports.plot_client_bars(
+        [short[i] for i in order], {'sigma_m^2': [float(states[i]['sigma_m_sq']) for i in order]},
+        os.path.join(out, 'intra_client_variance.png'), 'Intra-client uncertainty sigma_m^2', 'sigma_m^2')
+    return [('Local steps per client', 'local_steps.png'), ('Intra-client uncertainty', 'intra_client_variance.png')]
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
     'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
+    'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
 }
 
 

@@ -63,6 +63,7 @@ class ExperimentConfig:
     rounds: int = 100
     client_fraction: float = 1.0
     local_epochs: int = 1
+    local_steps: int = 0
     batch_size: int = 10
     client_learning_rate: float = 0.05
     server_learning_rate: float = 1.0
@@ -76,6 +77,10 @@ class ExperimentConfig:
     temperatures: tuple = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
     imitations: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
     teacher: str = 'optimal'
+    # Self-FL.
+    selffl_max_steps: int = 40
+    selffl_default_steps: int = 20
+    warmup_rounds: int = 0
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -131,6 +136,10 @@ class ExperimentConfig:
             (len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
              f'imitations must be numbers in [0, 1], got {list(self.imitations)}'),
             (self.teacher in ('optimal', 'final'), f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
+            (self.local_steps >= 0, f'local_steps must be >= 0, got {self.local_steps}'),
+            (self.selffl_max_steps >= 1, f'selffl_max_steps must be >= 1, got {self.selffl_max_steps}'),
+            (self.selffl_default_steps >= 1, f'selffl_default_steps must be >= 1, got {self.selffl_default_steps}'),
+            (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
         ]
         for ok, message in checks:
             if not ok:
@@ -310,7 +319,7 @@ def client_table(result: training_loop.RunResult) -> tuple[list, list]:
 
 def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
     """Rows and columns of the across-client summary (accuracy in %)."""
-    columns = ['model', 'mean', 'weighted_mean', 'std', 'worst_10', 'best_10']
+    columns = ['model', 'mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples']
     rows = []
     for name, summary in result.summary.items():
         rows.append({'model': name, **{c: 100.0 * summary[c] for c in columns[1:]}})
@@ -336,7 +345,8 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         reports.markdown_table(summary_rows, summary_columns, '{:.2f}'),
         '',
         'std is the population standard deviation across clients (the fairness measure);',
-        'worst_10/best_10 average the lowest/highest 10% of clients.',
+        'worst_10/best_10 average the lowest/highest 10% of clients; top_10_by_samples is the',
+        'sample-weighted accuracy of the 10% of clients with the most data.',
         '',
         '## Per-client test accuracy (%)',
         '',

@@ -107,6 +107,9 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
         accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
         sizes = [float(e[model_name]['num_examples']) for e in evaluations]
         summaries[model_name] = metrics_lib.summarize(accuracies, sizes)
+        # Self-FL's Table 1: weighted accuracy of the 10% of clients with the
+        # most samples (test sizes are proportional to client sizes).
+        summaries[model_name]['top_10_by_samples'] = metrics_lib.top_by_weight_mean(accuracies, sizes)
     return rows, summaries
 
 
@@ -166,7 +169,7 @@ def run(
             evaluations = process.evaluate(state, store.all())
             client_rows, summaries = summarize_evaluation(store.ids(), evaluations)
             for model_name, summary in summaries.items():
-                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10'):
+                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
                     row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
         rows.append(row)
         if on_round is not None:
