@@ -13,7 +13,8 @@ S_-m = sum_{k != m} p_k:
 * theta_m^INIT = theta^{t-1} - (p_m / S_-m)(theta_m^{t-1} - theta^{t-1})
   (Eq. 10); the server broadcasts sum_k p_k and each client removes its own;
 * l_m from Eq. 8, (1 - eta / sigma_m^2)^l = S_-m / (1/sigma_m^2 + S_-m), capped
-  at l_max (`local_steps` below, with the rule used where Eq. 8 is undefined);
+  at l_max, for the quadratic model; for other losses a rule that keeps Eq.
+  8's log-contraction, calibrated on a typical client (`local_steps`);
 * theta_m^t = l_m steps of (minibatch) gradient descent from theta_m^INIT;
 * the server's precision-weighted mean (Eq. 11) and sigma_0^2 (Eq. 14), both
   from federated sums (`aggregators.PrecisionWeightedMeanFactory`), and the
@@ -40,45 +41,61 @@ from tff_pfl.data import client_data
 LOSSES = ('cross_entropy', 'gaussian')
 
 
-def local_steps(eta, sigma_m_sq, others_precision, l_max: int):
+def local_steps(eta, sigma_m_sq, others_precision, l_max: int, *, quadratic: bool = True,
+                typical_rho=None, default_steps: int = 20):
     """Number of local steps (Eq. 8) and the step size to use (TF code).
 
     Eq. 8 sets l so that l gradient steps contract the distance to the local
     optimum by rho = S_-m / (1/sigma_m^2 + S_-m): the weight the FL-optimal
-    posterior mean (Eq. 3) keeps on everyone else. It is exact for the
-    quadratic loss, where one step contracts by (1 - eta / sigma_m^2), and
-    defined only when 0 < eta / sigma_m^2 < 1.
+    posterior mean (Eq. 3) keeps on everyone else. It is derived for the
+    quadratic loss of Eq. 4, where one step contracts by exactly
+    (1 - eta / sigma_m^2), and is defined only when 0 < eta / sigma_m^2 < 1.
 
-    * Defined: l = round(log rho / log(1 - eta / sigma_m^2)), clipped to
-      [1, l_max].
-    * Undefined (eta / sigma_m^2 >= 1, the normal case for network
-      parameters, whose sigma_m^2 is tiny): a step of the quadratic model
-      would reach or pass its optimum, so Eq. 8 cannot tell how far to go.
-      l = ceil(l_max * (1 - rho)), clipped to [1, l_max]: local training in
-      proportion to the share 1 - rho that Eq. 3 gives the client's own data;
-      more uncertain clients train fewer steps, as the paper intends.
+    * Quadratic loss, Eq. 8 defined: l = round(log rho / log(1 - eta /
+      sigma_m^2)), clipped to [1, l_max].
+    * Quadratic loss, eta / sigma_m^2 >= 1 (one step reaches or passes the
+      optimum): l = ceil(l_max (1 - rho)), clipped to [1, l_max].
+    * Any other loss (networks): a step's contraction is not eta /
+      sigma_m^2, so Eq. 8's premise fails whatever the numbers. The rule
+      keeps its log-contraction and calibrates it on the population: a
+      client with the typical contraction `typical_rho` does
+      `default_steps` (the baseline's local steps), others in proportion,
+      l = round(default_steps log rho / log typical_rho), clipped to
+      [1, l_max]. For rho near 1 this is default_steps (1 - rho) / (1 -
+      typical_rho): clients whose personal models fluctuate less (more or
+      cleaner data) train longer, noisier ones shorter, as the paper intends
+      (§3.2), and the count does not shrink with the number of clients.
 
     Args:
       eta: learning rate.
       sigma_m_sq: the client's intra-client variance (> 0).
       others_precision: S_-m (> 0).
       l_max: the cap.
+      quadratic: whether the loss is Eq. 4's quadratic.
+      typical_rho: the contraction of a client with the population's mean
+        sigma_m^2 (non-quadratic losses).
+      default_steps: the calibration's step count (non-quadratic losses).
 
     Returns:
       `(steps, exact_eta, eq8_defined)`: int32 steps; the step size for
       which `steps` quadratic steps contract by exactly rho,
       sigma_m^2 (1 - rho^(1/steps)) (used for the Gaussian model, where
       rounding l would otherwise miss Eq. 8's target); and whether Eq. 8 was
-      defined.
+      used.
     """
     eta = tf.cast(eta, tf.float32)
     rho = others_precision / (1.0 / sigma_m_sq + others_precision)
-    kappa = eta / sigma_m_sq
-    defined = tf.logical_and(kappa > 0.0, kappa < 1.0)
-    safe_kappa = tf.where(defined, kappa, 0.5)
-    eq8 = tf.math.log(rho) / tf.math.log(1.0 - safe_kappa)
-    fallback = tf.math.ceil(l_max * (1.0 - rho))
-    steps = tf.clip_by_value(tf.where(defined, tf.round(eq8), fallback), 1.0, float(l_max))
+    if quadratic:
+        kappa = eta / sigma_m_sq
+        defined = tf.logical_and(kappa > 0.0, kappa < 1.0)
+        safe_kappa = tf.where(defined, kappa, 0.5)
+        eq8 = tf.math.log(rho) / tf.math.log(1.0 - safe_kappa)
+        raw = tf.where(defined, tf.round(eq8), tf.math.ceil(l_max * (1.0 - rho)))
+    else:
+        defined = tf.constant(False)
+        typical = tf.clip_by_value(typical_rho, 1e-12, 1.0 - 1e-7)
+        raw = tf.round(default_steps * tf.math.log(rho) / tf.math.log(typical))
+    steps = tf.clip_by_value(raw, 1.0, float(l_max))
     exact_eta = sigma_m_sq * (1.0 - tf.pow(rho, 1.0 / steps))
     return tf.cast(steps, tf.int32), exact_eta, defined
 
@@ -197,11 +214,13 @@ def build_selffl_process(
         @tff.tensorflow.computation(aggregator_state_type)
         def info(state):
             return collections.OrderedDict(
-                sigma0_sq=state['sigma0_sq'], total_precision=state['total_precision'])
+                sigma0_sq=state['sigma0_sq'], total_precision=state['total_precision'],
+                mean_sigma_m_sq=state['mean_sigma_m_sq'])
 
         return info
 
-    info_type = tff.to_type(collections.OrderedDict(sigma0_sq=np.float32, total_precision=np.float32))
+    info_type = tff.to_type(
+        collections.OrderedDict(sigma0_sq=np.float32, total_precision=np.float32, mean_sigma_m_sq=np.float32))
 
     @tff.tensorflow.computation(weights_type, np.int32, info_type, client_state_type)
     def client_work(weights, round_num, info, state):
@@ -230,7 +249,12 @@ def build_selffl_process(
         others_precision = tf.maximum(others_precision, 1e-12)
         previous = [tf.where(state['num_participations'] > 0, p, g) for p, g in zip(state['personal'], weights)]
         init = initialization(weights, previous, own_precision, others_precision)
-        steps, exact_eta, _ = local_steps(learning_rate, safe_sigma_m_sq, others_precision, l_max)
+        typical_sigma_sq = tf.where(info['mean_sigma_m_sq'] > 0.0, info['mean_sigma_m_sq'], safe_sigma_m_sq)
+        typical_others = tf.maximum(total_precision - 1.0 / (sigma0_sq + typical_sigma_sq), 1e-12)
+        typical_rho = typical_others / (1.0 / typical_sigma_sq + typical_others)
+        steps, exact_eta, _ = local_steps(
+            learning_rate, safe_sigma_m_sq, others_precision, l_max, quadratic=gaussian,
+            typical_rho=typical_rho, default_steps=default_steps)
         eta = exact_eta if gaussian else tf.constant(learning_rate, tf.float32)
         steps = tf.where(active, steps, default_steps)
         eta = tf.where(active, eta, learning_rate)

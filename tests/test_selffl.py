@@ -33,6 +33,7 @@ def test_aggregator_matches_numpy(tff_runtime):
     want = (p[:, None] * flat).sum(0) / p.sum()
     np.testing.assert_allclose(np.concatenate([second.result[0], [second.result[1]]]), want, rtol=1e-5)
     np.testing.assert_allclose(second.state['total_precision'], p.sum() * 10 / 4, rtol=1e-5)
+    np.testing.assert_allclose(second.state['mean_sigma_m_sq'], np.mean(sigma_m_sq), rtol=1e-6)
     assert second.measurements['num_clients'] == 4
 
 
@@ -58,6 +59,24 @@ def test_eq8_where_defined():
     # (1 - eta/sigma^2)^l = S/(1/sigma^2 + S): eta/sigma^2 = 0.1, S = 10, 1/sigma^2 = 10 -> l = log(0.5)/log(0.9) = 6.58
     steps, _, defined = selffl.local_steps(0.01, tf.constant(0.1), tf.constant(10.0), 40)
     assert bool(defined) and int(steps) == 7
+
+
+def test_network_rule_is_calibrated_on_a_typical_client():
+    def steps_for(sigma_sq, others=500.0, typical_sigma_sq=0.04):
+        rho = lambda s: others / (1 / s + others)  # noqa: E731
+        steps, _, defined = selffl.local_steps(
+            0.03, tf.constant(sigma_sq), tf.constant(others), 40, quadratic=False,
+            typical_rho=tf.constant(rho(typical_sigma_sq)), default_steps=20)
+        assert not bool(defined)
+        want = min(max(round(20 * np.log(rho(sigma_sq)) / np.log(rho(typical_sigma_sq))), 1), 40)
+        assert int(steps) == want
+        return int(steps)
+
+    assert steps_for(0.04) == 20  # the typical client does the baseline's steps
+    assert steps_for(0.08) == 10  # twice as uncertain: about half
+    assert steps_for(0.02) == 39  # half as uncertain: about twice
+    assert steps_for(0.005) == 40  # capped at l_max
+    assert steps_for(10.0) == 1
 
 
 def test_initialization_and_welford():

@@ -19,8 +19,10 @@ import tensorflow_federated as tff
 class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     """Precision-weighted mean with an online inter-client variance estimate.
 
-    State (at SERVER): `<sigma0_sq, total_precision>`. `sigma0_sq <= 0` means
-    "not estimated yet"; then every client gets weight 1 (a plain mean).
+    State (at SERVER): `<sigma0_sq, total_precision, mean_sigma_m_sq>`.
+    `sigma0_sq <= 0` means "not estimated yet"; then every client gets weight
+    1 (a plain mean). `mean_sigma_m_sq` is the mean of the positive
+    sigma_m^2 the clients sent (0 if none): a typical client's uncertainty.
 
     `next(state, value@CLIENTS, sigma_m_sq@CLIENTS)`:
       * broadcasts `sigma0_sq`; each client forms p_m = 1 / (sigma0_sq +
@@ -68,6 +70,7 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
             return collections.OrderedDict(
                 sigma0_sq=tf.constant(fixed if fixed is not None else -1.0, tf.float32),
                 total_precision=tf.constant(0.0),
+                mean_sigma_m_sq=tf.constant(0.0),
             )
 
         state_type = init_state.type_signature.result
@@ -86,6 +89,8 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
                 value=value,
                 square=tf.add_n([tf.reduce_sum(tf.square(v)) for v in values]),
                 count=tf.constant(1.0),
+                sigma_sum=tf.maximum(sigma_m_sq, 0.0),
+                sigma_count=tf.cast(sigma_m_sq > 0.0, tf.float32),
             )
 
         sums_type = client_sums.type_signature.result
@@ -105,7 +110,11 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
             # Precisions are only defined once sigma0_sq was known when weighting.
             total_precision = tf.where(
                 state['sigma0_sq'] > 0.0, sums['precision'] * num_clients / tf.maximum(count, 1.0), 0.0)
-            new_state = collections.OrderedDict(sigma0_sq=sigma0_sq, total_precision=total_precision)
+            new_state = collections.OrderedDict(
+                sigma0_sq=sigma0_sq,
+                total_precision=total_precision,
+                mean_sigma_m_sq=sums['sigma_sum'] / tf.maximum(sums['sigma_count'], 1.0),
+            )
             measurements = collections.OrderedDict(
                 sigma0_sq=sigma0_sq, total_precision=new_state['total_precision'], num_clients=count
             )
