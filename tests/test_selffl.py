@@ -170,3 +170,21 @@ def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
     assert {'local_steps', 'sigma_m_sq', 'num_participations'} <= set(result.clients[0])
     assert 'top_10_by_samples' in result.summary['personalized_model']
     assert result.rounds[0]['num_clients'] == 2 and result.rounds[0]['mean_local_steps'] == 4
+
+
+def test_warm_start_rounds_are_plain(tff_runtime, tmp_path):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    process = selffl.build_selffl_process(
+        spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=3, warmup_rounds=3)
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in spec.client_ids]
+    active = []
+    for _ in range(6):
+        state, states, metrics = process.next(state, states)
+        active.append(metrics['mean_active'])
+        if len(active) <= 3:
+            assert metrics['mean_local_steps'] == 3
+    assert active[:3] == [0.0, 0.0, 0.0] and active[-1] == 1.0
+    # Variances are recorded only after the warm start.
+    assert all(s['var_count'] == 3 for s in states)
