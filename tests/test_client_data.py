@@ -63,3 +63,25 @@ def test_existing_directory_is_refused_and_failed_write_leaves_nothing(tmp_path)
         client_data.write_client_data(str(tmp_path / 'other'), x, np.zeros(12), 2, [{'train': [0], 'val': [1]}])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['data']
     assert json.load(open(tmp_path / 'data' / 'manifest.json'))['client_ids'][0] == 'client_00000'
+
+
+def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
+    from tff_pfl.data import pipeline
+    from tff_pfl.data import sources
+
+    prepared = pipeline.prepare(str(tmp_path / 'data'), dataset=f'npz:{tiny_npz}', partition_name='iid',
+                                num_clients=4, seed=1, public_examples=50)
+    spec = prepared.spec
+    assert spec.public_size == 50 and prepared.class_histogram.sum() == 320 - 50
+    pool = sources.load_npz(str(tiny_npz))
+    public = client_data.read_public(spec)
+    public_x = public.slice(0, 50)[0].numpy().reshape(50, -1)
+    pool_rows = {row.tobytes() for row in pool.x.reshape(len(pool.x), -1)}
+    assert all(row.tobytes() in pool_rows for row in public_x)
+    client_rows = set()
+    for client_id in spec.client_ids:
+        for split in client_data.SPLITS:
+            x, _ = client_data.read_split_numpy(spec, client_id, split)
+            client_rows |= {row.tobytes() for row in x.reshape(len(x), -1)}
+    assert not client_rows & {row.tobytes() for row in public_x}  # no client holds a public example
+    assert client_data.load_client_data_spec(str(tmp_path / 'data')).public_size == 50

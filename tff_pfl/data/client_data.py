@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -49,6 +50,8 @@ class ClientDataSpec:
       split_sizes: split name -> number of examples of each client, in
         `client_ids` order.
       feature_encoding: `FLOAT32` or `UINT8_OVER_255` (see module docstring).
+      public_size: number of public (shared, unlabeled) examples, stored in
+        `public/x.bin`; 0 if none.
     """
 
     root: str
@@ -57,6 +60,7 @@ class ClientDataSpec:
     num_classes: int
     split_sizes: Mapping[str, tuple[int, ...]]
     feature_encoding: str = FLOAT32
+    public_size: int = 0
 
     @property
     def num_clients(self) -> int:
@@ -87,6 +91,7 @@ def write_client_data(
     y: np.ndarray,
     num_classes: int,
     client_splits: Sequence[Mapping[str, np.ndarray]],
+    public_indices: Optional[np.ndarray] = None,
 ) -> ClientDataSpec:
     """Writes every client's splits under `root`, atomically.
 
@@ -97,6 +102,8 @@ def write_client_data(
       num_classes: number of classes.
       client_splits: for each client, split name -> indices into `x`/`y`;
         every split of `SPLITS` must be present.
+      public_indices: optional indices of the public dataset every client may
+        read (features only: it is unlabeled for the algorithms).
 
     Returns:
       The `ClientDataSpec` of what was written.
@@ -124,6 +131,11 @@ def write_client_data(
                 stored[indices].tofile(os.path.join(client_dir, f'{split}_x.bin'))
                 y[indices].tofile(os.path.join(client_dir, f'{split}_y.i32'))
                 split_sizes[split].append(int(indices.size))
+        public_size = 0
+        if public_indices is not None:
+            os.mkdir(os.path.join(staging, 'public'))
+            stored[np.asarray(public_indices, np.int64)].tofile(os.path.join(staging, 'public', 'x.bin'))
+            public_size = int(len(public_indices))
         spec = ClientDataSpec(
             root=os.path.abspath(root),
             client_ids=client_ids,
@@ -131,6 +143,7 @@ def write_client_data(
             num_classes=int(num_classes),
             split_sizes={k: tuple(v) for k, v in split_sizes.items()},
             feature_encoding=encoding,
+            public_size=public_size,
         )
         with open(os.path.join(staging, MANIFEST), 'w') as f:
             json.dump(
@@ -140,6 +153,7 @@ def write_client_data(
                     'num_classes': spec.num_classes,
                     'split_sizes': {k: list(v) for k, v in spec.split_sizes.items()},
                     'feature_encoding': spec.feature_encoding,
+                    'public_size': spec.public_size,
                 },
                 f,
                 indent=1,
@@ -169,6 +183,7 @@ def load_client_data_spec(root: str) -> ClientDataSpec:
         num_classes=int(manifest['num_classes']),
         split_sizes={k: tuple(v) for k, v in manifest['split_sizes'].items()},
         feature_encoding=manifest.get('feature_encoding', FLOAT32),
+        public_size=int(manifest.get('public_size', 0)),
     )
 
 
@@ -244,3 +259,17 @@ def read_split(spec: ClientDataSpec, client_id: tf.Tensor, split: str) -> Client
     y = tf.io.decode_raw(tf.io.read_file(prefix + '_y.i32'), tf.int32)
     x = tf.reshape(x, (-1,) + tuple(spec.feature_shape))
     return ClientSplit(x, y, spec.feature_encoding)
+
+
+def read_public(spec: ClientDataSpec) -> ClientSplit:
+    """The public dataset as a `ClientSplit` (labels are zeros); TF graph code.
+
+    Raises:
+      ValueError: if the partition has no public data.
+    """
+    if not spec.public_size:
+        raise ValueError('this partition has no public data; prepare it with public examples')
+    stored_dtype = tf.uint8 if spec.feature_encoding == UINT8_OVER_255 else tf.float32
+    x = tf.io.decode_raw(tf.io.read_file(spec.root + '/public/x.bin'), stored_dtype)
+    x = tf.reshape(x, (-1,) + tuple(spec.feature_shape))
+    return ClientSplit(x, tf.zeros([spec.public_size], tf.int32), spec.feature_encoding)

@@ -37,6 +37,7 @@ def prepare(
     partition_params: Optional[Mapping[str, object]] = None,
     data_dir: Optional[str] = None,
     download: bool = False,
+    public_examples: int = 0,
 ) -> PreparedData:
     """Loads a dataset, partitions it, splits every client, writes the files.
 
@@ -52,6 +53,9 @@ def prepare(
       partition_params: extra keyword arguments of the partitioner.
       data_dir: TFDS data directory.
       download: whether TFDS may download.
+      public_examples: examples set aside, before partitioning, as the
+        public dataset every client may read (unlabeled; used by KT-pFL and
+        the distillation baselines); no client holds them.
 
     Returns:
       A `PreparedData`.
@@ -63,6 +67,19 @@ def prepare(
     pool = sources.load_source(
         dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients
     )
+    public = None
+    labels = pool.y
+    if public_examples:
+        if partition_name == 'natural':
+            raise partition.PartitionError('public data cannot be set aside from a natural partition')
+        if public_examples >= len(pool.y):
+            raise partition.PartitionError(
+                f'public_examples ({public_examples}) must be smaller than the dataset ({len(pool.y)})')
+        order = np.random.default_rng([seed, 0x9B]).permutation(len(pool.y))
+        public = np.sort(order[:public_examples])
+        # Clients are partitioned from the rest only.
+        keep = np.sort(order[public_examples:])
+        labels = pool.y[keep]
     if partition_name == 'natural':
         if pool.natural_partition is None:
             raise partition.PartitionError(
@@ -75,14 +92,16 @@ def prepare(
             )
     else:
         clients = partition.build_partition(
-            partition_name, pool.y, num_clients, seed, **dict(partition_params or {})
+            partition_name, labels, num_clients, seed, **dict(partition_params or {})
         )
+        if public is not None:
+            clients = [keep[c] for c in clients]
     splits = []
     for index, indices in enumerate(clients):
         try:
             splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
         except partition.PartitionError as e:
             raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
-    spec = client_data.write_client_data(root, pool.x, pool.y, pool.num_classes, splits)
+    spec = client_data.write_client_data(root, pool.x, pool.y, pool.num_classes, splits, public_indices=public)
     histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
     return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)
