@@ -33,7 +33,7 @@ def test_persfl_cnn_on_mnist_projects_to_400():
 def test_logistic_regression_and_registry():
     model = models.get('logistic')((60,), 10)
     assert _params(model) == 60 * 10 + 10
-    assert models.names() == ['gaussian_mean', 'logistic', 'mnist_dnn', 'persfl_cnn']
+    assert models.names() == ['alexnet_small', 'gaussian_mean', 'lenet', 'logistic', 'mnist_dnn', 'persfl_cnn', 'resnet_small', 'shufflenet_small']
     with pytest.raises(ValueError, match='unknown model'):
         models.get('resnet999')
     with pytest.raises(ValueError, match='image inputs'):
@@ -75,3 +75,14 @@ def test_seeded_restores_python_and_numpy_generators():
     with models.seeded(99):
         models.mnist_dnn((5,), 3)
     assert (random.random(), np.random.rand()) == expected
+
+
+@pytest.mark.parametrize('name', ['lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small'])
+def test_heterogeneous_architectures(name):
+    model = models.get(name)((28, 28, 1), 10)
+    assert model(tf.zeros([3, 28, 28, 1])).shape == (3, 10)
+    assert not model.non_trainable_weights
+    # A gradient reaches every weight.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.random.normal([2, 28, 28, 1])) ** 2)
+    assert all(g is not None for g in tape.gradient(loss, model.trainable_weights))

@@ -38,16 +38,16 @@ def _placements(type_spec) -> set:
     return found
 
 
-def clients_to_server_intrinsics(comp: tff.Computation) -> set[str]:
-    """URIs of the intrinsics that take CLIENTS values and return SERVER values.
+def clients_to_server_values(comp: tff.Computation) -> list:
+    """Every CLIENTS -> SERVER intrinsic call with the type of what it takes.
 
     Args:
       comp: a federated `tff.Computation`.
 
     Returns:
-      The set of intrinsic URIs (e.g. {'federated_mean', 'federated_sum'}).
+      A list of `(uri, argument_type)`.
     """
-    found = set()
+    found = []
 
     def visit(building_block):
         if isinstance(building_block, tff.framework.Call) and isinstance(
@@ -59,9 +59,21 @@ def clients_to_server_intrinsics(comp: tff.Computation) -> set[str]:
                 and tff.CLIENTS in _placements(argument.type_signature)
                 and tff.SERVER in _placements(building_block.type_signature)
             ):
-                found.add(building_block.function.uri)
+                found.append((building_block.function.uri, argument.type_signature))
         for child in building_block.children():
             visit(child)
 
     visit(comp.to_building_block())
     return found
+
+
+def clients_to_server_intrinsics(comp: tff.Computation) -> set[str]:
+    """URIs of the intrinsics that take CLIENTS values and return SERVER values.
+
+    Args:
+      comp: a federated `tff.Computation`.
+
+    Returns:
+      The set of intrinsic URIs (e.g. {'federated_mean', 'federated_sum'}).
+    """
+    return {uri for uri, _ in clients_to_server_values(comp)}

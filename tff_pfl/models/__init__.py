@@ -95,6 +95,84 @@ def logistic_regression(input_shape: Sequence[int], num_classes: int) -> tf.kera
     )
 
 
+def _image_input(input_shape):
+    if len(input_shape) != 3:
+        raise ValueError(f'this model needs image inputs [H, W, C], got {tuple(input_shape)}')
+    return tf.keras.Input(shape=tuple(input_shape))
+
+
+def alexnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """A small AlexNet-style CNN: three 3x3 conv layers (32, 64, 64), two
+    max-pools, a 128-unit dense layer, logits. (KT-pFL's heterogeneous set.)"""
+    inputs = _image_input(input_shape)
+    h = tf.keras.layers.Conv2D(32, 3, padding='same', activation='relu')(inputs)
+    h = tf.keras.layers.MaxPool2D(2)(h)
+    h = tf.keras.layers.Conv2D(64, 3, padding='same', activation='relu')(h)
+    h = tf.keras.layers.MaxPool2D(2)(h)
+    h = tf.keras.layers.Conv2D(64, 3, padding='same', activation='relu')(h)
+    h = tf.keras.layers.Flatten()(h)
+    h = tf.keras.layers.Dense(128, activation='relu')(h)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='alexnet_small')
+
+
+def resnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """A small ResNet: a 16-channel stem, two residual stages (16 and 32
+    channels, the second strided with a 1x1 projection shortcut), global
+    average pooling, logits. No batch normalisation: its statistics are
+    non-trainable weights, which the project's clients do not exchange or
+    store; the residual paths keep training stable at this depth."""
+    inputs = _image_input(input_shape)
+    h = tf.keras.layers.Conv2D(16, 3, padding='same', activation='relu')(inputs)
+    for filters, stride in ((16, 1), (32, 2)):
+        shortcut = h
+        y = tf.keras.layers.Conv2D(filters, 3, strides=stride, padding='same', activation='relu')(h)
+        y = tf.keras.layers.Conv2D(filters, 3, padding='same')(y)
+        if stride != 1 or shortcut.shape[-1] != filters:
+            shortcut = tf.keras.layers.Conv2D(filters, 1, strides=stride)(shortcut)
+        h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='resnet_small')
+
+
+def _channel_shuffle(x, groups=2):
+    height, width, channels = x.shape[1], x.shape[2], x.shape[3]
+    x = tf.reshape(x, [-1, height, width, groups, channels // groups])
+    x = tf.transpose(x, [0, 1, 2, 4, 3])
+    return tf.reshape(x, [-1, height, width, channels])
+
+
+def _shuffle_unit(x, channels, stride):
+    branch_channels = channels // 2
+
+    def branch(y):
+        y = tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(y)
+        y = tf.keras.layers.DepthwiseConv2D(3, strides=stride, padding='same')(y)
+        return tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(y)
+
+    if stride == 1:
+        left = tf.keras.layers.Lambda(lambda t: t[..., :branch_channels])(x)
+        right = tf.keras.layers.Lambda(lambda t: t[..., branch_channels:])(x)
+        out = tf.keras.layers.Concatenate()([left, branch(right)])
+    else:
+        left = tf.keras.layers.DepthwiseConv2D(3, strides=stride, padding='same')(x)
+        left = tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(left)
+        out = tf.keras.layers.Concatenate()([left, branch(x)])
+    return tf.keras.layers.Lambda(_channel_shuffle)(out)
+
+
+def shufflenet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """A small ShuffleNetV2-style net: a strided 3x3 stem (24 channels), a
+    strided and a plain shuffle unit at 48 channels (channel split, 1x1 -
+    depthwise 3x3 - 1x1 branch, concatenation, channel shuffle), global
+    average pooling, logits. No batch normalisation (see `resnet_small`)."""
+    inputs = _image_input(input_shape)
+    h = tf.keras.layers.Conv2D(24, 3, strides=2, padding='same', activation='relu')(inputs)
+    h = _shuffle_unit(h, 48, 2)
+    h = _shuffle_unit(h, 48, 1)
+    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='shufflenet_small')
+
+
 class _ScalarParameter(tf.keras.layers.Layer):
     """One trainable scalar theta, output for every example: [B, 1]."""
 
@@ -143,6 +221,10 @@ _REGISTRY: dict[str, ModelBuilder] = {
     'persfl_cnn': persfl_cnn,
     'logistic': logistic_regression,
     'gaussian_mean': gaussian_mean,
+    'lenet': persfl_cnn,
+    'alexnet_small': alexnet_small,
+    'resnet_small': resnet_small,
+    'shufflenet_small': shufflenet_small,
 }
 
 

@@ -1,0 +1,297 @@
+"""KT-pFL: parameterized knowledge transfer across heterogeneous client models.
+
+J. Zhang, S. Guo, X. Ma, H. Wang, W. Xu, F. Wu, "Parameterized Knowledge
+Transfer for Personalized Federated Learning" (NeurIPS 2021), Algorithm 1.
+
+Every client n keeps its own model w_n, of its own architecture, in its
+state (packed, see `computations.heterogeneous`). One round:
+
+1. local training on private data, E epochs (Eq. 5);
+2. soft predictions s(w_n, x) = softmax(z / T) on this round's public batch
+   (the same batch for everyone, drawn from the public data by round);
+3. the server forms each client's personalized soft target
+   sum_m c[n, m] s(w_m, x) with the knowledge-coefficient matrix c;
+4. each client distils towards its target with KL for R passes over the
+   public batch (Eq. 6);
+5. the server updates c by gradient descent on Eq. 4's objective (Eq. 7):
+   lambda * sum_n (D_n / D) KL(sum_m c[n, m] s_m || s_n) + rho ||c - 1/N||^2.
+
+Indexing: row n of c is client n's mixing vector (the paper's c_mn, the
+contribution of client m to client n, is c[n, m] here).
+
+Only soft predictions cross from the clients to the server: each client puts
+its [P, C] predictions (and its example count) into its own slot of an
+[N, P, C] tensor and the server receives the federated sum, i.e. every
+client's predictions side by side. Weights never leave a client.
+"""
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl import models
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import heterogeneous
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+C_UPDATES = ('paper', 'released')
+
+
+def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
+    """Personalized soft targets: [N, N] x [N, P, C] -> [N, P, C] (row n: client n's).
+
+    Each row of c is normalised to sum to 1 so that every target is a
+    probability distribution (c itself is kept non-negative by the updates).
+    """
+    weights = coefficients / tf.maximum(tf.reduce_sum(coefficients, axis=1, keepdims=True), 1e-12)
+    return tf.einsum('nm,mpc->npc', weights, predictions)
+
+
+def paper_objective(coefficients, predictions, weights, rho, imitation):
+    """Eq. 4 as a function of c (models fixed): lambda sum_n (D_n/D) KL + rho ||c - 1/N||^2.
+
+    KL(mix_n || s_n) with the row-normalised mixture of `mix`, averaged over
+    the public batch; probabilities are clipped at 1e-8 inside the logarithm.
+    """
+    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
+    targets = mix(coefficients, predictions)
+    log_ratio = tf.math.log(tf.maximum(targets, 1e-8)) - tf.math.log(tf.maximum(predictions, 1e-8))
+    kl = tf.reduce_mean(tf.reduce_sum(targets * log_ratio, axis=-1), axis=-1)  # [N]
+    share = weights / tf.reduce_sum(weights)
+    return imitation * tf.reduce_sum(share * kl) + rho * tf.reduce_sum(tf.square(coefficients - 1.0 / num_clients))
+
+
+def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation):
+    """One gradient step of Eq. 7, then c is clipped at 0 (see `mix`)."""
+    with tf.GradientTape() as tape:
+        tape.watch(coefficients)
+        loss = paper_objective(coefficients, predictions, weights, rho, imitation)
+    return tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
+
+
+def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sharpness=5.0):
+    """The authors' released-code variant of the c step.
+
+    Per row n: the objective MSE(s_n, sum_m c[n, m] s_m) + penalty MSE(c[n],
+    1/N), one gradient step, then the row is renormalised as softmax(sharpness
+    * c[n]).
+    """
+    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(coefficients)
+        # Rows are softmax-normalised already: the released code mixes with c as is.
+        targets = tf.einsum('nm,mpc->npc', coefficients, predictions)
+        mse = tf.reduce_mean(tf.square(predictions - targets), axis=[1, 2])
+        loss = tf.reduce_sum(mse + penalty * tf.reduce_mean(tf.square(coefficients - 1.0 / num_clients), axis=1))
+    stepped = coefficients - learning_rate * tape.gradient(loss, coefficients)
+    return tf.nn.softmax(sharpness * stepped, axis=1)
+
+
+def build_ktpfl_process(
+    spec: client_data.ClientDataSpec,
+    architectures: Sequence[str],
+    *,
+    local_config: local_training.TrainingConfig,
+    distill_epochs: int = 1,
+    distill_batch_size: int = 256,
+    distill_learning_rate: float = 0.01,
+    public_batch: int = 1000,
+    temperature: float = 10.0,
+    coefficient_learning_rate: float = 0.1,
+    rho: float = 0.7,
+    imitation: float = 1.0,
+    c_update: str = 'paper',
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds KT-pFL over clients with heterogeneous models.
+
+    Args:
+      spec: the partition on disk; it must hold public data.
+      architectures: one model name per client (in `spec.client_ids` order),
+        from `tff_pfl.models`.
+      local_config: E local epochs, batch size and eta_1 on private data.
+      distill_epochs: R, passes over the round's public batch.
+      distill_batch_size: public mini-batch size.
+      distill_learning_rate: eta_2.
+      public_batch: P, public examples drawn per round.
+      temperature: T of the soft predictions.
+      coefficient_learning_rate: eta_3.
+      rho: the regulariser's weight.
+      imitation: lambda of Eq. 7.
+      c_update: 'paper' (Eq. 7) or 'released' (the authors' code).
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess`; server state `<coefficients,
+      round_num>`, client state `<client_id, num_participations, last_round,
+      client_index, architecture, params>`; every client takes part in every
+      round (the paper's setting): `next` expects all client states in
+      partition order.
+
+    Raises:
+      ValueError: on bad arguments.
+    """
+    local_config.validate()
+    num_clients = spec.num_clients
+    if len(architectures) != num_clients:
+        raise ValueError(f'need one architecture per client ({num_clients}), got {len(architectures)}')
+    if not spec.public_size:
+        raise ValueError('KT-pFL needs public data: prepare the partition with public examples')
+    if c_update not in C_UPDATES:
+        raise ValueError(f'c_update must be one of {C_UPDATES}, got {c_update!r}')
+    names = sorted(set(architectures))
+    arch_ids = [names.index(a) for a in architectures]
+    archs = heterogeneous.Architectures(
+        [lambda n=n: models.get(n)(spec.feature_shape, spec.num_classes) for n in names])
+    public_batch = min(public_batch, spec.public_size)
+    num_classes = spec.num_classes
+    predictions_type = tff.TensorType(np.float32, (num_clients, public_batch, num_classes))
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        architecture = tf.gather(tf.constant(arch_ids, tf.int32), index)
+        return building_blocks.participation_state(
+            client_id,
+            client_index=index,
+            architecture=architecture,
+            params=tf.gather(archs.initial_packed(seed), architecture),
+        )
+
+    client_state_type = initial_client_state.type_signature.result
+
+    def public_batch_of(round_num):
+        public = client_data.read_public(spec)
+        noise = tf.random.stateless_uniform([spec.public_size], seed=tf.stack([seed, round_num]))
+        indices = tf.argsort(noise)[:public_batch]
+        return public.decode(tf.gather(public.features, indices))
+
+    def soft(model, x):
+        return tf.nn.softmax(model(x, training=False) / temperature, axis=-1)
+
+    @tff.tensorflow.computation(np.int32, client_state_type)
+    def local_stage(round_num, state):
+        client_id = state['client_id']
+        private = client_data.read_split(spec, client_id, 'train')
+        x_public = public_batch_of(round_num)
+
+        def work(model):
+            stats = local_training.train(
+                model, private, epochs=local_config.epochs, batch_size=local_config.batch_size,
+                learning_rate=local_config.learning_rate,
+                seed=local_training.client_seed(seed, round_num, client_id))
+            with tf.control_dependencies(list(stats)):
+                return archs.pack(model.trainable_weights), soft(model, x_public), stats
+
+        params, predictions, stats = archs.dispatch(state['architecture'], state['params'], work)
+        slot = tf.one_hot(state['client_index'], num_clients)
+        new_state = collections.OrderedDict((k, state[k]) for k in state)
+        new_state['params'] = params
+        return collections.OrderedDict(
+            predictions=slot[:, tf.newaxis, tf.newaxis] * predictions[tf.newaxis],
+            num_examples=slot * tf.cast(private.num_examples, tf.float32),
+            metric_sums=building_blocks.training_metric_sums(
+                local_training.Stats(stats.loss_sum, stats.num_correct, stats.num_examples)),
+            client_state=new_state,
+        )
+
+    @tff.tensorflow.computation(predictions_type, np.int32, client_state_type)
+    def distill_stage(targets, round_num, state):
+        x_public = public_batch_of(round_num)
+        target = targets[state['client_index']]
+        # Labels are row numbers into `target`, so the shared training loop
+        # batches inputs and targets together.
+        public = client_data.ClientSplit(x_public, tf.range(public_batch, dtype=tf.int32))
+
+        def kl_loss(model, x, rows):
+            p = tf.gather(target, rows)
+            log_q = tf.nn.log_softmax(model(x, training=True) / temperature, axis=-1)
+            kl = tf.reduce_sum(p * (tf.math.log(tf.maximum(p, 1e-8)) - log_q), axis=-1)
+            return tf.reduce_mean(kl), log_q
+
+        def work(model):
+            stats = local_training.train(
+                model, public, epochs=distill_epochs, batch_size=distill_batch_size,
+                learning_rate=distill_learning_rate,
+                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2), loss_fn=kl_loss)
+            with tf.control_dependencies(list(stats)):
+                return archs.pack(model.trainable_weights), stats.loss_sum / tf.maximum(stats.num_examples, 1.0)
+
+        params, distill_loss = archs.dispatch(state['architecture'], state['params'], work)
+        return building_blocks.participated(state, round_num, params=params), distill_loss
+
+    @tff.tensorflow.computation
+    def server_init():
+        return collections.OrderedDict(
+            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),  # c_0 = 1/N
+            round_num=tf.constant(0, tf.int32))
+
+    @tff.federated_computation
+    def initialize():
+        return tff.federated_eval(server_init, tff.SERVER)
+
+    server_state_type = initialize.type_signature.result
+
+    @tff.tensorflow.computation(server_state_type.member, predictions_type)
+    def targets_for(state, predictions):
+        return mix(state['coefficients'], predictions)
+
+    @tff.tensorflow.computation(server_state_type.member, predictions_type, tff.TensorType(np.float32, (num_clients,)))
+    def update_coefficients(state, predictions, sizes):
+        if c_update == 'paper':
+            coefficients = paper_update(state['coefficients'], predictions, sizes,
+                                        learning_rate=coefficient_learning_rate, rho=rho, imitation=imitation)
+        else:
+            coefficients = released_update(state['coefficients'], predictions, learning_rate=coefficient_learning_rate)
+        return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
+
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+    metrics_type = tff.to_type(collections.OrderedDict(
+        train_loss=np.float32, train_accuracy=np.float32, num_examples=np.float32, num_clients=np.int32))
+
+    @tff.tensorflow.computation(metrics_type, np.float32)
+    def add_distill_kl(metrics, distill_kl):
+        merged = collections.OrderedDict((k, metrics[k]) for k in metrics)
+        merged['distill_kl'] = distill_kl
+        return merged
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        round_num = tff.federated_broadcast(state.round_num)
+        local = tff.federated_map(local_stage, (round_num, client_states))
+        predictions = tff.federated_sum(local.predictions)  # every client's [P, C] in its slot
+        sizes = tff.federated_sum(local.num_examples)
+        targets = tff.federated_broadcast(tff.federated_map(targets_for, (state, predictions)))
+        distilled = tff.federated_map(distill_stage, (targets, round_num, local.client_state))
+        new_state = tff.federated_map(update_coefficients, (state, predictions, sizes))
+        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
+        distill_loss = tff.federated_mean(distilled[1])
+        return template.RoundOutput(new_state, distilled[0], tff.federated_map(add_distill_kl, (metrics, distill_loss)))
+
+    test_evaluation_type = client_state_type
+
+    @tff.tensorflow.computation(test_evaluation_type)
+    def evaluate_client(state):
+        test = client_data.read_split(spec, state['client_id'], 'test')
+        stats = archs.dispatch(state['architecture'], state['params'], lambda model: local_training.evaluate(model, test))
+        return collections.OrderedDict(personalized_model=template.client_metrics(local_training.Stats(*stats)))
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(state, client_states):
+        del state
+        return tff.federated_map(evaluate_client, client_states)
+
+    process = template.PersonalizedProcess(
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+    process.architectures = list(architectures)
+    process.communication = collections.OrderedDict(
+        soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
+        soft_target_bytes_down_per_client=public_batch * num_classes * 4,
+        parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
+    )
+    return process
