@@ -124,3 +124,19 @@ def test_bad_arguments(process):
     with pytest.raises(ValueError, match='c_update'):
         ktpfl.build_ktpfl_process(spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1),
                                   c_update='mine')
+
+
+def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
+    from tff_pfl.program import experiment
+
+    out = tmp_path / 'run'
+    config = experiment.ExperimentConfig(
+        output_dir=str(out), algorithm='ktpfl', dataset=f'npz:{tiny_npz}', partition='iid', num_clients=3,
+        rounds=2, batch_size=16, client_learning_rate=0.1, architectures=('logistic', 'mnist_dnn'),
+        public_examples=40, public_batch=20, distill_epochs=1, distill_batch_size=10)
+    result = experiment.run_experiment(config, log=lambda line: None)
+    assert (out / 'knowledge_coefficients.png').stat().st_size > 0
+    assert len((out / 'knowledge_coefficients.csv').read_text().splitlines()) == 4
+    assert [row['architecture_id'] for row in result.clients] == [0, 1, 0]
+    with pytest.raises(experiment.ConfigError, match='public_examples'):
+        experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()

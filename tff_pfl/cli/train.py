@@ -74,6 +74,17 @@ _SELFFL_DEFAULT_STEPS = flags.DEFINE_integer(
     'selffl_default_steps', _D.selffl_default_steps, 'Local steps while uncertainties are unknown (warm-up).')
 _WARMUP_ROUNDS = flags.DEFINE_integer('warmup_rounds', _D.warmup_rounds, 'Plain FedAvg rounds before Self-FL starts.')
 
+# KT-pFL (also uses the distillation flags above).
+_ARCHITECTURES = flags.DEFINE_list(
+    'architectures', list(_D.architectures), 'Client architectures, assigned to clients in turn.')
+_PUBLIC_EXAMPLES = flags.DEFINE_integer(
+    'public_examples', _D.public_examples, 'Examples set aside as unlabeled public data before partitioning.')
+_PUBLIC_BATCH = flags.DEFINE_integer('public_batch', _D.public_batch, 'Public examples drawn per round.')
+_KT_TEMPERATURE = flags.DEFINE_float('kt_temperature', _D.kt_temperature, 'Soft-prediction temperature T.')
+_KT_C_LR = flags.DEFINE_float('kt_coefficient_learning_rate', _D.kt_coefficient_learning_rate, 'eta_3, the c step.')
+_KT_RHO = flags.DEFINE_float('kt_rho', _D.kt_rho, 'rho, the weight of ||c - 1/N||^2.')
+_KT_C_UPDATE = flags.DEFINE_enum('kt_c_update', _D.kt_c_update, ['paper', 'released'], 'How c is updated.')
+
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')
@@ -114,7 +125,12 @@ def config_from_flags() -> experiment.ExperimentConfig:
         if field.name == 'output_dir':
             continue
         flag = flags.FLAGS[field.name]
-        values[field.name] = _floats(flag) if isinstance(field.default, tuple) else flag.value
+        if field.name == 'architectures':
+            values[field.name] = tuple(flag.value)
+        elif isinstance(field.default, tuple):
+            values[field.name] = _floats(flag)
+        else:
+            values[field.name] = flag.value
     values['output_dir'] = _OUTPUT_DIR.value or os.path.join(
         'runs', f'{_ALGORITHM.value}-{time.strftime("%Y%m%d-%H%M%S")}')
     return experiment.ExperimentConfig(**values).validate()

@@ -25,7 +25,7 @@ class Algorithm:
     Attributes:
       build: `(config, spec, model_fn) -> PersonalizedProcess`.
       client_columns: `(client_state) -> {column: value}` for clients.csv.
-      plots: `(output_dir, client_ids, client_states, process) -> [(title, file)]`.
+      plots: `(output_dir, run_result, process) -> [(title, file)]`.
     """
 
     build: Callable
@@ -84,7 +84,8 @@ def _persfl_columns(state):
     )
 
 
-def _persfl_plots(out, client_ids, states, process):
+def _persfl_plots(out, result, process):
+    client_ids, states = list(result.client_states), list(result.client_states.values())
     short = [c.replace('client_', '') for c in client_ids]
     reports.plot_client_bars(
         short, {'teacher round': [int(s['teacher_round']) for s in states]},
@@ -134,8 +135,9 @@ def _selffl_columns(state):
     )
 
 
-def _selffl_plots(out, client_ids, states, process):
+def _selffl_plots(out, result, process):
     del process
+    client_ids, states = list(result.client_states), list(result.client_states.values())
     short = [c.replace('client_', '') for c in client_ids]
     order = sorted(range(len(states)), key=lambda i: float(states[i]['sigma_m_sq']))
     if len(order) > 60:  # a readable sample of clients, spread over the range
@@ -149,11 +151,46 @@ def _selffl_plots(out, client_ids, states, process):
     return [('Local steps per client', 'local_steps.png'), ('Intra-client uncertainty', 'intra_client_variance.png')]
 
 
+def _ktpfl(config, spec, model_fn):
+    from processes import ktpfl
+
+    del model_fn  # every client has its own architecture
+    return ktpfl.build_ktpfl_process(
+        spec,
+        [config.architectures[i % len(config.architectures)] for i in range(spec.num_clients)],
+        local_config=_local_config(config),
+        distill_epochs=config.distill_epochs,
+        distill_batch_size=config.distill_batch_size,
+        distill_learning_rate=config.distill_learning_rate,
+        public_batch=config.public_batch,
+        temperature=config.kt_temperature,
+        coefficient_learning_rate=config.kt_coefficient_learning_rate,
+        rho=config.kt_rho,
+        c_update=config.kt_c_update,
+        seed=config.seed,
+    )
+
+
+def _ktpfl_plots(out, result, process):
+    short = [c.replace('client_', '') for c in result.client_states]
+    labels = [f'{s} {a}' for s, a in zip(short, process.architectures)]
+    coefficients = np.asarray(result.state['coefficients'])
+    reports.plot_heatmap(coefficients, os.path.join(out, 'knowledge_coefficients.png'),
+                         'Knowledge coefficients c[n, m] (row n: client n\'s mix)', row_labels=labels, col_labels=short)
+    reports.write_csv(os.path.join(out, 'knowledge_coefficients.csv'),
+                      [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)})
+                       for c, row in zip(result.client_states, coefficients)])
+    reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.communication)])
+    return [('Knowledge coefficients', 'knowledge_coefficients.png')]
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
     'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
     'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
+    'ktpfl': Algorithm(
+        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
 }
 
 

@@ -81,6 +81,14 @@ class ExperimentConfig:
     selffl_max_steps: int = 40
     selffl_default_steps: int = 20
     warmup_rounds: int = 0
+    # KT-pFL (distillation settings above are shared).
+    architectures: tuple = ('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small')
+    public_examples: int = 0
+    public_batch: int = 1000
+    kt_temperature: float = 10.0
+    kt_coefficient_learning_rate: float = 0.1
+    kt_rho: float = 0.7
+    kt_c_update: str = 'paper'
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -140,6 +148,14 @@ class ExperimentConfig:
             (self.selffl_max_steps >= 1, f'selffl_max_steps must be >= 1, got {self.selffl_max_steps}'),
             (self.selffl_default_steps >= 1, f'selffl_default_steps must be >= 1, got {self.selffl_default_steps}'),
             (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
+            (all(a in models.names() for a in self.architectures),
+             f'unknown architecture in {list(self.architectures)}; known: {", ".join(models.names())}'),
+            (self.public_examples >= 0, f'public_examples must be >= 0, got {self.public_examples}'),
+            (self.algorithm != 'ktpfl' or self.public_examples > 0, 'ktpfl needs --public_examples > 0'),
+            (self.algorithm != 'ktpfl' or self.client_fraction == 1.0, 'ktpfl trains every client every round: --client_fraction=1'),
+            (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
+            (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
+            (self.kt_c_update in ('paper', 'released'), f"kt_c_update must be 'paper' or 'released', got {self.kt_c_update!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -200,6 +216,7 @@ def run_experiment(
             partition_params={k: v for k, v in config.partition_params().items() if v is not None},
             data_dir=config.data_dir,
             download=config.download,
+            public_examples=config.public_examples,
         )
         with open(os.path.join(staging, 'config.json'), 'w') as f:
             json.dump(dataclasses.asdict(config), f, indent=2)
@@ -292,7 +309,7 @@ def _write_results(out, config, spec, result, process) -> list:
         os.path.join(out, 'clients.png'), f'{config.algorithm}: test accuracy per client', 'test accuracy',
     )
     plots = algorithms.get(config.algorithm).plots
-    extra = plots(out, list(result.client_states), list(result.client_states.values()), process) if plots else []
+    extra = plots(out, result, process) if plots else []
     reports.write_text_atomic(os.path.join(out, 'report.md'), render_report(config, spec, result, extra))
     return extra
 
