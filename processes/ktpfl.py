@@ -39,7 +39,12 @@ from tff_pfl.computations import local_training
 from tff_pfl.computations import template
 from tff_pfl.data import client_data
 
-C_UPDATES = ('paper', 'released')
+C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
+# Baselines of the paper's Table 1 that differ from KT-pFL only in c:
+#   fedmd: every client's target is the plain average of all soft predictions;
+#   similarity (Sim-pFL): c[n, m] = cosine similarity of the soft predictions;
+#   topk (TopK-pFL): the same, kept for the K most similar clients only.
+FIXED_OR_SIMILARITY = ('fedmd', 'similarity', 'topk')
 
 
 def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
@@ -92,6 +97,24 @@ def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sh
     return tf.nn.softmax(sharpness * stepped, axis=1)
 
 
+def similarity_coefficients(predictions: tf.Tensor, top_k=None) -> tf.Tensor:
+    """Sim-pFL's / TopK-pFL's c from this round's soft predictions.
+
+    c[n, m] = cosine similarity of clients n's and m's predictions on the
+    public batch (non-negative for probabilities). With `top_k`, each row
+    keeps its K largest entries (the client itself, similarity 1, is always
+    among them) and zeroes the rest. Rows are normalised by `mix`.
+    """
+    num_clients = tf.shape(predictions)[0]
+    flat = tf.math.l2_normalize(tf.reshape(predictions, [num_clients, -1]), axis=1)
+    similarity = tf.maximum(tf.matmul(flat, flat, transpose_b=True), 0.0)
+    if top_k is None:
+        return similarity
+    k = tf.minimum(top_k, num_clients)
+    threshold = tf.math.top_k(similarity, k=k).values[:, -1:]
+    return tf.where(similarity >= threshold, similarity, 0.0)
+
+
 def build_ktpfl_process(
     spec: client_data.ClientDataSpec,
     architectures: Sequence[str],
@@ -106,6 +129,7 @@ def build_ktpfl_process(
     rho: float = 0.7,
     imitation: float = 1.0,
     c_update: str = 'paper',
+    top_k: int = 5,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds KT-pFL over clients with heterogeneous models.
@@ -123,7 +147,10 @@ def build_ktpfl_process(
       coefficient_learning_rate: eta_3.
       rho: the regulariser's weight.
       imitation: lambda of Eq. 7.
-      c_update: 'paper' (Eq. 7) or 'released' (the authors' code).
+      c_update: 'paper' (Eq. 7), 'released' (the authors' code), or a
+        baseline: 'fedmd' (uniform c, never updated), 'similarity' (Sim-pFL),
+        'topk' (TopK-pFL, with `top_k`).
+      top_k: K of TopK-pFL.
       seed: run seed.
 
     Returns:
@@ -237,17 +264,26 @@ def build_ktpfl_process(
 
     server_state_type = initialize.type_signature.result
 
+    def coefficients_for(state, predictions):
+        if c_update == 'similarity':
+            return similarity_coefficients(predictions)
+        if c_update == 'topk':
+            return similarity_coefficients(predictions, top_k=top_k)
+        return state['coefficients']
+
     @tff.tensorflow.computation(server_state_type.member, predictions_type)
     def targets_for(state, predictions):
-        return mix(state['coefficients'], predictions)
+        return mix(coefficients_for(state, predictions), predictions)
 
     @tff.tensorflow.computation(server_state_type.member, predictions_type, tff.TensorType(np.float32, (num_clients,)))
     def update_coefficients(state, predictions, sizes):
         if c_update == 'paper':
             coefficients = paper_update(state['coefficients'], predictions, sizes,
                                         learning_rate=coefficient_learning_rate, rho=rho, imitation=imitation)
-        else:
+        elif c_update == 'released':
             coefficients = released_update(state['coefficients'], predictions, learning_rate=coefficient_learning_rate)
+        else:  # the baselines' c is not learned; keep this round's for reports
+            coefficients = coefficients_for(state, predictions)
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)

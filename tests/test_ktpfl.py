@@ -74,6 +74,39 @@ def test_released_update(predictions):
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
 
 
+def test_similarity_and_topk_coefficients(predictions):
+    _, s = predictions
+    flat = s.reshape(3, -1)
+    cos = flat @ flat.T / np.outer(np.linalg.norm(flat, axis=1), np.linalg.norm(flat, axis=1))
+    got = ktpfl.similarity_coefficients(tf.constant(s, tf.float32)).numpy()
+    np.testing.assert_allclose(got, cos, rtol=1e-5)
+    top2 = ktpfl.similarity_coefficients(tf.constant(s, tf.float32), top_k=2).numpy()
+    for n in range(3):
+        kept = np.argsort(-cos[n])[:2]
+        assert set(np.nonzero(top2[n])[0]) == set(kept) and n in kept
+        np.testing.assert_allclose(top2[n][kept], cos[n][kept], rtol=1e-5)
+
+
+@pytest.mark.parametrize('c_update', ['fedmd', 'similarity', 'topk', 'released'])
+def test_baseline_modes_run(tiny_npz, tmp_path, tff_runtime, c_update):
+    prepared = pipeline.prepare(str(tmp_path / 'data'), dataset=f'npz:{tiny_npz}', partition_name='iid',
+                                num_clients=3, seed=0, public_examples=40)
+    proc = ktpfl.build_ktpfl_process(
+        prepared.spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1),
+        public_batch=30, distill_batch_size=10, c_update=c_update, top_k=2)
+    state = proc.initialize()
+    states = [proc.initial_client_state(c) for c in prepared.spec.client_ids]
+    state, states, metrics = proc.next(state, states)
+    c = np.asarray(state['coefficients'])
+    if c_update == 'fedmd':
+        np.testing.assert_allclose(c, 1 / 3)
+    if c_update == 'topk':
+        assert ((c > 0).sum(axis=1) == 2).all()
+    if c_update == 'released':
+        np.testing.assert_allclose(c.sum(axis=1), 1.0, rtol=1e-5)
+    assert np.isfinite(metrics['distill_kl'])
+
+
 @pytest.fixture(scope='module')
 def process(tiny_npz, tmp_path_factory):
     prepared = pipeline.prepare(str(tmp_path_factory.mktemp('kt') / 'data'), dataset=f'npz:{tiny_npz}',

@@ -83,7 +83,9 @@ _PUBLIC_BATCH = flags.DEFINE_integer('public_batch', _D.public_batch, 'Public ex
 _KT_TEMPERATURE = flags.DEFINE_float('kt_temperature', _D.kt_temperature, 'Soft-prediction temperature T.')
 _KT_C_LR = flags.DEFINE_float('kt_coefficient_learning_rate', _D.kt_coefficient_learning_rate, 'eta_3, the c step.')
 _KT_RHO = flags.DEFINE_float('kt_rho', _D.kt_rho, 'rho, the weight of ||c - 1/N||^2.')
-_KT_C_UPDATE = flags.DEFINE_enum('kt_c_update', _D.kt_c_update, ['paper', 'released'], 'How c is updated.')
+_KT_C_UPDATE = flags.DEFINE_enum(
+    'kt_c_update', _D.kt_c_update, ['paper', 'released', 'fedmd', 'similarity', 'topk'],
+    'How c is updated: KT-pFL (paper, released) or a baseline (FedMD, Sim-pFL, TopK-pFL).')
 
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')

@@ -155,7 +155,8 @@ class ExperimentConfig:
             (self.algorithm != 'ktpfl' or self.client_fraction == 1.0, 'ktpfl trains every client every round: --client_fraction=1'),
             (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
             (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
-            (self.kt_c_update in ('paper', 'released'), f"kt_c_update must be 'paper' or 'released', got {self.kt_c_update!r}"),
+            (self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
+             f"kt_c_update must be paper, released, fedmd, similarity or topk, got {self.kt_c_update!r}"),
         ]
         for ok, message in checks:
             if not ok:
