@@ -8,21 +8,6 @@ aggregates (sums, means, aggregations) cross.
 
 import tensorflow_federated as tff
 
-# Intrinsics that reduce CLIENTS-placed values to one SERVER-placed value.
-AGGREGATION_URIS = frozenset(
-    {
-        'federated_aggregate',
-        'federated_mean',
-        'federated_weighted_mean',
-        'federated_sum',
-        'federated_secure_sum',
-        'federated_secure_sum_bitwidth',
-        'federated_secure_modular_sum',
-        'federated_min',
-        'federated_max',
-    }
-)
-
 
 def _placements(type_spec) -> set:
     found = set()

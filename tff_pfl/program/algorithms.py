@@ -33,6 +33,11 @@ class Algorithm:
     plots: Optional[Callable] = None
 
 
+def _short_ids(client_ids):
+    """`client_00007` -> `00007`, for plot labels."""
+    return [c.replace('client_', '') for c in client_ids]
+
+
 def _local_config(config):
     if config.local_steps:
         # "l local steps": enough epochs for them, capped at l.
@@ -86,7 +91,7 @@ def _persfl_columns(state):
 
 def _persfl_plots(out, result, process):
     client_ids, states = list(result.client_states), list(result.client_states.values())
-    short = [c.replace('client_', '') for c in client_ids]
+    short = _short_ids(client_ids)
     reports.plot_client_bars(
         short, {'teacher round': [int(s['teacher_round']) for s in states]},
         os.path.join(out, 'teacher_rounds.png'), 'Round of each client\'s optimal teacher', 'round')
@@ -138,7 +143,7 @@ def _selffl_columns(state):
 def _selffl_plots(out, result, process):
     del process
     client_ids, states = list(result.client_states), list(result.client_states.values())
-    short = [c.replace('client_', '') for c in client_ids]
+    short = _short_ids(client_ids)
     order = sorted(range(len(states)), key=lambda i: float(states[i]['sigma_m_sq']))
     if len(order) > 60:  # a readable sample of clients, spread over the range
         order = [order[int(i)] for i in np.linspace(0, len(order) - 1, 60)]
@@ -172,7 +177,7 @@ def _ktpfl(config, spec, model_fn):
 
 
 def _ktpfl_plots(out, result, process):
-    short = [c.replace('client_', '') for c in result.client_states]
+    short = _short_ids(result.client_states)
     labels = [f'{s} {a}' for s, a in zip(short, process.architectures)]
     coefficients = np.asarray(result.state['coefficients'])
     reports.plot_heatmap(coefficients, os.path.join(out, 'knowledge_coefficients.png'),
