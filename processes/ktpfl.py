@@ -34,6 +34,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import models
 from tff_pfl.computations import building_blocks
+from tff_pfl.computations import distillation
 from tff_pfl.computations import heterogeneous
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template
@@ -47,14 +48,24 @@ C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
 FIXED_OR_SIMILARITY = ('fedmd', 'similarity', 'topk')
 
 
+def mixing_weights(coefficients: tf.Tensor) -> tf.Tensor:
+    """Rows of c normalised to sum to 1 (c itself is kept non-negative).
+
+    A row that has fallen to all zeros gives the client its own weight only
+    (the identity row): a client that trusts nobody keeps its own knowledge.
+    """
+    totals = tf.reduce_sum(coefficients, axis=1, keepdims=True)
+    own = tf.eye(tf.shape(coefficients)[0], dtype=coefficients.dtype)
+    return tf.where(totals > 0, coefficients / tf.maximum(totals, 1e-12), own)
+
+
 def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
     """Personalized soft targets: [N, N] x [N, P, C] -> [N, P, C] (row n: client n's).
 
-    Each row of c is normalised to sum to 1 so that every target is a
-    probability distribution (c itself is kept non-negative by the updates).
+    Rows of c are normalised by `mixing_weights`, so that every target is a
+    probability distribution.
     """
-    weights = coefficients / tf.maximum(tf.reduce_sum(coefficients, axis=1, keepdims=True), 1e-12)
-    return tf.einsum('nm,mpc->npc', weights, predictions)
+    return tf.einsum('nm,mpc->npc', mixing_weights(coefficients), predictions)
 
 
 def paper_objective(coefficients, predictions, weights, rho, imitation):
@@ -193,10 +204,7 @@ def build_ktpfl_process(
     client_state_type = initial_client_state.type_signature.result
 
     def public_batch_of(round_num):
-        public = client_data.read_public(spec)
-        noise = tf.random.stateless_uniform([spec.public_size], seed=tf.stack([seed, round_num]))
-        indices = tf.argsort(noise)[:public_batch]
-        return public.decode(tf.gather(public.features, indices))
+        return client_data.read_public_batch(spec, public_batch, seed, round_num)
 
     def soft(model, x):
         return tf.nn.softmax(model(x, training=False) / temperature, axis=-1)
@@ -231,23 +239,14 @@ def build_ktpfl_process(
     def distill_stage(targets, round_num, state):
         x_public = public_batch_of(round_num)
         target = targets[state['client_index']]
-        # Labels are row numbers into `target`, so the shared training loop
-        # batches inputs and targets together.
-        public = client_data.ClientSplit(x_public, tf.range(public_batch, dtype=tf.int32))
-
-        def kl_loss(model, x, rows):
-            p = tf.gather(target, rows)
-            log_q = tf.nn.log_softmax(model(x, training=True) / temperature, axis=-1)
-            kl = tf.reduce_sum(p * (tf.math.log(tf.maximum(p, 1e-8)) - log_q), axis=-1)
-            return tf.reduce_mean(kl), log_q
 
         def work(model):
-            stats = local_training.train(
-                model, public, epochs=distill_epochs, batch_size=distill_batch_size,
-                learning_rate=distill_learning_rate,
-                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2), loss_fn=kl_loss)
-            with tf.control_dependencies(list(stats)):
-                return archs.pack(model.trainable_weights), stats.loss_sum / tf.maximum(stats.num_examples, 1.0)
+            distill_loss = distillation.distill_towards(
+                model, x_public, target, temperature=temperature, epochs=distill_epochs,
+                batch_size=distill_batch_size, learning_rate=distill_learning_rate,
+                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2))
+            with tf.control_dependencies([distill_loss]):
+                return archs.pack(model.trainable_weights), tf.identity(distill_loss)
 
         params, distill_loss = archs.dispatch(state['architecture'], state['params'], work)
         return building_blocks.participated(state, round_num, params=params), distill_loss
@@ -287,14 +286,6 @@ def build_ktpfl_process(
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-    metrics_type = tff.to_type(collections.OrderedDict(
-        train_loss=np.float32, train_accuracy=np.float32, num_examples=np.float32, num_clients=np.int32))
-
-    @tff.tensorflow.computation(metrics_type, np.float32)
-    def add_distill_kl(metrics, distill_kl):
-        merged = collections.OrderedDict((k, metrics[k]) for k in metrics)
-        merged['distill_kl'] = distill_kl
-        return merged
 
     @tff.federated_computation(server_state_type, client_states_type)
     def next_fn(state, client_states):
@@ -306,8 +297,8 @@ def build_ktpfl_process(
         distilled = tff.federated_map(distill_stage, (targets, round_num, local.client_state))
         new_state = tff.federated_map(update_coefficients, (state, predictions, sizes))
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
-        distill_loss = tff.federated_mean(distilled[1])
-        return template.RoundOutput(new_state, distilled[0], tff.federated_map(add_distill_kl, (metrics, distill_loss)))
+        distill_kl = tff.federated_zip(collections.OrderedDict(distill_kl=tff.federated_mean(distilled[1])))
+        return template.RoundOutput(new_state, distilled[0], building_blocks.with_server_metrics(metrics, distill_kl))
 
     test_evaluation_type = client_state_type
 
@@ -330,4 +321,183 @@ def build_ktpfl_process(
         soft_target_bytes_down_per_client=public_batch * num_classes * 4,
         parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
     )
+    return process
+
+
+def parameter_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """Appendix C's L_dis on parameter vectors: 1/2 ||a - b||^2 over the last axis."""
+    return 0.5 * tf.reduce_sum(tf.square(a - b), axis=-1)
+
+
+def homogeneous_objective(coefficients, params, weights, rho, imitation):
+    """Eq. 11's objective in c (models fixed).
+
+    lambda sum_n (D_n/D) L_dis(sum_m c[n, m] w_m, w_n) + rho ||c - 1/N||^2,
+    with the rows of c normalised by `mixing_weights`.
+
+    Args:
+      coefficients: c, `[N, N]`.
+      params: the clients' parameter vectors, `[N, D]`.
+      weights: D_n, `[N]`.
+      rho: the regulariser's weight.
+      imitation: lambda.
+    """
+    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
+    mixed = tf.matmul(mixing_weights(coefficients), params)
+    share = weights / tf.reduce_sum(weights)
+    return imitation * tf.reduce_sum(share * parameter_distance(mixed, params)) + rho * tf.reduce_sum(
+        tf.square(coefficients - 1.0 / num_clients))
+
+
+def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation):
+    """One gradient step of Eq. 11, then c is clipped at 0."""
+    with tf.GradientTape() as tape:
+        tape.watch(coefficients)
+        loss = homogeneous_objective(coefficients, params, weights, rho, imitation)
+    return tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
+
+
+def build_ktpfl_homogeneous_process(
+    spec: client_data.ClientDataSpec,
+    model_fn,
+    *,
+    local_config: local_training.TrainingConfig,
+    transfer_steps: int = 1,
+    transfer_learning_rate: float = 0.01,
+    coefficient_learning_rate: float = 0.005,
+    rho: float = 0.6,
+    imitation: float = 1.0,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds homogeneous KT-pFL (the paper's Appendix C, Algorithm 2).
+
+    Every client has the same architecture and uploads its parameters (this
+    variant exchanges models, as the paper says). The server forms client
+    n's personalized model u_n = sum_m c[n, m] w_m, sends it back, and the
+    client takes R gradient steps on L_dis(u_n, w_n) = 1/2 ||u_n - w_n||^2
+    (Eq. 10), i.e. w_n <- w_n - eta_2 (w_n - u_n); then c takes one step of
+    Eq. 11 on the uploaded parameters.
+
+    Args:
+      spec: the partition on disk.
+      model_fn: no-arg builder of the shared architecture (no non-trainable
+        weights).
+      local_config: E local epochs, batch size and eta_1 (Eq. 9).
+      transfer_steps: R.
+      transfer_learning_rate: eta_2 (1 with R = 1: the client adopts u_n).
+      coefficient_learning_rate: eta_3 (0 keeps c at 1/N).
+      rho: the regulariser's weight.
+      imitation: lambda.
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess`; server state `<coefficients,
+      round_num>`, client state `<client_id, num_participations, last_round,
+      client_index, params=float32[D]>`; every client takes part in every
+      round.
+
+    Raises:
+      ValueError: on bad arguments.
+    """
+    local_config.validate()
+    if transfer_steps < 0 or transfer_learning_rate < 0 or coefficient_learning_rate < 0:
+        raise ValueError('transfer_steps and the learning rates must be >= 0')
+    num_clients = spec.num_clients
+    archs = heterogeneous.Architectures([model_fn])
+    num_params = archs.max_size
+    params_type = tff.TensorType(np.float32, (num_clients, num_params))
+    sizes_type = tff.TensorType(np.float32, (num_clients,))
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        return building_blocks.participation_state(
+            client_id, client_index=index, params=archs.initial_packed(seed)[0])
+
+    client_state_type = initial_client_state.type_signature.result
+
+    @tff.tensorflow.computation(np.int32, client_state_type)
+    def local_stage(round_num, state):
+        private = client_data.read_split(spec, state['client_id'], 'train')
+
+        def work(model):
+            stats = local_training.train(
+                model, private, epochs=local_config.epochs, batch_size=local_config.batch_size,
+                learning_rate=local_config.learning_rate, max_steps=local_config.max_steps,
+                seed=local_training.client_seed(seed, round_num, state['client_id']))
+            with tf.control_dependencies(list(stats)):
+                return archs.pack(model.trainable_weights), stats
+
+        params, stats = archs.dispatch(tf.constant(0), state['params'], work)
+        slot = tf.one_hot(state['client_index'], num_clients)
+        new_state = collections.OrderedDict((k, state[k]) for k in state)
+        new_state['params'] = params
+        return collections.OrderedDict(
+            params=slot[:, tf.newaxis] * params[tf.newaxis],
+            num_examples=slot * tf.cast(private.num_examples, tf.float32),
+            metric_sums=building_blocks.training_metric_sums(local_training.Stats(*stats)),
+            client_state=new_state,
+        )
+
+    @tff.tensorflow.computation(params_type, np.int32, client_state_type)
+    def transfer_stage(personalized, round_num, state):
+        target = personalized[state['client_index']]
+        params = state['params']
+        for _ in range(transfer_steps):  # Eq. 10: gradient steps on 1/2 ||u_n - w_n||^2
+            params = params - transfer_learning_rate * (params - target)
+        distance = parameter_distance(params, target)
+        return building_blocks.participated(state, round_num, params=params), distance
+
+    @tff.tensorflow.computation
+    def server_init():
+        return collections.OrderedDict(
+            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),
+            round_num=tf.constant(0, tf.int32))
+
+    @tff.federated_computation
+    def initialize():
+        return tff.federated_eval(server_init, tff.SERVER)
+
+    server_state_type = initialize.type_signature.result
+
+    @tff.tensorflow.computation(server_state_type.member, params_type)
+    def personalized_models(state, params):
+        return tf.matmul(mixing_weights(state['coefficients']), params)
+
+    @tff.tensorflow.computation(server_state_type.member, params_type, sizes_type)
+    def update_coefficients(state, params, sizes):
+        coefficients = homogeneous_update(state['coefficients'], params, sizes, learning_rate=coefficient_learning_rate,
+                                          rho=rho, imitation=imitation)
+        return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
+
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        round_num = tff.federated_broadcast(state.round_num)
+        local = tff.federated_map(local_stage, (round_num, client_states))
+        params = tff.federated_sum(local.params)  # every client's parameters in its slot
+        sizes = tff.federated_sum(local.num_examples)
+        personalized = tff.federated_broadcast(tff.federated_map(personalized_models, (state, params)))
+        transferred = tff.federated_map(transfer_stage, (personalized, round_num, local.client_state))
+        new_state = tff.federated_map(update_coefficients, (state, params, sizes))
+        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
+        distance = tff.federated_zip(collections.OrderedDict(transfer_distance=tff.federated_mean(transferred[1])))
+        return template.RoundOutput(new_state, transferred[0], building_blocks.with_server_metrics(metrics, distance))
+
+    @tff.tensorflow.computation(client_state_type)
+    def evaluate_client(state):
+        test = client_data.read_split(spec, state['client_id'], 'test')
+        stats = archs.dispatch(tf.constant(0), state['params'], lambda model: local_training.evaluate(model, test))
+        return collections.OrderedDict(personalized_model=template.client_metrics(local_training.Stats(*stats)))
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(state, client_states):
+        del state
+        return tff.federated_map(evaluate_client, client_states)
+
+    process = template.PersonalizedProcess(
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+    process.communication = collections.OrderedDict(
+        parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4)
     return process

@@ -6,6 +6,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import ktpfl
+from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.computations import local_training
 from tff_pfl.data import pipeline
@@ -173,3 +174,78 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
     assert [row['architecture_id'] for row in result.clients] == [0, 1, 0]
     with pytest.raises(experiment.ConfigError, match='public_examples'):
         experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()
+
+
+def _numpy_homogeneous_objective(c, params, sizes, rho, lam):
+    mixed = (c / c.sum(axis=1, keepdims=True)) @ params
+    distance = 0.5 * ((mixed - params) ** 2).sum(axis=1)
+    return lam * (sizes / sizes.sum() * distance).sum() + rho * ((c - 1 / len(c)) ** 2).sum()
+
+
+def test_homogeneous_update_is_a_gradient_step_of_eq11():
+    rng = np.random.default_rng(1)
+    c = rng.uniform(0.2, 0.5, size=(3, 3))
+    params = rng.normal(size=(3, 7))
+    sizes = np.array([5.0, 10.0, 20.0])
+    f = lambda m: _numpy_homogeneous_objective(m, params, sizes, 0.6, 1.0)  # noqa: E731
+    want = np.maximum(c - 0.05 * _numeric_gradient(f, c), 0.0)
+    got = ktpfl.homogeneous_update(tf.constant(c, tf.float32), tf.constant(params, tf.float32),
+                                   tf.constant(sizes, tf.float32), learning_rate=0.05, rho=0.6, imitation=1.0)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
+
+
+def test_a_row_of_zeros_keeps_the_clients_own_knowledge():
+    c = tf.constant([[0.0, 0.0], [1.0, 3.0]])
+    np.testing.assert_allclose(ktpfl.mixing_weights(c).numpy(), [[1.0, 0.0], [0.25, 0.75]])
+
+
+@pytest.fixture(scope='module')
+def equal_clients(tmp_path_factory):
+    from tests.conftest import make_linear_problem
+
+    spec = make_linear_problem(tmp_path_factory.mktemp('homo') / 'data', sizes=(30, 30, 30))
+    return spec, lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)
+
+
+def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, tff_runtime):
+    from processes import fedavg
+
+    spec, model_fn = equal_clients
+    config = local_training.TrainingConfig(2, 8, 0.3)
+    proc = ktpfl.build_ktpfl_homogeneous_process(
+        spec, model_fn, local_config=config, transfer_steps=1, transfer_learning_rate=1.0,
+        coefficient_learning_rate=0.0, seed=5)
+    reference = fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=5)
+    state, ref_state = proc.initialize(), reference.initialize()
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    ref_states = [reference.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(3):
+        state, states, metrics = proc.next(state, states)
+        ref_state, ref_states, _ = reference.next(ref_state, ref_states)
+        want = np.concatenate([np.asarray(w).ravel() for w in ref_state['model']])
+        for s in states:  # every client adopted u_n = the plain mean = FedAvg's model (equal sizes)
+            np.testing.assert_allclose(s['params'], want, atol=1e-5)
+        assert metrics['transfer_distance'] == pytest.approx(0.0, abs=1e-8)
+    np.testing.assert_allclose(state['coefficients'], 1 / 3)
+
+
+def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
+    spec, model_fn = equal_clients
+    proc = ktpfl.build_ktpfl_homogeneous_process(
+        spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3), transfer_steps=1,
+        transfer_learning_rate=0.5, coefficient_learning_rate=0.05, rho=0.6)
+    state = proc.initialize()
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    state, states, _ = proc.next(state, states)
+    after = np.stack([np.asarray(s['params'], np.float64) for s in states])
+    # Round 1 mixes with c_0 = 1/N: w' = w - 0.5 (w - mean w), so mean w' = mean w and w = 2 w' - mean w.
+    uploaded = 2 * after - after.mean(axis=0)
+    sizes = np.array([30.0, 30.0, 30.0])
+    f = lambda m: _numpy_homogeneous_objective(m, uploaded, sizes, 0.6, 1.0)  # noqa: E731
+    c0 = np.full((3, 3), 1 / 3)
+    want = np.maximum(c0 - 0.05 * _numeric_gradient(f, c0), 0.0)
+    np.testing.assert_allclose(state['coefficients'], want, atol=1e-4)
+    assert not np.allclose(want, c0)
+    assert all(0 <= r['personalized_model']['accuracy'] <= 1 for r in proc.evaluate(state, states))
+    moved = audit.clients_to_server_values(proc.next)
+    assert any('float32[3,' in str(t) for _, t in moved)  # Appendix C exchanges parameters, by design

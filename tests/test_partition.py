@@ -311,3 +311,27 @@ def test_ds3_cyclic_classes_cover_every_class_equally():
     assert all(len(set(labels[c].tolist())) == 2 for c in randomly)
     with pytest.raises(partition.PartitionError, match='class_assignment'):
         partition.persfl_ds3(labels, 10, seed=4, class_assignment='sorted')
+
+
+def test_ktpfl_case1_two_groups_with_opposite_skews(labels):
+    parts = partition.build_partition('kt_case1', labels, 4, seed=0, major=9, minor=3)
+    assert_valid(parts, labels.size)
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    first, second = [9] * 5 + [3] * 5, [3] * 5 + [9] * 5
+    np.testing.assert_array_equal(histogram, [first, first, second, second])
+
+
+def test_ktpfl_case2_two_classes_each(labels):
+    parts = partition.build_partition('kt_case2', labels, 6, seed=1, examples_per_class=5)
+    assert_valid(parts, labels.size)
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    for row in histogram:
+        assert sorted(row[row > 0].tolist()) == [5, 5]
+    assert len({tuple(np.flatnonzero(r)) for r in histogram}) > 1  # classes differ between clients
+
+
+def test_ktpfl_cases_fail_clearly(labels):
+    with pytest.raises(partition.PartitionError, match='runs out'):
+        partition.ktpfl_case1(labels, 12, seed=0, major=9, minor=3)  # 6 x 9 + 6 x 3 per class > 60
+    with pytest.raises(partition.PartitionError, match='classes_per_client'):
+        partition.ktpfl_case2(labels, 3, seed=0, classes_per_client=11)

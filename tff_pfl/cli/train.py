@@ -37,13 +37,19 @@ _DATA_DIR = flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 _DOWNLOAD = flags.DEFINE_bool('download', False, 'Let TFDS download the dataset.')
 _PARTITION = flags.DEFINE_string(
     'partition', _D.partition,
-    'natural | iid | ds1 | ds2 | ds3 | dirichlet | dirichlet_clients | shards.')
+    'natural | iid | ds1 | ds2 | ds3 | dirichlet | dirichlet_clients | shards | kt_case1 | kt_case2.')
 _NUM_CLIENTS = flags.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients.')
 _CLASSES_PER_CLIENT = flags.DEFINE_integer(
-    'classes_per_client', _D.classes_per_client, 'k of DS-1; shards per client of `shards`.')
+    'classes_per_client', None,
+    'k of ds1 (default 4); shards per client of shards (2); classes per client of ds3 and kt_case2 (2).')
 _DIRICHLET_ALPHA = flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha, 'Dirichlet concentration.')
 _EXAMPLES_PER_CLIENT = flags.DEFINE_integer(
     'examples_per_client', None, 'Examples per client (ds1, iid, dirichlet); default: as many as fit.')
+_EXAMPLES_PER_CLASS = flags.DEFINE_integer(
+    'examples_per_class', None, 'Examples of each of a client\'s classes (kt_case2; default 300).')
+_KT_CASE1_COUNTS = flags.DEFINE_list(
+    'kt_case1_counts', [str(c) for c in _D.kt_case1_counts],
+    'kt_case1: examples per class of a group\'s own half of the classes, and of the other half.')
 _SPLIT_FRACTIONS = flags.DEFINE_list(
     'split_fractions', ['0.6', '0.2', '0.2'], 'Train,validation,test fractions of each client.')
 
@@ -86,6 +92,10 @@ _KT_RHO = flags.DEFINE_float('kt_rho', _D.kt_rho, 'rho, the weight of ||c - 1/N|
 _KT_C_UPDATE = flags.DEFINE_enum(
     'kt_c_update', _D.kt_c_update, ['paper', 'released', 'fedmd', 'similarity', 'topk'],
     'How c is updated: KT-pFL (paper, released) or a baseline (FedMD, Sim-pFL, TopK-pFL).')
+
+# FedDF / pFedDF (--distill_epochs: the server's passes over the public batch per prototype).
+_FINETUNE_EPOCHS = flags.DEFINE_integer(
+    'finetune_epochs', _D.finetune_epochs, 'pFedDF: local fine-tuning epochs of the prototype at evaluation.')
 
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')

@@ -118,6 +118,29 @@ def aggregate_training_metrics(client_sums, measurements=None):
     return tff.federated_map(merge, (metrics, measurements))
 
 
+def with_server_metrics(metrics, extra):
+    """Adds SERVER-placed named values to the round metrics.
+
+    Must be called inside a `tff.federated_computation`.
+
+    Args:
+      metrics: the round metrics `<...>@SERVER` (e.g. from
+        `aggregate_training_metrics`).
+      extra: `<name=value, ...>@SERVER`, e.g. a server-side loss.
+
+    Returns:
+      `<...metrics, ...extra>@SERVER`.
+    """
+
+    @tff.tensorflow.computation(metrics.type_signature.member, extra.type_signature.member)
+    def merge(metrics, extra):
+        merged = collections.OrderedDict((k, metrics[k]) for k in metrics)
+        merged.update((k, extra[k]) for k in extra)
+        return merged
+
+    return tff.federated_map(merge, (metrics, extra))
+
+
 def _has_tensors(type_spec) -> bool:
     if isinstance(type_spec, tff.StructType):
         return any(_has_tensors(t) for t in type_spec)

@@ -166,3 +166,38 @@ def candidate_arrays(candidates):
     """(T, lambda) pairs -> float32 arrays `(temperatures, imitations)`."""
     array = np.asarray(candidates, np.float32).reshape(-1, 2)
     return array[:, 0], array[:, 1]
+
+
+def distill_towards(model, inputs, targets, *, temperature, epochs, batch_size, learning_rate, seed):
+    """Trains `model` towards fixed soft targets on unlabeled inputs (TF code).
+
+    The loss is the batch mean of KL(target || softmax(model(x) / T)), the
+    distillation step of KT-pFL (Eq. 6) and of FedDF's server. SGD through
+    `local_training.train`: the "labels" handed to it are row numbers into
+    `targets`, so inputs and targets are batched together.
+
+    Args:
+      model: the student (trained in place).
+      inputs: float32 `[P, ...]`, the unlabeled inputs.
+      targets: float32 `[P, C]`, one probability vector per input.
+      temperature: T of the student's softmax.
+      epochs: passes over the P inputs.
+      batch_size: inputs per step.
+      learning_rate: SGD step size.
+      seed: int64 `[2]` stateless seed of the batch order.
+
+    Returns:
+      The mean KL over the examples seen (before each step), scalar.
+    """
+    rows = tf.range(tf.shape(targets)[0], dtype=tf.int32)
+
+    def kl_loss(student, x, batch_rows):
+        p = tf.gather(targets, batch_rows)
+        log_q = tf.nn.log_softmax(student(x, training=True) / temperature, axis=-1)
+        kl = tf.reduce_sum(p * (tf.math.log(tf.maximum(p, 1e-8)) - log_q), axis=-1)
+        return tf.reduce_mean(kl), log_q
+
+    stats = local_training.train(
+        model, client_data.ClientSplit(inputs, rows), epochs=epochs, batch_size=batch_size,
+        learning_rate=learning_rate, seed=seed, loss_fn=kl_loss)
+    return stats.loss_sum / tf.maximum(stats.num_examples, 1.0)

@@ -273,3 +273,20 @@ def read_public(spec: ClientDataSpec) -> ClientSplit:
     x = tf.io.decode_raw(tf.io.read_file(spec.root + '/public/x.bin'), stored_dtype)
     x = tf.reshape(x, (-1,) + tuple(spec.feature_shape))
     return ClientSplit(x, tf.zeros([spec.public_size], tf.int32), spec.feature_encoding)
+
+
+def read_public_batch(spec: ClientDataSpec, size: int, seed: int, round_num: tf.Tensor) -> tf.Tensor:
+    """This round's public batch, decoded to float32; TF graph code.
+
+    `size` examples drawn without replacement from the public data by a
+    stateless permutation seeded with `(seed, round_num)`: every client (and
+    the server) that asks in the same round gets the same batch, and the
+    batch changes every round.
+
+    Returns:
+      float32 `[size, *feature_shape]`.
+    """
+    public = read_public(spec)
+    noise = tf.random.stateless_uniform([spec.public_size], seed=tf.stack([seed, round_num]))
+    indices = tf.argsort(noise)[:size]
+    return public.decode(tf.gather(public.features, indices))

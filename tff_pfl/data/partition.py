@@ -593,6 +593,83 @@ def natural(
     return partition
 
 
+def ktpfl_case1(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    major: int = 450,
+    minor: int = 150,
+    num_classes: Optional[int] = None,
+) -> list[np.ndarray]:
+    """KT-pFL's non-IID case 1: two groups of clients, every class, opposite skews.
+
+    The first half of the clients (indices `< ceil(num_clients / 2)`) holds
+    `major` examples of each class in the first half of the classes and
+    `minor` of each other class; the second half of the clients the reverse
+    (the paper: [450] * 5 + [150] * 5 and [150] * 5 + [450] * 5).
+
+    Args:
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed.
+      major: Examples per class of the group's own half of the classes.
+      minor: Examples per class of the other half.
+      num_classes: Number of classes, or `None` for max label + 1.
+
+    Returns:
+      One sorted int64 index array per client.
+
+    Raises:
+      PartitionError: If a count is not positive or a class runs out.
+    """
+    labels, num_classes = _check_labels(labels, num_clients, num_classes)
+    if major < 1 or minor < 1:
+        raise PartitionError(f'major and minor must be >= 1, got {major} and {minor}')
+    rng = np.random.default_rng(seed)
+    pools = _class_pools(labels, num_classes, rng)
+    first_half = np.arange(num_classes) < (num_classes + 1) // 2
+    group = np.arange(num_clients) >= (num_clients + 1) // 2
+    counts = np.where(first_half[np.newaxis, :] != group[:, np.newaxis], major, minor)
+    classes = np.tile(np.arange(num_classes), (num_clients, 1))
+    return _draw_from_pools(pools, classes, counts)
+
+
+def ktpfl_case2(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    classes_per_client: int = 2,
+    examples_per_class: int = 300,
+    num_classes: Optional[int] = None,
+) -> list[np.ndarray]:
+    """KT-pFL's non-IID case 2: each client draws two random classes, 300 examples each.
+
+    Args:
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed.
+      classes_per_client: Distinct classes per client, drawn uniformly.
+      examples_per_class: Examples of each of them.
+      num_classes: Number of classes, or `None` for max label + 1.
+
+    Returns:
+      One sorted int64 index array per client.
+
+    Raises:
+      PartitionError: If `classes_per_client` is not in `[1, num_classes]`,
+        `examples_per_class < 1`, or a class runs out.
+    """
+    labels, num_classes = _check_labels(labels, num_clients, num_classes)
+    if not 1 <= classes_per_client <= num_classes:
+        raise PartitionError(f'classes_per_client must be in [1, {num_classes}], got {classes_per_client}')
+    if examples_per_class < 1:
+        raise PartitionError(f'examples_per_class must be >= 1, got {examples_per_class}')
+    rng = np.random.default_rng(seed)
+    pools = _class_pools(labels, num_classes, rng)
+    classes = _random_class_sets(rng, num_clients, num_classes, classes_per_client)
+    return _draw_from_pools(pools, classes, np.full(classes.shape, examples_per_class))
+
+
 _PARTITIONERS = {
     'iid': iid,
     'ds1': persfl_ds1,
@@ -601,6 +678,8 @@ _PARTITIONERS = {
     'dirichlet': dirichlet_labels,
     'dirichlet_clients': dirichlet_over_clients,
     'shards': shards,
+    'kt_case1': ktpfl_case1,
+    'kt_case2': ktpfl_case2,
 }
 
 
@@ -611,8 +690,9 @@ def build_partition(
 
     Names: `iid` (`iid`), `ds1` (`persfl_ds1`), `ds2` (`persfl_ds2`), `ds3`
     (`persfl_ds3`), `dirichlet` (`dirichlet_labels`; needs `alpha` and
-    `examples_per_client`), `dirichlet_clients` (`dirichlet_over_clients`)
-    and `shards` (`shards`).
+    `examples_per_client`), `dirichlet_clients` (`dirichlet_over_clients`),
+    `shards` (`shards`), `kt_case1` (`ktpfl_case1`) and `kt_case2`
+    (`ktpfl_case2`).
 
     Args:
       name: The partition name.

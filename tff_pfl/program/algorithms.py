@@ -162,7 +162,7 @@ def _ktpfl(config, spec, model_fn):
     del model_fn  # every client has its own architecture
     return ktpfl.build_ktpfl_process(
         spec,
-        [config.architectures[i % len(config.architectures)] for i in range(spec.num_clients)],
+        _client_architectures(config, spec.num_clients),
         local_config=_local_config(config),
         distill_epochs=config.distill_epochs,
         distill_batch_size=config.distill_batch_size,
@@ -176,9 +176,56 @@ def _ktpfl(config, spec, model_fn):
     )
 
 
+def _client_architectures(config, num_clients):
+    """Architectures are assigned to clients in turn."""
+    return [config.architectures[i % len(config.architectures)] for i in range(num_clients)]
+
+
+def _feddf_builder(finetune):
+    def build(config, spec, model_fn):
+        from processes import feddf
+
+        del model_fn  # every client has its architecture's prototype
+        return feddf.build_feddf_process(
+            spec,
+            _client_architectures(config, spec.num_clients),
+            local_config=_local_config(config),
+            server_distill_epochs=config.distill_epochs,
+            distill_batch_size=config.distill_batch_size,
+            distill_learning_rate=config.distill_learning_rate,
+            public_batch=config.public_batch,
+            temperature=config.kt_temperature,
+            finetune_epochs=config.finetune_epochs if finetune else 0,
+            seed=config.seed,
+        )
+
+    return build
+
+
+def _communication_plots(out, result, process):
+    del result
+    reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.communication)])
+    return []
+
+
+def _ktpfl_homogeneous(config, spec, model_fn):
+    from processes import ktpfl
+
+    return ktpfl.build_ktpfl_homogeneous_process(
+        spec, model_fn,
+        local_config=_local_config(config),
+        transfer_steps=config.distill_epochs,
+        transfer_learning_rate=config.distill_learning_rate,
+        coefficient_learning_rate=config.kt_coefficient_learning_rate,
+        rho=config.kt_rho,
+        seed=config.seed,
+    )
+
+
 def _ktpfl_plots(out, result, process):
     short = _short_ids(result.client_states)
-    labels = [f'{s} {a}' for s, a in zip(short, process.architectures)]
+    architectures = getattr(process, 'architectures', None) or [''] * len(short)
+    labels = [f'{s} {a}'.strip() for s, a in zip(short, architectures)]
     coefficients = np.asarray(result.state['coefficients'])
     reports.plot_heatmap(coefficients, os.path.join(out, 'knowledge_coefficients.png'),
                          'Knowledge coefficients c[n, m] (row n: client n\'s mix)', row_labels=labels, col_labels=short)
@@ -196,6 +243,11 @@ _ALGORITHMS = {
     'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
     'ktpfl': Algorithm(
         _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
+    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots),
+    'feddf': Algorithm(
+        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+    'pfeddf': Algorithm(
+        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
 }
 
 

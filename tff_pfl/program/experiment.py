@@ -38,6 +38,8 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line."""
 
 
+_NEEDS_PUBLIC = ('ktpfl', 'feddf', 'pfeddf')
+
 DEFAULT_MODELS = {'synthetic': 'logistic', 'mnist': 'mnist_dnn', 'fashion_mnist': 'mnist_dnn'}
 
 
@@ -55,9 +57,11 @@ class ExperimentConfig:
     download: bool = False
     partition: str = 'natural'
     num_clients: int = 30
-    classes_per_client: int = 4
+    classes_per_client: Optional[int] = None
     dirichlet_alpha: float = 0.9
     examples_per_client: Optional[int] = None
+    examples_per_class: Optional[int] = None
+    kt_case1_counts: tuple = (450, 150)
     split_fractions: tuple = (0.6, 0.2, 0.2)
     model: Optional[str] = None
     rounds: int = 100
@@ -89,6 +93,8 @@ class ExperimentConfig:
     kt_coefficient_learning_rate: float = 0.1
     kt_rho: float = 0.7
     kt_c_update: str = 'paper'
+    # FedDF / pFedDF (distill_epochs: the server's passes per prototype).
+    finetune_epochs: int = 5
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -109,7 +115,9 @@ class ExperimentConfig:
             'dirichlet': {'alpha': self.dirichlet_alpha, 'examples_per_client': self.examples_per_client},
             'shards': {'shards_per_client': self.classes_per_client},
             'iid': {'examples_per_client': self.examples_per_client},
-            'ds3': {},
+            'ds3': {'classes_per_client': self.classes_per_client},
+            'kt_case1': {'major': int(self.kt_case1_counts[0]), 'minor': int(self.kt_case1_counts[1])},
+            'kt_case2': {'classes_per_client': self.classes_per_client, 'examples_per_class': self.examples_per_class},
             'natural': {},
         }
         return params.get(self.partition, {})
@@ -127,7 +135,12 @@ class ExperimentConfig:
             (self.client_learning_rate > 0, f'client_learning_rate must be > 0, got {self.client_learning_rate}'),
             (self.server_learning_rate > 0, f'server_learning_rate must be > 0, got {self.server_learning_rate}'),
             (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
-            (self.classes_per_client >= 1, f'classes_per_client must be >= 1, got {self.classes_per_client}'),
+            (self.classes_per_client is None or self.classes_per_client >= 1,
+             f'classes_per_client must be >= 1, got {self.classes_per_client}'),
+            (self.examples_per_class is None or self.examples_per_class >= 1,
+             f'examples_per_class must be >= 1, got {self.examples_per_class}'),
+            (len(self.kt_case1_counts) == 2 and all(int(c) == c and c >= 1 for c in self.kt_case1_counts),
+             f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts)}'),
             (self.dirichlet_alpha > 0, f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}'),
             (self.examples_per_client is None or self.examples_per_client >= 1,
              f'examples_per_client must be >= 1, got {self.examples_per_client}'),
@@ -151,8 +164,11 @@ class ExperimentConfig:
             (all(a in models.names() for a in self.architectures),
              f'unknown architecture in {list(self.architectures)}; known: {", ".join(models.names())}'),
             (self.public_examples >= 0, f'public_examples must be >= 0, got {self.public_examples}'),
-            (self.algorithm != 'ktpfl' or self.public_examples > 0, 'ktpfl needs --public_examples > 0'),
-            (self.algorithm != 'ktpfl' or self.client_fraction == 1.0, 'ktpfl trains every client every round: --client_fraction=1'),
+            (self.algorithm not in _NEEDS_PUBLIC or self.public_examples > 0,
+             f'{self.algorithm} needs --public_examples > 0'),
+            (self.algorithm not in ('ktpfl', 'ktpfl_homo') or self.client_fraction == 1.0,
+             f'{self.algorithm} trains every client every round: --client_fraction=1'),
+            (self.finetune_epochs >= 0, f'finetune_epochs must be >= 0, got {self.finetune_epochs}'),
             (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
             (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
             (self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
