@@ -115,22 +115,41 @@ def alexnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Mode
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='alexnet_small')
 
 
+def _conv_norm(h, filters, kernel, strides=1, relu=True, depthwise=False):
+    """Convolution, group normalisation (4 groups), optional ReLU.
+
+    Group normalisation stands in for batch normalisation: its only weights
+    are trainable (scale and offset), so a client's whole model is its
+    trainable weights, and it does not depend on batch statistics, which
+    non-IID clients would not share (Hsieh et al., "The Non-IID Data
+    Quagmire", ICML 2020). Without any normalisation these nets did not
+    train with SGD at lr 0.1 on MNIST (resnet 0.68 accuracy after 75 epochs
+    on 600 examples, shufflenet diverged).
+    """
+    if depthwise:
+        h = tf.keras.layers.DepthwiseConv2D(kernel, strides=strides, padding='same', use_bias=False)(h)
+    else:
+        h = tf.keras.layers.Conv2D(filters, kernel, strides=strides, padding='same', use_bias=False)(h)
+    h = tf.keras.layers.GroupNormalization(groups=4)(h)
+    return tf.keras.layers.ReLU()(h) if relu else h
+
+
 def resnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
-    """A small ResNet: a 16-channel stem, two residual stages (16 and 32
-    channels, the second strided with a 1x1 projection shortcut), global
-    average pooling, logits. No batch normalisation: its statistics are
-    non-trainable weights, which the project's clients do not exchange or
-    store; the residual paths keep training stable at this depth."""
+    """A small ResNet: a strided 16-channel stem, two residual stages (16 and 32
+    channels, the second strided with a 1x1 projection shortcut), logits from
+    the flattened 7x7 map (with global average pooling instead, it reached
+    0.68-0.9 test accuracy, unstably, where LeNet reaches 0.95). Group normalisation after every convolution
+    instead of batch normalisation (see `_conv_norm`)."""
     inputs = _image_input(input_shape)
-    h = tf.keras.layers.Conv2D(16, 3, padding='same', activation='relu')(inputs)
+    h = _conv_norm(inputs, 16, 3, strides=2)
     for filters, stride in ((16, 1), (32, 2)):
         shortcut = h
-        y = tf.keras.layers.Conv2D(filters, 3, strides=stride, padding='same', activation='relu')(h)
-        y = tf.keras.layers.Conv2D(filters, 3, padding='same')(y)
+        y = _conv_norm(h, filters, 3, strides=stride)
+        y = _conv_norm(y, filters, 3, relu=False)
         if stride != 1 or shortcut.shape[-1] != filters:
-            shortcut = tf.keras.layers.Conv2D(filters, 1, strides=stride)(shortcut)
+            shortcut = _conv_norm(shortcut, filters, 1, strides=stride, relu=False)
         h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
-    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    h = tf.keras.layers.Flatten()(h)
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='resnet_small')
 
 
@@ -145,17 +164,17 @@ def _shuffle_unit(x, channels, stride):
     branch_channels = channels // 2
 
     def branch(y):
-        y = tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(y)
-        y = tf.keras.layers.DepthwiseConv2D(3, strides=stride, padding='same')(y)
-        return tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(y)
+        y = _conv_norm(y, branch_channels, 1)
+        y = _conv_norm(y, None, 3, strides=stride, relu=False, depthwise=True)
+        return _conv_norm(y, branch_channels, 1)
 
     if stride == 1:
         left = tf.keras.layers.Lambda(lambda t: t[..., :branch_channels])(x)
         right = tf.keras.layers.Lambda(lambda t: t[..., branch_channels:])(x)
         out = tf.keras.layers.Concatenate()([left, branch(right)])
     else:
-        left = tf.keras.layers.DepthwiseConv2D(3, strides=stride, padding='same')(x)
-        left = tf.keras.layers.Conv2D(branch_channels, 1, activation='relu')(left)
+        left = _conv_norm(x, None, 3, strides=stride, relu=False, depthwise=True)
+        left = _conv_norm(left, branch_channels, 1)
         out = tf.keras.layers.Concatenate()([left, branch(x)])
     return tf.keras.layers.Lambda(_channel_shuffle)(out)
 
@@ -163,13 +182,14 @@ def _shuffle_unit(x, channels, stride):
 def shufflenet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     """A small ShuffleNetV2-style net: a strided 3x3 stem (24 channels), a
     strided and a plain shuffle unit at 48 channels (channel split, 1x1 -
-    depthwise 3x3 - 1x1 branch, concatenation, channel shuffle), global
-    average pooling, logits. No batch normalisation (see `resnet_small`)."""
+    depthwise 3x3 - 1x1 branch, concatenation, channel shuffle), logits from
+    the flattened 7x7 map (see `resnet_small`). Group normalisation after every convolution
+    (see `_conv_norm`)."""
     inputs = _image_input(input_shape)
-    h = tf.keras.layers.Conv2D(24, 3, strides=2, padding='same', activation='relu')(inputs)
+    h = _conv_norm(inputs, 24, 3, strides=2)
     h = _shuffle_unit(h, 48, 2)
     h = _shuffle_unit(h, 48, 1)
-    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    h = tf.keras.layers.Flatten()(h)
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='shufflenet_small')
 
 
