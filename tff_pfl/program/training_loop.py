@@ -113,7 +113,8 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
     return rows, summaries
 
 
-def _format_eta(seconds: float) -> str:
+def format_eta(seconds: float) -> str:
+    """Seconds as H:MM:SS."""
     seconds = int(round(seconds))
     return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
@@ -180,7 +181,7 @@ def run(
         line += f'train_acc {row.get("train_accuracy", float("nan")):.4f}'
         for model_name in summaries if evaluate_now else ():
             line += f'  test_acc[{model_name}] {summaries[model_name]["mean"]:.4f}'
-        line += f'  {row["round_seconds"]:.2f}s  ETA {_format_eta(eta)}'
+        line += f'  {row["round_seconds"]:.2f}s  ETA {format_eta(eta)}'
         log(line)
     return RunResult(
         state=state,

@@ -1,0 +1,366 @@
+"""KD-PDFL: personalized decentralized FL with distillation-based similarity.
+
+E. Jeong, M. Kountouris, "Personalized Decentralized Federated Learning with
+Knowledge Distillation" (ICC 2023), §IV and Algorithm 1.
+
+There is no server. Every `exchange_interval` (T_ex) time slots a random
+client wakes up as the star node i and draws its reachable neighbours N_i.
+In TFF the star's work is the SERVER placement of one exchange and only the
+neighbours are CLIENTS:
+
+1. the star's invitation (its neighbours' indices, one slot each) is
+   broadcast; each neighbour writes its model into its own slot of a
+   fixed-size structure (`federated_sum` of one-hot slots: the star receives
+   every neighbour's model individually, not a mean);
+2. on a batch of its own training data the star computes its model's outputs
+   and every neighbour model's (the "MidGetter": the output layer, or a
+   shared hidden layer), and the distances
+   d_W(i, j) = (1/n_i) sum_x sum_l (p_il(x) - p_jl(x))^2 (Eq. 3);
+3. it updates its private connectivity row (Eq. 2):
+   grad h_i = mu_1 d_W,i + mu_2 grad g_i(w_i), eta = 1 / ||grad h_i||,
+   w_ij <- max(0, w_ij - eta grad h_ij) for its neighbours j;
+4. its new model is c_i theta_i + (1 - c_i) sum_j (w_ij / sum_k w_ik)
+   theta_j, with the confidence c_i = min(|X_i| / c_base, 1 / (|N_i| + 1))
+   (Eq. 4);
+5. in the next slot the star sends its new model to those neighbours
+   (Algorithm 1, lines 14-17), which adopt it (`broadcast='adopt'`) or ignore
+   it (`'keep'`).
+
+In every other slot each client trains locally (`local_work`). Only the
+star's own data are read by the star's computation; no data move.
+
+Modes: 'kdpdfl' (the above), 'fedavg' (decentralized FedAvg: the star takes
+the plain mean of its own and the received models, W is not used), 'local'
+(no exchange; the driver never calls `next`). FedAvg+ is 'fedavg' with
+exchanges stopped at a given slot, after which clients fine-tune locally
+(the driver's `finetune_from`).
+"""
+
+import collections
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl import models
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+from tff_pfl.models import stacked
+
+MODES = ('kdpdfl', 'fedavg', 'local')
+BROADCASTS = ('adopt', 'keep')
+
+
+def draw_neighbours(
+    rng: np.random.Generator, num_clients: int, star: int, *, mean_reachable: float = 5.0,
+    max_neighbours: Optional[int] = None,
+) -> list[int]:
+    """The star's reachable neighbours under Rayleigh fading (numpy, driver side).
+
+    Each link's power gain |h|^2 is Exp(1) (Rayleigh amplitude); a peer is
+    reachable when its gain exceeds the threshold tau = ln((M - 1) /
+    mean_reachable), so that mean_reachable peers are reachable on average
+    (the paper: about 5). With more than `max_neighbours` reachable, the
+    strongest links are kept (Fig. 4's cap).
+
+    Returns:
+      Sorted client indices, possibly empty.
+    """
+    peers = np.array([j for j in range(num_clients) if j != star])
+    if peers.size == 0:
+        return []
+    gains = rng.exponential(1.0, size=peers.size)
+    threshold = np.log(max(peers.size / mean_reachable, 1.0))
+    reachable = np.flatnonzero(gains > threshold)
+    if max_neighbours is not None and reachable.size > max_neighbours:
+        reachable = reachable[np.argsort(-gains[reachable], kind='stable')[:max_neighbours]]
+    return sorted(int(j) for j in peers[reachable])
+
+
+def output_distances(own: tf.Tensor, neighbours: tf.Tensor) -> tf.Tensor:
+    """Eq. 3: (1/n) sum_x sum_l (p_i(x)_l - p_j(x)_l)^2 per neighbour.
+
+    Args:
+      own: `[n, L]` the star's outputs on its batch.
+      neighbours: `[K, n, L]` each neighbour model's outputs on the same batch.
+
+    Returns:
+      `[K]` distances.
+    """
+    return tf.reduce_mean(tf.reduce_sum(tf.square(neighbours - own[tf.newaxis]), axis=-1), axis=-1)
+
+
+def collaboration_gradient(row: tf.Tensor) -> tf.Tensor:
+    """grad g_i for g_i(w_i) = 1/2 (1 - sum_j w_ij)^2: -(1 - sum_j w_ij) for every j.
+
+    g is 0 when the client's collaboration weights sum to 1 and 1/2 when
+    they are all zero, i.e. when it would train only locally.
+    """
+    return -(1.0 - tf.reduce_sum(row)) * tf.ones_like(row)
+
+
+def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2):
+    """Eq. 2 on the star's row w_i, for its neighbours only.
+
+    grad h_ij = mu_1 d_W(i, j) + mu_2 grad g_ij; eta = 1 / ||grad h_i|| (the
+    norm over the neighbours' entries); w_ij <- max(0, w_ij - eta grad h_ij).
+    Entries of clients that are not neighbours this time are left alone
+    (their distances are unknown). A zero gradient leaves the row unchanged
+    (mu_1 = mu_2 = 0 keeps W at its initial value).
+
+    Args:
+      row: `[M]` the star's connectivity vector (w_ii = 0).
+      neighbour_ids: `[K]` int32 client indices (any value where not present).
+      present: `[K]` 1.0 for a filled slot, else 0.0.
+      distances: `[K]` d_W(i, j) per slot.
+      mu1: weight of the distances.
+      mu2: weight of the collaboration regulariser.
+
+    Returns:
+      The new `[M]` row.
+    """
+    ids = tf.where(present > 0, neighbour_ids, 0)
+    current = tf.gather(row, ids)
+    grad = (mu1 * distances + mu2 * tf.gather(collaboration_gradient(row), ids)) * present
+    norm = tf.norm(grad)
+    step = tf.where(norm > 0, grad / tf.maximum(norm, 1e-12), tf.zeros_like(grad))
+    updated = tf.maximum(0.0, current - step)
+    delta = (updated - current) * present
+    return row + tf.math.unsorted_segment_sum(delta, ids, tf.shape(row)[0])
+
+
+def confidence(num_train, num_neighbours, c_base):
+    """Eq. 4: c_i = min(|X_i| / c_base, 1 / (|N_i| + 1))."""
+    return tf.minimum(tf.cast(num_train, tf.float32) / c_base, 1.0 / (tf.cast(num_neighbours, tf.float32) + 1.0))
+
+
+def star_mix(own, neighbour_models, weights, own_share):
+    """c theta_i + (1 - c) sum_k (w_k / sum w) theta_k, per weight tensor.
+
+    Args:
+      own: the star's weights (list of tensors).
+      neighbour_models: the same list with a leading slot dimension K.
+      weights: `[K]` non-negative mixing weights (0 for empty slots).
+      own_share: c, the star's own share.
+
+    Returns:
+      The mixed weights; the star's own if every weight is zero.
+    """
+    total = tf.reduce_sum(weights)
+    normalised = weights / tf.maximum(total, 1e-12)
+    share = tf.where(total > 0, own_share, 1.0)
+    mixed = []
+    for mine, theirs in zip(own, neighbour_models):
+        average = tf.tensordot(normalised, theirs, axes=1)
+        mixed.append(share * mine + (1.0 - share) * average)
+    return mixed
+
+
+def build_kdpdfl_process(
+    spec: client_data.ClientDataSpec,
+    model_fn,
+    *,
+    local_config: local_training.TrainingConfig,
+    max_neighbours: int = 5,
+    mu1: float = 1.0,
+    mu2: float = 1.0,
+    c_base: float = 100.0,
+    distance_batch: int = 32,
+    distance_layer: int = -1,
+    mode: str = 'kdpdfl',
+    broadcast: str = 'adopt',
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds KD-PDFL (or decentralized FedAvg) as a `PersonalizedProcess`.
+
+    `next` is one exchange: `(<star, neighbours, exchange_num>@SERVER,
+    {neighbour states}@CLIENTS) -> <same@SERVER, {neighbour states}@CLIENTS,
+    metrics@SERVER>`. The driver (`tff_pfl.program.decentralized`) puts the
+    star's client state and its neighbours' indices into the SERVER value and
+    writes the star's new state back. `process.local_work: ({C}@CLIENTS,
+    {slots: int32}@CLIENTS) -> {C}@CLIENTS` trains each client for its
+    number of local slots.
+
+    Args:
+      spec: the partition on disk.
+      model_fn: no-arg builder of every client's model (a Sequential model
+        `models.stacked` supports).
+      local_config: one slot's local training (epochs per slot, batch, lr).
+      max_neighbours: K, the number of slots of an exchange.
+      mu1: weight of the distances in Eq. 2.
+      mu2: weight of the collaboration regulariser g.
+      c_base: Eq. 4's base confidence.
+      distance_batch: n_i, the star's examples for the distances.
+      distance_layer: the MidGetter's layer: -1 for the output (softmax
+        probabilities), else the number of leading layers whose output is
+        compared (raw activations).
+      mode: one of `MODES`.
+      broadcast: what the neighbours do with the star's new model: one of
+        `BROADCASTS`.
+      seed: run seed (initial model, batch orders, distance batches).
+
+    Returns:
+      A `template.PersonalizedProcess` with `local_work`.
+
+    Raises:
+      ValueError: on bad arguments.
+    """
+    local_config.validate()
+    if mode not in MODES:
+        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
+    if broadcast not in BROADCASTS:
+        raise ValueError(f'broadcast must be one of {BROADCASTS}, got {broadcast!r}')
+    if max_neighbours < 1 or distance_batch < 1 or c_base <= 0:
+        raise ValueError('max_neighbours and distance_batch must be >= 1 and c_base > 0')
+    num_clients = spec.num_clients
+    weights_type = local_training.weights_type(model_fn)
+    with tf.Graph().as_default():
+        layers = stacked.plan(model_fn())
+    if distance_layer != -1 and not 1 <= distance_layer <= len(layers):
+        raise ValueError(f'distance_layer must be -1 or in [1, {len(layers)}], got {distance_layer}')
+    mid_layers = layers if distance_layer == -1 else layers[:distance_layer]
+    mid_weights = sum(layer.num_weights for layer in mid_layers)
+    slot_models_type = tff.to_type([tff.TensorType(t.dtype, (max_neighbours,) + tuple(t.shape)) for t in weights_type])
+    train_sizes = spec.sizes('train')
+    train_size_list = [train_sizes[c] for c in spec.client_ids]
+
+    def fresh_state(client_id):
+        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        with models.seeded(seed):
+            initial = local_training.get_weights(model_fn())  # every client starts from the same model
+        row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
+        return building_blocks.participation_state(
+            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0))
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        return fresh_state(client_id)
+
+    client_state_type = initial_client_state.type_signature.result
+
+    @tff.tensorflow.computation
+    def server_init():
+        # Until the driver's first exchange the star slot holds client 0's initial state.
+        return collections.OrderedDict(
+            star=fresh_state(tf.constant(spec.client_ids[0])),
+            neighbours=tf.fill([max_neighbours], -1),
+            exchange_num=tf.constant(0, tf.int32))
+
+    @tff.federated_computation
+    def initialize():
+        return tff.federated_eval(server_init, tff.SERVER)
+
+    server_state_type = initialize.type_signature.result
+
+    @tff.tensorflow.computation(server_state_type.member['neighbours'], client_state_type)
+    def upload(invitation, state):
+        """A neighbour's model into its slot (the star invited it by index)."""
+        slot = tf.one_hot(tf.argmax(tf.cast(tf.equal(invitation, state['client_index']), tf.int32)), max_neighbours)
+        slot = slot * tf.cast(tf.reduce_any(tf.equal(invitation, state['client_index'])), tf.float32)
+        return collections.OrderedDict(
+            models=[tf.reshape(slot, [max_neighbours] + [1] * len(w.shape)) * w[tf.newaxis] for w in state['model']],
+            present=slot,
+        )
+
+    def outputs(weights, x):
+        """The MidGetter: [G, n, L] outputs of G stacked models."""
+        out = stacked.forward(mid_layers, list(weights)[:mid_weights], x)
+        out = tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
+        return tf.nn.softmax(out, axis=-1) if distance_layer == -1 else out
+
+    @tff.tensorflow.computation(server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,)))
+    def star_update(server_state, slot_models, present):
+        star = server_state['star']
+        own = list(star['model'])
+        theirs = list(slot_models)
+        neighbour_ids = server_state['neighbours']
+        num_neighbours = tf.reduce_sum(present)
+        train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
+        order = local_training.epoch_permutations(
+            local_training.client_seed(seed, server_state['exchange_num'], star['client_id'], salt=7),
+            1, train.num_examples)[0]
+        x, _ = train.gather(order[:distance_batch])
+        own_out = outputs([w[tf.newaxis] for w in own], x)[0]
+        distances = output_distances(own_out, outputs(theirs, x)) * present
+        num_train = tf.gather(tf.constant(train_size_list, tf.float32), star['client_index'])
+        c = confidence(num_train, num_neighbours, c_base)
+        row = star['connectivity']
+        if mode == 'kdpdfl':
+            row = connectivity_update(row, neighbour_ids, present, distances, mu1=mu1, mu2=mu2)
+            weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+            mixed = star_mix(own, theirs, weights, c)
+        else:  # decentralized FedAvg: the plain mean of the star's and the received models
+            mixed = star_mix(own, theirs, present, 1.0 / (num_neighbours + 1.0))
+        new_star = building_blocks.participated(
+            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c)
+        new_state = collections.OrderedDict(
+            star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1)
+        metrics = collections.OrderedDict(
+            num_neighbours=num_neighbours,
+            mean_distance=tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0),
+            confidence=c,
+        )
+        return new_state, metrics
+
+    @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+    def receive(star_model, exchange_num, state):
+        """Lines 14-17: a neighbour receives the star's new model."""
+        model = star_model if broadcast == 'adopt' else state['model']
+        return building_blocks.participated(state, exchange_num, model=model)
+
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(server_state, neighbour_states):
+        invitation = tff.federated_broadcast(server_state.neighbours)
+        uploaded = tff.federated_map(upload, (invitation, neighbour_states))
+        slot_models = tff.federated_sum(uploaded.models)  # one slot per neighbour, not a mean
+        present = tff.federated_sum(uploaded.present)
+        updated = tff.federated_map(star_update, (server_state, slot_models, present))
+        new_state = updated[0]
+        star_model = tff.federated_broadcast(new_state.star.model)
+        exchange_num = tff.federated_broadcast(server_state.exchange_num)
+        received = tff.federated_map(receive, (star_model, exchange_num, neighbour_states))
+        return template.RoundOutput(new_state, received, updated[1])
+
+    @tff.tensorflow.computation(client_state_type, np.int32, np.int32)
+    def local_client_work(state, slots, slot_num):
+        train = client_data.read_split(spec, state['client_id'], 'train')
+        model = model_fn()
+        with tf.control_dependencies(local_training.assign_weights(model, state['model'])):
+            stats = local_training.train(
+                model, train, epochs=slots * local_config.epochs, batch_size=local_config.batch_size,
+                learning_rate=local_config.learning_rate,
+                seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8))
+        with tf.control_dependencies(list(stats)):
+            new_state = collections.OrderedDict((k, state[k]) for k in state)
+            new_state['model'] = local_training.get_weights(model)
+        return new_state, building_blocks.training_metric_sums(stats)
+
+    @tff.federated_computation(client_states_type, tff.FederatedType(np.int32, tff.CLIENTS),
+                               tff.FederatedType(np.int32, tff.SERVER))
+    def local_work(client_states, slots, slot_num):
+        trained = tff.federated_map(
+            local_client_work, (client_states, slots, tff.federated_broadcast(slot_num)))
+        return trained[0], building_blocks.aggregate_training_metrics(trained[1])
+
+    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+
+    @tff.tensorflow.computation(client_state_type)
+    def evaluate_client(state):
+        return collections.OrderedDict(personalized_model=client_evaluation(state['model'], state['client_id']))
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(server_state, client_states):
+        del server_state
+        return tff.federated_map(evaluate_client, client_states)
+
+    process = template.PersonalizedProcess(
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+    process.local_work = local_work
+    process.mode = mode
+    process.max_neighbours = max_neighbours
+    return process

@@ -1,0 +1,111 @@
+"""The run loop of serverless algorithms (KD-PDFL and its baselines).
+
+Time runs in slots. Every `exchange_interval` slots a random client wakes up
+as the star node and draws its reachable neighbours (`kdpdfl.draw_neighbours`);
+the driver hands the star's state to the process as the SERVER value of one
+exchange and the neighbours' states as CLIENTS, then stores what comes back.
+The star and its neighbours spend two slots on the exchange (gather, then
+broadcast); in every other slot every client trains locally
+(`process.local_work`). One row of metrics per exchange interval.
+"""
+
+import collections
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Optional
+
+import numpy as np
+
+from tff_pfl.program import training_loop
+
+
+def run(
+    process,
+    client_ids: Sequence[str],
+    *,
+    intervals: int,
+    exchange_interval: int,
+    seed: int,
+    mean_reachable: float = 5.0,
+    finetune_from: Optional[int] = None,
+    eval_every: int = 0,
+    on_round: Optional[Callable[[Mapping], None]] = None,
+    log: Callable[[str], None] = print,
+) -> training_loop.RunResult:
+    """Runs `intervals` exchange intervals of `exchange_interval` slots each.
+
+    Args:
+      process: a process built by `processes.kdpdfl.build_kdpdfl_process`.
+      client_ids: every client.
+      intervals: number of exchange intervals (rows of metrics).
+      exchange_interval: T_ex, slots per interval (>= 2).
+      seed: seeds the star and neighbour draws.
+      mean_reachable: mean number of reachable peers (Rayleigh fading).
+      finetune_from: slot from which exchanges stop and clients only train
+        locally (FedAvg+); None: never.
+      eval_every: evaluate every client every this many intervals (0: only at
+        the end); the last interval is always evaluated.
+      on_round: called with each interval's metrics row.
+      log: receives one progress line per interval.
+
+    Returns:
+      A `training_loop.RunResult` (its `rounds` are the intervals).
+    """
+    from processes import kdpdfl
+
+    if exchange_interval < 2:
+        raise ValueError(f'exchange_interval must be >= 2 (gather and broadcast slots), got {exchange_interval}')
+    rng = np.random.default_rng([seed, 0x4B44])
+    num_clients = len(client_ids)
+    store = training_loop.ClientStateStore(process, client_ids)
+    state = process.initialize()
+    rows, started, summaries = [], time.monotonic(), {}
+    for interval in range(1, intervals + 1):
+        interval_start = time.monotonic()
+        first_slot = (interval - 1) * exchange_interval
+        slots = np.full(num_clients, exchange_interval, np.int32)
+        row = collections.OrderedDict(round=interval, slot=first_slot + exchange_interval)
+        exchanging = process.mode != 'local' and (finetune_from is None or first_slot < finetune_from)
+        if exchanging:
+            star = int(rng.integers(num_clients))
+            neighbours = kdpdfl.draw_neighbours(
+                rng, num_clients, star, mean_reachable=mean_reachable, max_neighbours=process.max_neighbours)
+            row['star'] = star
+            row['num_neighbours'] = len(neighbours)
+            if neighbours:
+                invitation = np.full(process.max_neighbours, -1, np.int32)
+                invitation[: len(neighbours)] = neighbours
+                server_state = collections.OrderedDict(
+                    star=store.get([client_ids[star]])[0], neighbours=invitation,
+                    exchange_num=np.int32(interval - 1))
+                neighbour_ids = [client_ids[j] for j in neighbours]
+                output = process.next(server_state, store.get(neighbour_ids))
+                state = output.state
+                store.put([client_ids[star]], [state['star']])
+                store.put(neighbour_ids, output.client_states)
+                row.update(training_loop.flatten(output.metrics, 'exchange_'))
+                slots[[star] + neighbours] = exchange_interval - 2
+        states, train_metrics = process.local_work(store.all(), list(slots), np.int32(first_slot))
+        store.put(store.ids(), states)
+        row.update(training_loop.flatten(train_metrics))
+        row['round_seconds'] = time.monotonic() - interval_start
+        evaluate_now = interval == intervals or (eval_every and interval % eval_every == 0)
+        if evaluate_now:
+            evaluations = process.evaluate(state, store.all())
+            client_rows, summaries = training_loop.summarize_evaluation(store.ids(), evaluations)
+            for model_name, summary in summaries.items():
+                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10'):
+                    row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+        rows.append(row)
+        if on_round is not None:
+            on_round(row)
+        elapsed = time.monotonic() - started
+        eta = elapsed / interval * (intervals - interval)
+        line = f'interval {interval}/{intervals} (slot {row["slot"]})  train_loss {row.get("train_loss", float("nan")):.4f}'
+        for model_name in summaries if evaluate_now else ():
+            line += f'  test_acc[{model_name}] {summaries[model_name]["mean"]:.4f}'
+        line += f'  {row["round_seconds"]:.2f}s  ETA {training_loop.format_eta(eta)}'
+        log(line)
+    return training_loop.RunResult(
+        state=state, client_states=dict(zip(store.ids(), store.all())), rounds=rows, clients=client_rows,
+        summary=summaries)
