@@ -151,3 +151,20 @@ def test_driver_runs_every_mode(problem, tff_runtime):
     assert any('exchange_num_neighbours' in r for r in results['kdpdfl'].rounds)
     # Same seed, same draws: the stars of KD-PDFL and FedAvg coincide.
     assert [r.get('star') for r in results['kdpdfl'].rounds] == [r.get('star') for r in results['fedavg'].rounds]
+
+
+def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
+    from tff_pfl.program import experiment
+
+    out = tmp_path / 'run'
+    config = experiment.ExperimentConfig(
+        output_dir=str(out), algorithm='kdpdfl', dataset=f'npz:{tiny_npz}', partition='kd_dirichlet',
+        num_clients=4, kd_split_sizes=(5, 15, 5, 10), model='mnist_dnn', rounds=3, exchange_interval=3,
+        kd_mean_neighbours=2.0, kd_max_neighbours=2, batch_size=8, client_learning_rate=0.1)
+    result = experiment.run_experiment(config, log=lambda line: None)
+    graph = np.loadtxt(out / 'collaboration_graph.csv', delimiter=',', skiprows=1, usecols=range(1, 5))
+    assert graph.shape == (4, 4) and (np.diag(graph) == 0).all() and (graph >= 0).all()
+    assert (out / 'collaboration_graph.png').stat().st_size > 0
+    assert [r['slot'] for r in result.rounds] == [3, 6, 9]
+    with pytest.raises(experiment.ConfigError, match='exchange_interval'):
+        experiment.ExperimentConfig(output_dir='x', algorithm='kdpdfl', exchange_interval=1).validate()

@@ -335,3 +335,20 @@ def test_ktpfl_cases_fail_clearly(labels):
         partition.ktpfl_case1(labels, 12, seed=0, major=9, minor=3)  # 6 x 9 + 6 x 3 per class > 60
     with pytest.raises(partition.PartitionError, match='classes_per_client'):
         partition.ktpfl_case2(labels, 3, seed=0, classes_per_client=11)
+
+
+def test_kdpdfl_dirichlet_splits_follow_one_distribution():
+    big = np.random.default_rng(5).permutation(np.repeat(np.arange(NUM_CLASSES), 600))
+    parts = partition.build_partition('kd_dirichlet', big, 8, seed=0, alpha=0.1, test_examples=100)
+    for client in parts:
+        assert 15 <= client['train'].size <= 100 and client['val'].size == 20 and client['test'].size == 100
+        merged = np.concatenate(list(client.values()))
+        assert np.unique(merged).size == merged.size
+        train_classes = set(big[client['train']])
+        test_hist = np.bincount(big[client['test']], minlength=NUM_CLASSES)
+        # Dirichlet(0.1): a few dominant labels, shared by train and test.
+        assert test_hist.max() >= 40 and np.argmax(test_hist) in train_classes
+        for split in client.values():  # one to four labels (max_labels=4)
+            assert 1 <= np.unique(big[split]).size <= 4
+    every = np.concatenate([np.concatenate(list(c.values())) for c in parts])
+    assert np.unique(every).size == every.size

@@ -37,12 +37,13 @@ _DATA_DIR = flags.DEFINE_string('data_dir', None, 'TFDS data directory.')
 _DOWNLOAD = flags.DEFINE_bool('download', False, 'Let TFDS download the dataset.')
 _PARTITION = flags.DEFINE_string(
     'partition', _D.partition,
-    'natural | iid | ds1 | ds2 | ds3 | dirichlet | dirichlet_clients | shards | kt_case1 | kt_case2.')
+    'natural | iid | ds1 | ds2 | ds3 | dirichlet | dirichlet_clients | shards | kt_case1 | kt_case2 | kd_dirichlet.')
 _NUM_CLIENTS = flags.DEFINE_integer('num_clients', _D.num_clients, 'Number of clients.')
 _CLASSES_PER_CLIENT = flags.DEFINE_integer(
     'classes_per_client', None,
     'k of ds1 (default 4); shards per client of shards (2); classes per client of ds3 and kt_case2 (2).')
-_DIRICHLET_ALPHA = flags.DEFINE_float('dirichlet_alpha', _D.dirichlet_alpha, 'Dirichlet concentration.')
+_DIRICHLET_ALPHA = flags.DEFINE_float(
+    'dirichlet_alpha', None, 'Dirichlet concentration (default 0.9; kd_dirichlet: 0.1).')
 _EXAMPLES_PER_CLIENT = flags.DEFINE_integer(
     'examples_per_client', None, 'Examples per client (ds1, iid, dirichlet); default: as many as fit.')
 _EXAMPLES_PER_CLASS = flags.DEFINE_integer(
@@ -50,6 +51,9 @@ _EXAMPLES_PER_CLASS = flags.DEFINE_integer(
 _KT_CASE1_COUNTS = flags.DEFINE_list(
     'kt_case1_counts', [str(c) for c in _D.kt_case1_counts],
     'kt_case1: examples per class of a group\'s own half of the classes, and of the other half.')
+_KD_SPLIT_SIZES = flags.DEFINE_list(
+    'kd_split_sizes', [str(c) for c in _D.kd_split_sizes],
+    'kd_dirichlet: min and max training examples, validation and test examples per client.')
 _SPLIT_FRACTIONS = flags.DEFINE_list(
     'split_fractions', ['0.6', '0.2', '0.2'], 'Train,validation,test fractions of each client.')
 
@@ -96,6 +100,22 @@ _KT_C_UPDATE = flags.DEFINE_enum(
 # FedDF / pFedDF (--distill_epochs: the server's passes over the public batch per prototype).
 _FINETUNE_EPOCHS = flags.DEFINE_integer(
     'finetune_epochs', _D.finetune_epochs, 'pFedDF: local fine-tuning epochs of the prototype at evaluation.')
+
+# KD-PDFL and its serverless baselines (--rounds counts exchange intervals of --exchange_interval slots).
+_EXCHANGE_INTERVAL = flags.DEFINE_integer('exchange_interval', _D.exchange_interval, 'T_ex, slots per exchange.')
+_KD_MEAN_NEIGHBOURS = flags.DEFINE_float(
+    'kd_mean_neighbours', _D.kd_mean_neighbours, 'Mean number of peers a star reaches (Rayleigh fading).')
+_KD_MAX_NEIGHBOURS = flags.DEFINE_integer('kd_max_neighbours', _D.kd_max_neighbours, 'Cap on a star\'s neighbours.')
+_KD_MU1 = flags.DEFINE_float('kd_mu1', _D.kd_mu1, 'mu_1, the weight of the logit distances in Eq. 2.')
+_KD_MU2 = flags.DEFINE_float('kd_mu2', _D.kd_mu2, 'mu_2, the weight of the collaboration regulariser g.')
+_KD_C_BASE = flags.DEFINE_float('kd_c_base', _D.kd_c_base, 'c_base of the confidence (Eq. 4).')
+_KD_DISTANCE_BATCH = flags.DEFINE_integer('kd_distance_batch', _D.kd_distance_batch, 'n_i, the star\'s batch.')
+_KD_DISTANCE_LAYER = flags.DEFINE_integer(
+    'kd_distance_layer', _D.kd_distance_layer, 'Layers whose output is compared (-1: the softmax output).')
+_KD_BROADCAST = flags.DEFINE_enum(
+    'kd_broadcast', _D.kd_broadcast, ['adopt', 'keep'], 'What neighbours do with the star\'s new model.')
+_FINETUNE_FROM_SLOT = flags.DEFINE_integer(
+    'finetune_from_slot', _D.finetune_from_slot, 'kdpdfl_fedavg_plus: slot from which clients only fine-tune.')
 
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')

@@ -670,6 +670,69 @@ def ktpfl_case2(
     return _draw_from_pools(pools, classes, np.full(classes.shape, examples_per_class))
 
 
+def kdpdfl_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.1,
+    min_train: int = 15,
+    max_train: int = 100,
+    val_examples: int = 20,
+    test_examples: int = 100,
+    max_labels: Optional[int] = 4,
+    num_classes: Optional[int] = None,
+) -> list[dict[str, np.ndarray]]:
+    """KD-PDFL's setting: Dirichlet(alpha) labels, small training sets, fixed test sets.
+
+    Client k draws p_k ~ Dirichlet(alpha * ones(C)) and a training size
+    uniform in [min_train, max_train]; its training, validation and test
+    splits draw their class counts from Multinomial(size, p_k) each, so all
+    three follow the client's own label distribution (the paper: alpha = 0.1,
+    one to four labels per client, 15-100 training and 100 test examples).
+    With `max_labels`, p_k keeps only its `max_labels` largest entries
+    (renormalised): Dirichlet(0.1) over 10 classes gives a fifth label of
+    noticeable weight to some clients, where the paper reports one to four.
+    The splits come out of the partition itself (`--split_fractions` does
+    not apply).
+
+    Returns:
+      One dict per client with sorted int64 index arrays `train`, `val`,
+      `test`.
+
+    Raises:
+      PartitionError: on bad sizes or when a class runs out.
+    """
+    labels, num_classes = _check_labels(labels, num_clients, num_classes)
+    if alpha <= 0:
+        raise PartitionError(f'alpha must be > 0, got {alpha}')
+    if not 1 <= min_train <= max_train:
+        raise PartitionError(f'need 1 <= min_train <= max_train, got {min_train} and {max_train}')
+    if val_examples < 1 or test_examples < 1:
+        raise PartitionError('val_examples and test_examples must be >= 1')
+    rng = np.random.default_rng(seed)
+    pools = _class_pools(labels, num_classes, rng)
+    proportions = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)
+    if max_labels is not None and max_labels < num_classes:
+        if max_labels < 1:
+            raise PartitionError(f'max_labels must be >= 1, got {max_labels}')
+        smallest = np.argsort(proportions, axis=1)[:, : num_classes - max_labels]
+        np.put_along_axis(proportions, smallest, 0.0, axis=1)
+        proportions /= proportions.sum(axis=1, keepdims=True)
+    train_sizes = rng.integers(min_train, max_train + 1, size=num_clients)
+    counts = {
+        'train': rng.multinomial(train_sizes, proportions),
+        'val': rng.multinomial(np.full(num_clients, val_examples), proportions),
+        'test': rng.multinomial(np.full(num_clients, test_examples), proportions),
+    }
+    classes = np.broadcast_to(np.arange(num_classes), (num_clients * 3, num_classes))
+    stacked = np.concatenate([counts['train'], counts['val'], counts['test']])
+    drawn = _draw_from_pools(pools, classes, stacked)
+    return [
+        {'train': drawn[k], 'val': drawn[num_clients + k], 'test': drawn[2 * num_clients + k]}
+        for k in range(num_clients)
+    ]
+
+
 _PARTITIONERS = {
     'iid': iid,
     'ds1': persfl_ds1,
@@ -680,6 +743,7 @@ _PARTITIONERS = {
     'shards': shards,
     'kt_case1': ktpfl_case1,
     'kt_case2': ktpfl_case2,
+    'kd_dirichlet': kdpdfl_dirichlet,
 }
 
 
@@ -691,8 +755,9 @@ def build_partition(
     Names: `iid` (`iid`), `ds1` (`persfl_ds1`), `ds2` (`persfl_ds2`), `ds3`
     (`persfl_ds3`), `dirichlet` (`dirichlet_labels`; needs `alpha` and
     `examples_per_client`), `dirichlet_clients` (`dirichlet_over_clients`),
-    `shards` (`shards`), `kt_case1` (`ktpfl_case1`) and `kt_case2`
-    (`ktpfl_case2`).
+    `shards` (`shards`), `kt_case1` (`ktpfl_case1`), `kt_case2`
+    (`ktpfl_case2`) and `kd_dirichlet` (`kdpdfl_dirichlet`, which returns
+    each client already split).
 
     Args:
       name: The partition name.
@@ -702,7 +767,8 @@ def build_partition(
       **params: Keyword arguments of the chosen partitioner.
 
     Returns:
-      One sorted int64 index array per client.
+      One sorted int64 index array per client (or, for `kd_dirichlet`, one
+      dict of splits).
 
     Raises:
       PartitionError: If `name` is unknown, `params` do not match the

@@ -95,9 +95,14 @@ def prepare(
             partition_name, labels, num_clients, seed, **dict(partition_params or {})
         )
         if public is not None:
-            clients = [keep[c] for c in clients]
+            clients = [
+                {k: keep[v] for k, v in c.items()} if isinstance(c, dict) else keep[c] for c in clients]
     splits = []
     for index, indices in enumerate(clients):
+        if isinstance(indices, dict):  # the partition split the client itself
+            splits.append(indices)
+            clients[index] = np.sort(np.concatenate(list(indices.values())))
+            continue
         try:
             splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
         except partition.PartitionError as e:

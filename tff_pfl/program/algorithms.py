@@ -26,11 +26,15 @@ class Algorithm:
       build: `(config, spec, model_fn) -> PersonalizedProcess`.
       client_columns: `(client_state) -> {column: value}` for clients.csv.
       plots: `(output_dir, run_result, process) -> [(title, file)]`.
+      run: `(process, spec, config, on_round=, log=) -> RunResult` for
+        algorithms that need their own run loop (serverless ones); default
+        `training_loop.run`.
     """
 
     build: Callable
     client_columns: Optional[Callable[[Mapping], Mapping]] = None
     plots: Optional[Callable] = None
+    run: Optional[Callable] = None
 
 
 def _short_ids(client_ids):
@@ -236,6 +240,64 @@ def _ktpfl_plots(out, result, process):
     return [('Knowledge coefficients', 'knowledge_coefficients.png')]
 
 
+def _kdpdfl_builder(mode):
+    def build(config, spec, model_fn):
+        from processes import kdpdfl
+
+        return kdpdfl.build_kdpdfl_process(
+            spec, model_fn,
+            local_config=_local_config(config),
+            max_neighbours=config.kd_max_neighbours,
+            mu1=config.kd_mu1,
+            mu2=config.kd_mu2,
+            c_base=config.kd_c_base,
+            distance_batch=config.kd_distance_batch,
+            distance_layer=config.kd_distance_layer,
+            mode=mode,
+            broadcast=config.kd_broadcast,
+            seed=config.seed,
+        )
+
+    return build
+
+
+def _decentralized_run(finetune):
+    def run(process, spec, config, *, on_round, log):
+        from tff_pfl.program import decentralized
+
+        return decentralized.run(
+            process, spec.client_ids,
+            intervals=config.rounds,
+            exchange_interval=config.exchange_interval,
+            seed=config.seed,
+            mean_reachable=config.kd_mean_neighbours,
+            finetune_from=config.finetune_from_slot if finetune else None,
+            eval_every=config.eval_every,
+            on_round=on_round,
+            log=log,
+        )
+
+    return run
+
+
+def _kdpdfl_columns(state):
+    return collections.OrderedDict(
+        num_exchanges=int(state['num_participations']), confidence=float(state['confidence']))
+
+
+def _kdpdfl_plots(out, result, process):
+    del process
+    short = _short_ids(result.client_states)
+    graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
+    reports.plot_heatmap(graph, os.path.join(out, 'collaboration_graph.png'),
+                         'Collaboration weights w[i, j] (row i: client i\'s private vector)',
+                         row_labels=short, col_labels=short)
+    reports.write_csv(os.path.join(out, 'collaboration_graph.csv'),
+                      [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)})
+                       for c, row in zip(result.client_states, graph)])
+    return [('Collaboration graph W', 'collaboration_graph.png')]
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
@@ -248,6 +310,10 @@ _ALGORITHMS = {
         _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
     'pfeddf': Algorithm(
         _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+    'kdpdfl': Algorithm(_kdpdfl_builder('kdpdfl'), _kdpdfl_columns, _kdpdfl_plots, _decentralized_run(False)),
+    'kdpdfl_fedavg': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False)),
+    'kdpdfl_fedavg_plus': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True)),
+    'kdpdfl_local': Algorithm(_kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False)),
 }
 
 

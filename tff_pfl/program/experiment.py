@@ -58,10 +58,11 @@ class ExperimentConfig:
     partition: str = 'natural'
     num_clients: int = 30
     classes_per_client: Optional[int] = None
-    dirichlet_alpha: float = 0.9
+    dirichlet_alpha: Optional[float] = None
     examples_per_client: Optional[int] = None
     examples_per_class: Optional[int] = None
     kt_case1_counts: tuple = (450, 150)
+    kd_split_sizes: tuple = (15, 100, 20, 100)
     split_fractions: tuple = (0.6, 0.2, 0.2)
     model: Optional[str] = None
     rounds: int = 100
@@ -95,6 +96,17 @@ class ExperimentConfig:
     kt_c_update: str = 'paper'
     # FedDF / pFedDF (distill_epochs: the server's passes per prototype).
     finetune_epochs: int = 5
+    # KD-PDFL and its serverless baselines: --rounds counts exchange intervals.
+    exchange_interval: int = 5
+    kd_mean_neighbours: float = 5.0
+    kd_max_neighbours: int = 5
+    kd_mu1: float = 1.0
+    kd_mu2: float = 1.0
+    kd_c_base: float = 100.0
+    kd_distance_batch: int = 32
+    kd_distance_layer: int = -1
+    kd_broadcast: str = 'adopt'
+    finetune_from_slot: int = 150
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -112,7 +124,11 @@ class ExperimentConfig:
             'ds1': {'k': self.classes_per_client, 'examples_per_client': self.examples_per_client},
             'ds2': {'alpha': self.dirichlet_alpha},
             'dirichlet_clients': {'alpha': self.dirichlet_alpha},
-            'dirichlet': {'alpha': self.dirichlet_alpha, 'examples_per_client': self.examples_per_client},
+            'dirichlet': {'alpha': 0.9 if self.dirichlet_alpha is None else self.dirichlet_alpha,
+                          'examples_per_client': self.examples_per_client},
+            'kd_dirichlet': {'alpha': self.dirichlet_alpha, 'min_train': int(self.kd_split_sizes[0]),
+                             'max_train': int(self.kd_split_sizes[1]), 'val_examples': int(self.kd_split_sizes[2]),
+                             'test_examples': int(self.kd_split_sizes[3])},
             'shards': {'shards_per_client': self.classes_per_client},
             'iid': {'examples_per_client': self.examples_per_client},
             'ds3': {'classes_per_client': self.classes_per_client},
@@ -141,7 +157,12 @@ class ExperimentConfig:
              f'examples_per_class must be >= 1, got {self.examples_per_class}'),
             (len(self.kt_case1_counts) == 2 and all(int(c) == c and c >= 1 for c in self.kt_case1_counts),
              f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts)}'),
-            (self.dirichlet_alpha > 0, f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}'),
+            (len(self.kd_split_sizes) == 4 and all(int(c) == c and c >= 1 for c in self.kd_split_sizes)
+             and self.kd_split_sizes[0] <= self.kd_split_sizes[1],
+             f'kd_split_sizes must be min_train <= max_train, val, test (positive integers), '
+             f'got {list(self.kd_split_sizes)}'),
+            (self.dirichlet_alpha is None or self.dirichlet_alpha > 0,
+             f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}'),
             (self.examples_per_client is None or self.examples_per_client >= 1,
              f'examples_per_client must be >= 1, got {self.examples_per_client}'),
             (len(self.split_fractions) == 3 and all(f > 0 for f in self.split_fractions)
@@ -169,6 +190,16 @@ class ExperimentConfig:
             (self.algorithm not in ('ktpfl', 'ktpfl_homo') or self.client_fraction == 1.0,
              f'{self.algorithm} trains every client every round: --client_fraction=1'),
             (self.finetune_epochs >= 0, f'finetune_epochs must be >= 0, got {self.finetune_epochs}'),
+            (self.exchange_interval >= 2, f'exchange_interval must be >= 2, got {self.exchange_interval}'),
+            (self.kd_mean_neighbours > 0, f'kd_mean_neighbours must be > 0, got {self.kd_mean_neighbours}'),
+            (self.kd_max_neighbours >= 1, f'kd_max_neighbours must be >= 1, got {self.kd_max_neighbours}'),
+            (self.kd_mu1 >= 0 and self.kd_mu2 >= 0, f'kd_mu1 and kd_mu2 must be >= 0, got {self.kd_mu1}, {self.kd_mu2}'),
+            (self.kd_c_base > 0, f'kd_c_base must be > 0, got {self.kd_c_base}'),
+            (self.kd_distance_batch >= 1, f'kd_distance_batch must be >= 1, got {self.kd_distance_batch}'),
+            (self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
+             f'kd_distance_layer must be -1 (output) or >= 1, got {self.kd_distance_layer}'),
+            (self.kd_broadcast in ('adopt', 'keep'), f"kd_broadcast must be adopt or keep, got {self.kd_broadcast!r}"),
+            (self.finetune_from_slot >= 0, f'finetune_from_slot must be >= 0, got {self.finetune_from_slot}'),
             (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
             (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
             (self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
@@ -269,16 +300,20 @@ def run_experiment(
             max_concurrent_computation_calls=config.max_concurrent_clients,
             log_path=os.path.join(out, 'worker.log'),
         ):
-            result = training_loop.run(
-                process,
-                spec.client_ids,
-                rounds=config.rounds,
-                client_fraction=config.client_fraction,
-                seed=config.seed,
-                eval_every=config.eval_every,
-                on_round=on_round,
-                log=log,
-            )
+            custom_run = algorithms.get(config.algorithm).run
+            if custom_run is not None:
+                result = custom_run(process, spec, config, on_round=on_round, log=log)
+            else:
+                result = training_loop.run(
+                    process,
+                    spec.client_ids,
+                    rounds=config.rounds,
+                    client_fraction=config.client_fraction,
+                    seed=config.seed,
+                    eval_every=config.eval_every,
+                    on_round=on_round,
+                    log=log,
+                )
     finally:
         board.close()
     # metrics.csv was appended row by row; rewrite it whole so every row has
@@ -314,9 +349,10 @@ def _write_results(out, config, spec, result, process) -> list:
     _add_client_columns(config, result)
     reports.write_csv(os.path.join(out, 'clients.csv'), result.clients)
     test_columns = [k for k in result.rounds[-1] if k.startswith('test_') and k.endswith('_accuracy_mean')]
+    x_axis = 'slot' if 'slot' in result.rounds[-1] else 'round'  # serverless runs count time slots
     reports.plot_curves(
-        result.rounds, 'round', ['train_accuracy'] + test_columns,
-        os.path.join(out, 'accuracy.png'), f'{config.algorithm}: accuracy per round', 'accuracy',
+        result.rounds, x_axis, ['train_accuracy'] + test_columns,
+        os.path.join(out, 'accuracy.png'), f'{config.algorithm}: accuracy per {x_axis}', 'accuracy',
     )
     series = collections.OrderedDict(
         (name, [row[f'{name}_accuracy'] for row in result.clients]) for name in result.summary
