@@ -168,3 +168,23 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
     assert [r['slot'] for r in result.rounds] == [3, 6, 9]
     with pytest.raises(experiment.ConfigError, match='exchange_interval'):
         experiment.ExperimentConfig(output_dir='x', algorithm='kdpdfl', exchange_interval=1).validate()
+
+
+def test_without_mu_kdpdfl_is_decentralized_fedavg(problem, tff_runtime):
+    """mu_1 = mu_2 = 0 keeps W at 1/M; with confidence at its cap 1/(|N| + 1) the star's mix is the plain mean."""
+    spec, model_fn = problem
+    config = local_training.TrainingConfig(1, 8, 0.3)
+    states = None
+    outputs = {}
+    for mode in ('kdpdfl', 'fedavg'):
+        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=config, max_neighbours=3, mu1=0.0, mu2=0.0,
+                                           c_base=1.0, mode=mode)
+        if states is None:
+            states = [proc.initial_client_state(c) for c in spec.client_ids]
+            states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
+        server_state = collections.OrderedDict(star=states[1], neighbours=np.array([0, 2, 3], np.int32),
+                                               exchange_num=np.int32(0))
+        outputs[mode] = proc.next(server_state, [states[0], states[2], states[3]]).state['star']
+    np.testing.assert_allclose(outputs['kdpdfl']['connectivity'], states[1]['connectivity'])
+    for a, b in zip(outputs['kdpdfl']['model'], outputs['fedavg']['model']):
+        np.testing.assert_allclose(a, b, atol=1e-6)
