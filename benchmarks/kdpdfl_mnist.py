@@ -45,11 +45,12 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Seed.')
 _RUNS_DIR = flags.DEFINE_string('runs_dir', 'runs/kdpdfl_mnist', 'Where the runs go.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/kdpdfl_mnist', 'Result path prefix.')
 
-METHODS = {
-    'Local learning': 'kdpdfl_local',
-    'FedAvg': 'kdpdfl_fedavg',
-    'FedAvg+': 'kdpdfl_fedavg_plus',
-    'KD-PDFL': 'kdpdfl',
+METHODS = {  # label -> (algorithm, config overrides)
+    'Local learning': ('kdpdfl_local', {}),
+    'FedAvg': ('kdpdfl_fedavg', {}),
+    'FedAvg+': ('kdpdfl_fedavg_plus', {}),
+    'KD-PDFL': ('kdpdfl', {}),
+    'KD-PDFL, neighbours keep their models': ('kdpdfl', {'kd_broadcast': 'keep'}),
 }
 PAPER_EMNIST = {  # Table I, EMNIST, T_ex = 5: mean +- std for M = 10, 20, 40
     'Local learning': ('0.697±0.209',) * 3,
@@ -84,12 +85,13 @@ def main(argv):
     lines_settings = None
     if 'table' in _PARTS.value:
         for m in (int(v) for v in _CLIENTS.value):
-            for label, algorithm in METHODS.items():
-                result, seconds, settings = _run(f'M{m}/{algorithm}', algorithm=algorithm, num_clients=m)
+            for label, (algorithm, extra) in METHODS.items():
+                name = algorithm + ('_keep' if extra else '')
+                result, seconds, settings = _run(f'M{m}/{name}', algorithm=algorithm, num_clients=m, **extra)
                 lines_settings = settings
                 s = result.summary['personalized_model']
                 output['table'].setdefault(label, {})[m] = dict(mean=s['mean'], std=s['std'])
-                output['seconds'][f'M{m}/{algorithm}'] = seconds
+                output['seconds'][f'M{m}/{name}'] = seconds
                 for row in result.rounds:
                     if 'test_personalized_model_accuracy_mean' in row:
                         curve = output['curves'].setdefault(str(m), {}).setdefault(row['slot'], {'slot': row['slot']})
@@ -153,7 +155,8 @@ def main(argv):
                   '|---|' + '---|' * len(ms) + '---|']
         for label, by_m in output['table'].items():
             cells = [f'{by_m[m]["mean"]:.3f}±{by_m[m]["std"]:.3f}' for m in ms]
-            lines.append(f'| {label} | ' + ' | '.join(cells) + f' | {" / ".join(PAPER_EMNIST[label])} |')
+            paper = ' / '.join(PAPER_EMNIST[label]) if label in PAPER_EMNIST else ''
+            lines.append(f'| {label} | ' + ' | '.join(cells) + f' | {paper} |')
         lines += ['', '## Accuracy against the slot (Fig. 3)', '']
         lines += [f'![M={m}]({base}_M{m}.png)' for m in output['curves']]
     if output['neighbours']:

@@ -91,11 +91,7 @@ def run(
         row['round_seconds'] = time.monotonic() - interval_start
         evaluate_now = interval == intervals or (eval_every and interval % eval_every == 0)
         if evaluate_now:
-            evaluations = process.evaluate(state, store.all())
-            client_rows, summaries = training_loop.summarize_evaluation(store.ids(), evaluations)
-            for model_name, summary in summaries.items():
-                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10'):
-                    row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+            client_rows, summaries = training_loop.evaluate_all(process, state, store, row)
         rows.append(row)
         if on_round is not None:
             on_round(row)

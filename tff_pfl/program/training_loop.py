@@ -113,6 +113,19 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
     return rows, summaries
 
 
+def evaluate_all(process, state, store: 'ClientStateStore', row: dict):
+    """Evaluates every client; adds the across-client summaries to `row`.
+
+    Returns:
+      `summarize_evaluation`'s `(client rows, summaries)`.
+    """
+    client_rows, summaries = summarize_evaluation(store.ids(), process.evaluate(state, store.all()))
+    for model_name, summary in summaries.items():
+        for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
+            row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+    return client_rows, summaries
+
+
 def format_eta(seconds: float) -> str:
     """Seconds as H:MM:SS."""
     seconds = int(round(seconds))
@@ -167,11 +180,7 @@ def run(
             store.put(store.ids(), process.personalize(state, store.all()))
             row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
-            evaluations = process.evaluate(state, store.all())
-            client_rows, summaries = summarize_evaluation(store.ids(), evaluations)
-            for model_name, summary in summaries.items():
-                for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
-                    row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+            client_rows, summaries = evaluate_all(process, state, store, row)
         rows.append(row)
         if on_round is not None:
             on_round(row)
