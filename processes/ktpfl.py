@@ -277,8 +277,9 @@ def build_ktpfl_process(
     @tff.tensorflow.computation(server_state_type.member, predictions_type, tff.TensorType(np.float32, (num_clients,)))
     def update_coefficients(state, predictions, sizes):
         if c_update == 'paper':
-            coefficients = paper_update(state['coefficients'], predictions, sizes,
-                                        learning_rate=coefficient_learning_rate, rho=rho, imitation=imitation)
+            # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
+            coefficients = paper_update(state['coefficients'], predictions, sizes, learning_rate=coefficient_learning_rate,
+                                        rho=rho, imitation=imitation * temperature**2)
         elif c_update == 'released':
             coefficients = released_update(state['coefficients'], predictions, learning_rate=coefficient_learning_rate)
         else:  # the baselines' c is not learned; keep this round's for reports

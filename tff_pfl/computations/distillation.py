@@ -171,8 +171,12 @@ def candidate_arrays(candidates):
 def distill_towards(model, inputs, targets, *, temperature, epochs, batch_size, learning_rate, seed):
     """Trains `model` towards fixed soft targets on unlabeled inputs (TF code).
 
-    The loss is the batch mean of KL(target || softmax(model(x) / T)), the
-    distillation step of KT-pFL (Eq. 6) and of FedDF's server. SGD through
+    The loss is T^2 times the batch mean of KL(target || softmax(model(x) /
+    T)), the distillation step of KT-pFL (Eq. 6) and of FedDF's server. The
+    T^2 factor (Hinton et al. 2015) keeps the step on the scale of a
+    cross-entropy step: the KL's gradient in the logits shrinks like 1/T^2,
+    and at T = 10 without it the distillation had no measurable effect (see
+    docs/algorithms/ktpfl.md). SGD through
     `local_training.train`: the "labels" handed to it are row numbers into
     `targets`, so inputs and targets are batched together.
 
@@ -187,17 +191,19 @@ def distill_towards(model, inputs, targets, *, temperature, epochs, batch_size, 
       seed: int64 `[2]` stateless seed of the batch order.
 
     Returns:
-      The mean KL over the examples seen (before each step), scalar.
+      The mean KL (without the T^2 factor) over the examples seen (before
+      each step), scalar.
     """
     rows = tf.range(tf.shape(targets)[0], dtype=tf.int32)
+    scale = tf.square(tf.cast(temperature, tf.float32))
 
     def kl_loss(student, x, batch_rows):
         p = tf.gather(targets, batch_rows)
         log_q = tf.nn.log_softmax(student(x, training=True) / temperature, axis=-1)
         kl = tf.reduce_sum(p * (tf.math.log(tf.maximum(p, 1e-8)) - log_q), axis=-1)
-        return tf.reduce_mean(kl), log_q
+        return scale * tf.reduce_mean(kl), log_q
 
     stats = local_training.train(
         model, client_data.ClientSplit(inputs, rows), epochs=epochs, batch_size=batch_size,
         learning_rate=learning_rate, seed=seed, loss_fn=kl_loss)
-    return stats.loss_sum / tf.maximum(stats.num_examples, 1.0)
+    return stats.loss_sum / tf.maximum(stats.num_examples, 1.0) / scale
