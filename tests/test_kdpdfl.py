@@ -188,3 +188,27 @@ def test_without_mu_kdpdfl_is_decentralized_fedavg(problem, tff_runtime):
     np.testing.assert_allclose(outputs['kdpdfl']['connectivity'], states[1]['connectivity'])
     for a, b in zip(outputs['kdpdfl']['model'], outputs['fedavg']['model']):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_distances_at_a_hidden_layer(problem, tff_runtime):
+    """The MidGetter at a shared hidden layer compares raw activations."""
+    spec, _ = problem
+    model_fn = functools.partial(models.get('mnist_dnn'), spec.feature_shape, spec.num_classes)
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1),
+                                       max_neighbours=2, distance_layer=2, distance_batch=1000)
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
+    server_state = collections.OrderedDict(star=states[0], neighbours=np.array([3, -1], np.int32),
+                                           exchange_num=np.int32(0))
+    output = proc.next(server_state, [states[3]])
+    x, _ = client_data.read_split_numpy(spec, spec.client_ids[0], 'train')
+
+    def hidden(state):
+        kernel, bias = (np.asarray(w, np.float64) for w in state['model'][:2])
+        return np.maximum(x @ kernel + bias, 0.0)
+
+    want = ((hidden(states[3]) - hidden(states[0])) ** 2).sum(-1).mean()
+    np.testing.assert_allclose(output.metrics['mean_distance'], want, rtol=1e-4)
+    with pytest.raises(ValueError, match='distance_layer'):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1),
+                                    distance_layer=9)
