@@ -38,7 +38,7 @@ _FINETUNE_FROM = flags.DEFINE_integer('finetune_from_slot', 150, 'FedAvg+: slot 
 _LR = flags.DEFINE_float('learning_rate', 0.05, 'Local SGD learning rate.')
 _MU1 = flags.DEFINE_float('mu1', 1.0, 'mu_1 of the table runs.')
 _MU2 = flags.DEFINE_float('mu2', 1.0, 'mu_2 of the table runs.')
-_CAPS = flags.DEFINE_list('neighbour_caps', ['1', '2', '3', '5', '8', '12'], 'Fig. 4 caps (M = 20).')
+_CAPS = flags.DEFINE_list('neighbour_caps', ['1', '3', '5', '10'], 'Fig. 4 caps (M = 20).')
 _MU_GRID = flags.DEFINE_list('mu_grid', ['0', '1', '10'], 'Fig. 5: values of mu_1 and of mu_2 (M = 10).')
 _PARTS = flags.DEFINE_list('parts', ['table', 'neighbours', 'mu_grid'], 'What to run.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed.')
