@@ -43,6 +43,7 @@ _EVAL_EVERY = flags.DEFINE_integer('eval_every', 5, 'Evaluate every client every
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed.')
 _RUNS_DIR = flags.DEFINE_string('runs_dir', 'runs/ktpfl_mnist', 'Where the runs go.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/ktpfl_mnist', 'Result path prefix.')
+_REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Rewrite the report from <out>.json and the runs, run nothing.')
 
 # method -> (algorithm, extra config, [(label, model reported by evaluate)])
 METHODS = {
@@ -65,8 +66,39 @@ def _read_csv(path):
         return list(csv.DictReader(f))
 
 
+def coefficient_structure(run_dir):
+    """Mean learned c[n, m] (n != m) by how many dominant classes clients n and m share.
+
+    A client's dominant classes are those it holds more examples of than its
+    mean per class (case 1: its group's five, case 2: its two).
+
+    Returns:
+      `{shared dominant classes: (mean c, number of pairs)}` from the run's
+      partition.csv and knowledge_coefficients.csv.
+    """
+    partition_rows = _read_csv(os.path.join(run_dir, 'partition.csv'))
+    classes = []
+    for r in partition_rows:
+        counts = {k: int(v) for k, v in r.items() if k.startswith('class_')}
+        mean = sum(counts.values()) / len(counts)
+        classes.append({k for k, v in counts.items() if v > mean})
+    c_rows = _read_csv(os.path.join(run_dir, 'knowledge_coefficients.csv'))
+    c = np.array([[float(v) for k, v in r.items() if k != 'client_id'] for r in c_rows])
+    by_shared = {}
+    for n in range(len(c)):
+        for m in range(len(c)):
+            if n != m:
+                by_shared.setdefault(len(classes[n] & classes[m]), []).append(c[n, m])
+    return {k: (float(np.mean(v)), len(v)) for k, v in sorted(by_shared.items())}
+
+
 def main(argv):
     del argv
+    if _REPORT_ONLY.value:
+        with open(_OUT.value + '.json') as f:
+            data = json.load(f)
+        _write_report(data)
+        return
     counts = tuple(int(c) for c in _CASE1_COUNTS.value)
     common = dict(
         dataset=f'npz:{_MNIST.value}', num_clients=20, rounds=_ROUNDS.value, eval_every=_EVAL_EVERY.value,
@@ -128,27 +160,35 @@ def main(argv):
                              f'{_OUT.value}_communication.png',
                              f'Traffic per client over {rounds} rounds (P = {_PUBLIC_BATCH.value})', 'MB')
 
-    settings = dict(common, cases=_CASES.value, methods=_METHODS.value)
+    settings = dict(common, cases=_CASES.value, methods=_METHODS.value, rounds=rounds)
+    data = {'settings': settings, 'results': results, 'communication': communication,
+            'communication_mb_per_client': figure, 'curves': curves, 'total_minutes': total_minutes}
     with open(_OUT.value + '.json', 'w') as f:
-        json.dump({'settings': settings, 'results': results, 'communication': communication,
-                   'communication_mb_per_client': figure, 'curves': curves, 'total_minutes': total_minutes}, f,
-                  indent=1, default=str)
+        json.dump(data, f, indent=1, default=str)
+    _write_report(data)
+
+
+def _write_report(data):
+    settings, results, figure = data['settings'], data['results'], data['communication_mb_per_client']
+    rounds, total_minutes = settings['rounds'], data['total_minutes']
+    counts = tuple(int(c) for c in settings['kt_case1_counts'])
+    cases = list(settings['cases'])
     command = ('uv run python benchmarks/ktpfl_mnist.py'
-               f' --rounds={rounds} --local_epochs={_LOCAL_EPOCHS.value}'
-               f' --case1_counts={",".join(map(str, counts))} --case2_per_class={_CASE2_PER_CLASS.value}'
-               f' --public_batch={_PUBLIC_BATCH.value} --learning_rate={_LR.value} --seed={_SEED.value}')
-    cases = _CASES.value
+               f' --rounds={rounds} --local_epochs={settings["local_epochs"]}'
+               f' --case1_counts={",".join(map(str, counts))} --case2_per_class={settings["examples_per_class"]}'
+               f' --public_batch={settings["public_batch"]} --learning_rate={settings["client_learning_rate"]}'
+               f' --seed={settings["seed"]}')
     lines = [
         f'# KT-pFL and baselines: MNIST, 20 heterogeneous clients, {rounds} rounds', '',
         f'Command: `{command}` ({total_minutes:.0f} minutes on 2 CPU cores).', '',
         'Four architectures in turn (lenet, alexnet_small, resnet_small, shufflenet_small), five clients each. '
         f'Case 1: clients 0-9 hold {counts[0]} examples of each digit 0-4 and {counts[1]} of each digit 5-9, '
-        f'clients 10-19 the reverse; case 2: two random digits per client, {_CASE2_PER_CLASS.value} examples each. '
-        'Every client splits its examples 60/20/20 into train/validation/test. '
-        f'{_PUBLIC_EXAMPLES.value} MNIST examples, held by no client, are the unlabeled public data; '
-        f'{_PUBLIC_BATCH.value} are drawn per round. E = {_LOCAL_EPOCHS.value}, R = 1, batch 128 (private) and 256 '
-        f'(public), eta_1 = eta_2 = {_LR.value}, T = 10, eta_3 = 0.1, rho = 0.7; pFedDF fine-tunes '
-        f'{_LOCAL_EPOCHS.value} epochs.', '',
+        f'clients 10-19 the reverse; case 2: two random digits per client, {settings["examples_per_class"]} examples '
+        'each. Every client splits its examples 60/20/20 into train/validation/test. '
+        f'{settings["public_examples"]} MNIST examples, held by no client, are the unlabeled public data; '
+        f'{settings["public_batch"]} are drawn per round. E = {settings["local_epochs"]}, R = 1, batch 128 (private) '
+        f'and 256 (public), eta_1 = eta_2 = {settings["client_learning_rate"]}, T = 10, eta_3 = 0.1, rho = 0.7; '
+        f'pFedDF fine-tunes {settings["finetune_epochs"]} epochs.', '',
         'Mean (std) of the per-client test accuracy (%) after the last round; the paper\'s Table 1 '
         '(EMNIST and Fashion-MNIST, its own full-size settings) for comparison.', '',
         '| method | ' + ' | '.join(cases) + ' | paper EMNIST 1 / 2 | paper FMNIST 1 / 2 |',
@@ -159,14 +199,23 @@ def main(argv):
         paper = PAPER_TABLE_1.get(label)
         paper_cells = [f'{paper[0]} / {paper[1]}', f'{paper[2]} / {paper[3]}'] if paper else ['', '']
         lines.append(f'| {label} | ' + ' | '.join(cells + paper_cells) + ' |')
+    base = os.path.basename(_OUT.value)
     lines += ['', '## Learning curves', '']
-    lines += [f'![{case}]({os.path.basename(_OUT.value)}_{case}.png)' for case in curves]
-    lines += ['', '## Learned knowledge coefficients (KT-pFL)', '']
-    lines += [f'![{case} c]({os.path.basename(_OUT.value)}_{case}_c.png)' for case in cases
-              if os.path.exists(f'{_OUT.value}_{case}_c.png')]
+    lines += [f'![{case}]({base}_{case}.png)' for case in data['curves']]
+    lines += ['', '## Learned knowledge coefficients (KT-pFL)', '',
+              'Mean learned c[n, m] over client pairs n != m, by the number of dominant classes (more examples than '
+              'the client\'s mean per class) the two clients share (from the run\'s partition.csv; 1/N = 0.05).', '',
+              '| case | shared dominant classes | mean c[n, m] | pairs |', '|---|---|---|---|']
+    for case in cases:
+        run_dir = os.path.join(_RUNS_DIR.value, case, 'ktpfl')
+        if os.path.exists(os.path.join(run_dir, 'knowledge_coefficients.csv')):
+            for shared, (mean, pairs) in coefficient_structure(run_dir).items():
+                lines.append(f'| {case} | {shared} | {mean:.4f} | {pairs} |')
+    lines.append('')
+    lines += [f'![{case} c]({base}_{case}_c.png)' for case in cases if os.path.exists(f'{_OUT.value}_{case}_c.png')]
     lines += ['', '## Communication (Fig. 5)', '', '| traffic per client over the run | MB |', '|---|---|']
     lines += [f'| {k} | {v:.2f} |' for k, v in figure.items()]
-    lines += ['', f'![communication]({os.path.basename(_OUT.value)}_communication.png)', '']
+    lines += ['', f'![communication]({base}_communication.png)', '']
     reports.write_text_atomic(_OUT.value + '.md', '\n'.join(lines))
     print('\n'.join(lines))
 
