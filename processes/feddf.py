@@ -32,7 +32,6 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models
 from tff_pfl.computations import building_blocks
 from tff_pfl.computations import distillation
 from tff_pfl.computations import heterogeneous
@@ -93,18 +92,15 @@ def build_feddf_process(
         raise ValueError('FedDF needs public data: prepare the partition with public examples')
     if server_distill_epochs < 0 or finetune_epochs < 0:
         raise ValueError('server_distill_epochs and finetune_epochs must be >= 0')
-    names = sorted(set(architectures))
-    arch_ids = [names.index(a) for a in architectures]
-    archs = heterogeneous.Architectures(
-        [lambda n=n: models.get(n)(spec.feature_shape, spec.num_classes) for n in names])
-    num_archs = len(names)
+    archs, arch_ids = heterogeneous.for_clients(architectures, spec.feature_shape, spec.num_classes)
+    num_archs = len(archs.model_fns)
     public_batch = min(public_batch, spec.public_size)
     prototypes_type = tff.TensorType(np.float32, (num_archs, archs.max_size))
     logits_type = tff.TensorType(np.float32, (public_batch, spec.num_classes))
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        index = client_data.client_index(client_id)
         return building_blocks.participation_state(
             client_id, architecture=tf.gather(tf.constant(arch_ids, tf.int32), index))
 

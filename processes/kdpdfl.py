@@ -228,7 +228,7 @@ def build_kdpdfl_process(
     train_size_list = [train_sizes[c] for c in spec.client_ids]
 
     def fresh_state(client_id):
-        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        index = client_data.client_index(client_id)
         with models.seeded(seed):
             initial = local_training.get_weights(model_fn())  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M

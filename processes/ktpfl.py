@@ -32,7 +32,6 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models
 from tff_pfl.computations import building_blocks
 from tff_pfl.computations import distillation
 from tff_pfl.computations import heterogeneous
@@ -182,17 +181,14 @@ def build_ktpfl_process(
         raise ValueError('KT-pFL needs public data: prepare the partition with public examples')
     if c_update not in C_UPDATES:
         raise ValueError(f'c_update must be one of {C_UPDATES}, got {c_update!r}')
-    names = sorted(set(architectures))
-    arch_ids = [names.index(a) for a in architectures]
-    archs = heterogeneous.Architectures(
-        [lambda n=n: models.get(n)(spec.feature_shape, spec.num_classes) for n in names])
+    archs, arch_ids = heterogeneous.for_clients(architectures, spec.feature_shape, spec.num_classes)
     public_batch = min(public_batch, spec.public_size)
     num_classes = spec.num_classes
     predictions_type = tff.TensorType(np.float32, (num_clients, public_batch, num_classes))
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        index = client_data.client_index(client_id)
         architecture = tf.gather(tf.constant(arch_ids, tf.int32), index)
         return building_blocks.participation_state(
             client_id,
@@ -411,7 +407,7 @@ def build_ktpfl_homogeneous_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        index = tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+        index = client_data.client_index(client_id)
         return building_blocks.participation_state(
             client_id, client_index=index, params=archs.initial_packed(seed)[0])
 

@@ -84,3 +84,21 @@ class Architectures:
             with models.seeded(seed + index):
                 rows.append(self.pack(fn().trainable_weights))
         return tf.stack(rows)
+
+
+def for_clients(architectures: Sequence[str], feature_shape, num_classes) -> tuple['Architectures', list[int]]:
+    """The distinct architectures of the clients, and each client's index into them.
+
+    Args:
+      architectures: one model name (`tff_pfl.models`) per client.
+      feature_shape: shape of one example.
+      num_classes: number of logits.
+
+    Returns:
+      `(Architectures over the sorted distinct names, per-client indices)`.
+    """
+    from tff_pfl import models
+
+    names = sorted(set(architectures))
+    archs = Architectures([lambda n=n: models.get(n)(feature_shape, num_classes) for n in names])
+    return archs, [names.index(a) for a in architectures]

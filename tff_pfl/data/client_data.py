@@ -76,6 +76,11 @@ def client_id_for(index: int) -> str:
     return f'client_{index:05d}'
 
 
+def client_index(client_id: tf.Tensor) -> tf.Tensor:
+    """`client_00007` -> 7 as int32 (TF code; the inverse of `client_id_for`)."""
+    return tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
+
+
 def _encoding_for(x: np.ndarray) -> str:
     """UINT8_OVER_255 when every value is exactly code/255, else FLOAT32."""
     if x.size == 0 or x.min() < 0.0 or x.max() > 1.0:
