@@ -85,14 +85,11 @@ def build_feddf_process(
       ValueError: on bad arguments.
     """
     local_config.validate()
-    num_clients = spec.num_clients
-    if len(architectures) != num_clients:
-        raise ValueError(f'need one architecture per client ({num_clients}), got {len(architectures)}')
     if not spec.public_size:
         raise ValueError('FedDF needs public data: prepare the partition with public examples')
     if server_distill_epochs < 0 or finetune_epochs < 0:
         raise ValueError('server_distill_epochs and finetune_epochs must be >= 0')
-    archs, arch_ids = heterogeneous.for_clients(architectures, spec.feature_shape, spec.num_classes)
+    archs, arch_ids = heterogeneous.for_clients(architectures, spec)
     num_archs = len(archs.model_fns)
     public_batch = min(public_batch, spec.public_size)
     prototypes_type = tff.TensorType(np.float32, (num_archs, archs.max_size))

@@ -224,8 +224,6 @@ def build_kdpdfl_process(
     mid_layers = layers if distance_layer == -1 else layers[:distance_layer]
     mid_weights = sum(layer.num_weights for layer in mid_layers)
     slot_models_type = tff.to_type([tff.TensorType(t.dtype, (max_neighbours,) + tuple(t.shape)) for t in weights_type])
-    train_sizes = spec.sizes('train')
-    train_size_list = [train_sizes[c] for c in spec.client_ids]
 
     def fresh_state(client_id):
         index = client_data.client_index(client_id)
@@ -258,8 +256,8 @@ def build_kdpdfl_process(
     @tff.tensorflow.computation(server_state_type.member['neighbours'], client_state_type)
     def upload(invitation, state):
         """A neighbour's model into its slot (the star invited it by index)."""
-        slot = tf.one_hot(tf.argmax(tf.cast(tf.equal(invitation, state['client_index']), tf.int32)), max_neighbours)
-        slot = slot * tf.cast(tf.reduce_any(tf.equal(invitation, state['client_index'])), tf.float32)
+        # Invited indices are distinct (padding is -1), so the match is a one-hot slot.
+        slot = tf.cast(tf.equal(invitation, state['client_index']), tf.float32)
         return collections.OrderedDict(
             models=[tf.reshape(slot, [max_neighbours] + [1] * len(w.shape)) * w[tf.newaxis] for w in state['model']],
             present=slot,
@@ -285,8 +283,7 @@ def build_kdpdfl_process(
         x, _ = train.gather(order[:distance_batch])
         own_out = outputs([w[tf.newaxis] for w in own], x)[0]
         distances = output_distances(own_out, outputs(theirs, x)) * present
-        num_train = tf.gather(tf.constant(train_size_list, tf.float32), star['client_index'])
-        c = confidence(num_train, num_neighbours, c_base)
+        c = confidence(train.num_examples, num_neighbours, c_base)
         row = star['connectivity']
         if mode == 'kdpdfl':
             row = connectivity_update(row, neighbour_ids, present, distances, mu1=mu1, mu2=mu2)

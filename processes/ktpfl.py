@@ -175,13 +175,11 @@ def build_ktpfl_process(
     """
     local_config.validate()
     num_clients = spec.num_clients
-    if len(architectures) != num_clients:
-        raise ValueError(f'need one architecture per client ({num_clients}), got {len(architectures)}')
     if not spec.public_size:
         raise ValueError('KT-pFL needs public data: prepare the partition with public examples')
     if c_update not in C_UPDATES:
         raise ValueError(f'c_update must be one of {C_UPDATES}, got {c_update!r}')
-    archs, arch_ids = heterogeneous.for_clients(architectures, spec.feature_shape, spec.num_classes)
+    archs, arch_ids = heterogeneous.for_clients(architectures, spec)
     public_batch = min(public_batch, spec.public_size)
     num_classes = spec.num_classes
     predictions_type = tff.TensorType(np.float32, (num_clients, public_batch, num_classes))

@@ -86,19 +86,24 @@ class Architectures:
         return tf.stack(rows)
 
 
-def for_clients(architectures: Sequence[str], feature_shape, num_classes) -> tuple['Architectures', list[int]]:
-    """The distinct architectures of the clients, and each client's index into them.
+def for_clients(architectures: Sequence[str], spec) -> tuple['Architectures', list[int]]:
+    """The distinct architectures of a partition's clients, and each client's index into them.
 
     Args:
-      architectures: one model name (`tff_pfl.models`) per client.
-      feature_shape: shape of one example.
-      num_classes: number of logits.
+      architectures: one model name (`tff_pfl.models`) per client, in
+        `spec.client_ids` order.
+      spec: the `client_data.ClientDataSpec` (feature shape, classes, clients).
 
     Returns:
       `(Architectures over the sorted distinct names, per-client indices)`.
+
+    Raises:
+      ValueError: if there is not exactly one architecture per client.
     """
     from tff_pfl import models
 
+    if len(architectures) != spec.num_clients:
+        raise ValueError(f'need one architecture per client ({spec.num_clients}), got {len(architectures)}')
     names = sorted(set(architectures))
-    archs = Architectures([lambda n=n: models.get(n)(feature_shape, num_classes) for n in names])
+    archs = Architectures([lambda n=n: models.get(n)(spec.feature_shape, spec.num_classes) for n in names])
     return archs, [names.index(a) for a in architectures]

@@ -226,17 +226,23 @@ def _ktpfl_homogeneous(config, spec, model_fn):
     )
 
 
-def _ktpfl_plots(out, result, process):
-    short = _short_ids(result.client_states)
-    architectures = getattr(process, 'architectures', None) or [''] * len(short)
-    labels = [f'{s} {a}'.strip() for s, a in zip(short, architectures)]
-    coefficients = np.asarray(result.state['coefficients'])
-    reports.plot_heatmap(coefficients, os.path.join(out, 'knowledge_coefficients.png'),
-                         'Knowledge coefficients c[n, m] (row n: client n\'s mix)', row_labels=labels, col_labels=short)
-    reports.write_csv(os.path.join(out, 'knowledge_coefficients.csv'),
+def _client_matrix(out, name, title, matrix, client_ids, row_labels=None):
+    """A client x client matrix as `<name>.png` (heatmap) and `<name>.csv`."""
+    short = _short_ids(client_ids)
+    reports.plot_heatmap(matrix, os.path.join(out, f'{name}.png'), title,
+                         row_labels=row_labels or short, col_labels=short)
+    reports.write_csv(os.path.join(out, f'{name}.csv'),
                       [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)})
-                       for c, row in zip(result.client_states, coefficients)])
-    reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.communication)])
+                       for c, row in zip(client_ids, matrix)])
+
+
+def _ktpfl_plots(out, result, process):
+    client_ids = list(result.client_states)
+    architectures = getattr(process, 'architectures', None) or [''] * len(client_ids)
+    labels = [f'{s} {a}'.strip() for s, a in zip(_short_ids(client_ids), architectures)]
+    _client_matrix(out, 'knowledge_coefficients', 'Knowledge coefficients c[n, m] (row n: client n\'s mix)',
+                   np.asarray(result.state['coefficients']), client_ids, row_labels=labels)
+    _communication_plots(out, result, process)
     return [('Knowledge coefficients', 'knowledge_coefficients.png')]
 
 
@@ -287,14 +293,9 @@ def _kdpdfl_columns(state):
 
 def _kdpdfl_plots(out, result, process):
     del process
-    short = _short_ids(result.client_states)
     graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
-    reports.plot_heatmap(graph, os.path.join(out, 'collaboration_graph.png'),
-                         'Collaboration weights w[i, j] (row i: client i\'s private vector)',
-                         row_labels=short, col_labels=short)
-    reports.write_csv(os.path.join(out, 'collaboration_graph.csv'),
-                      [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)})
-                       for c, row in zip(result.client_states, graph)])
+    _client_matrix(out, 'collaboration_graph', 'Collaboration weights w[i, j] (row i: client i\'s private vector)',
+                   graph, list(result.client_states))
     return [('Collaboration graph W', 'collaboration_graph.png')]
 
 

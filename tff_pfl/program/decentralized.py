@@ -95,13 +95,8 @@ def run(
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        elapsed = time.monotonic() - started
-        eta = elapsed / interval * (intervals - interval)
-        line = f'interval {interval}/{intervals} (slot {row["slot"]})  train_loss {row.get("train_loss", float("nan")):.4f}'
-        for model_name in summaries if evaluate_now else ():
-            line += f'  test_acc[{model_name}] {summaries[model_name]["mean"]:.4f}'
-        line += f'  {row["round_seconds"]:.2f}s  ETA {training_loop.format_eta(eta)}'
-        log(line)
+        log(training_loop.progress_line(f'interval {interval}/{intervals} (slot {row["slot"]})', interval, intervals,
+                                        row, summaries if evaluate_now else {}, started))
     return training_loop.RunResult(
         state=state, client_states=dict(zip(store.ids(), store.all())), rounds=rows, clients=client_rows,
         summary=summaries)

@@ -126,7 +126,25 @@ def evaluate_all(process, state, store: 'ClientStateStore', row: dict):
     return client_rows, summaries
 
 
-def format_eta(seconds: float) -> str:
+def progress_line(label: str, done: int, total: int, row: Mapping, summaries: Mapping, started: float) -> str:
+    """One progress line: training metrics, test accuracies if evaluated, time and ETA.
+
+    Args:
+      label: e.g. `round 3/100`.
+      done: steps finished; total: steps in the run (for the ETA).
+      row: this step's metrics row (`train_loss`, `train_accuracy`, `round_seconds`).
+      summaries: model name -> accuracy summary, empty when not evaluated.
+      started: `time.monotonic()` at the start of the run.
+    """
+    eta = (time.monotonic() - started) / done * (total - done)
+    line = f'{label}  train_loss {row.get("train_loss", float("nan")):.4f}  '
+    line += f'train_acc {row.get("train_accuracy", float("nan")):.4f}'
+    for model_name, summary in summaries.items():
+        line += f'  test_acc[{model_name}] {summary["mean"]:.4f}'
+    return line + f'  {row["round_seconds"]:.2f}s  ETA {_format_eta(eta)}'
+
+
+def _format_eta(seconds: float) -> str:
     """Seconds as H:MM:SS."""
     seconds = int(round(seconds))
     return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
@@ -184,14 +202,8 @@ def run(
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        elapsed = time.monotonic() - started
-        eta = elapsed / round_num * (rounds - round_num)
-        line = f'round {round_num}/{rounds}  train_loss {row.get("train_loss", float("nan")):.4f}  '
-        line += f'train_acc {row.get("train_accuracy", float("nan")):.4f}'
-        for model_name in summaries if evaluate_now else ():
-            line += f'  test_acc[{model_name}] {summaries[model_name]["mean"]:.4f}'
-        line += f'  {row["round_seconds"]:.2f}s  ETA {format_eta(eta)}'
-        log(line)
+        log(progress_line(f'round {round_num}/{rounds}', round_num, rounds, row,
+                          summaries if evaluate_now else {}, started))
     return RunResult(
         state=state,
         client_states=dict(zip(store.ids(), store.all())),
