@@ -10,6 +10,14 @@ plain FedAvg average; other optimizers give FedOpt-style server steps).
 FedAvg has no personalized model: `evaluate` reports each client's accuracy of
 the global model on its own test split. The per-client state only records
 participation (its client id, number of rounds taken part in, last round).
+
+FedAvg + local fine-tuning (`finetune_epochs > 0`), the baseline of the
+personalization papers: after the last round, `personalize` has every client
+fine-tune the final global model on its own training split for 0, 1, ...,
+`finetune_epochs` epochs and keep the number of epochs whose model scores best
+on its validation split (`local_training.finetune_on_validation`). The chosen
+model is the client's `personalized_model`; before fine-tuning it is the
+global model (zero epochs).
 """
 
 import collections
@@ -34,6 +42,8 @@ def build_fedavg_process(
     local_config: local_training.TrainingConfig,
     server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    finetune_epochs: int = 0,
+    finetune_config: Optional[local_training.TrainingConfig] = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedAvg as a `PersonalizedProcess`.
@@ -47,22 +57,41 @@ def build_fedavg_process(
         learning rate 1.0 (plain averaging).
       model_aggregator: weighted aggregation of client updates; default
         `tff.aggregators.MeanFactory()` (example-weighted mean).
+      finetune_epochs: FedAvg + fine-tuning: the most local epochs a client
+        may fine-tune for (0: plain FedAvg, no `personalize`).
+      finetune_config: batch size and learning rate of fine-tuning; default
+        those of `local_config`.
       seed: run seed; fixes the initial model and every client's batch order.
 
     Returns:
       A `template.PersonalizedProcess`. Server state:
       `<model, optimizer_state, aggregator_state, round_num>`; client state:
-      `<client_id, num_participations, last_round>`; metrics:
+      `<client_id, num_participations, last_round>`, with fine-tuning also
+      `<personalized, finetune_epochs, finetune_val_accuracy>`
+      (`finetune_epochs` -1 until fine-tuned); metrics:
       `<train_loss, train_accuracy, num_examples, num_clients>`.
+
+    Raises:
+      ValueError: on a bad local or fine-tuning configuration.
     """
     local_config.validate()
+    if int(finetune_epochs) != finetune_epochs or finetune_epochs < 0:
+        raise ValueError(f'finetune_epochs must be a non-negative integer, got {finetune_epochs}')
+    finetune_config = (finetune_config or local_config).validate()
     weights_type = local_training.weights_type(model_fn)
     client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(client_id)
+        if not finetune_epochs:
+            return building_blocks.participation_state(client_id)
+        return building_blocks.participation_state(
+            client_id,
+            personalized=[tf.zeros(t.shape, t.dtype) for t in weights_type],
+            finetune_epochs=tf.constant(-1, tf.int32),  # -1: not fine-tuned yet
+            finetune_val_accuracy=tf.zeros([finetune_epochs + 1]),
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -78,7 +107,36 @@ def build_fedavg_process(
 
     @tff.tensorflow.computation(weights_type, client_state_type)
     def evaluate_client(weights, client_state):
-        return collections.OrderedDict(global_model=client_evaluation(weights, client_state['client_id']))
+        client_id = client_state['client_id']
+        metrics = collections.OrderedDict(global_model=client_evaluation(weights, client_id))
+        if finetune_epochs:
+            tuned = client_state['finetune_epochs'] >= 0
+            personalized = [tf.where(tuned, p, w) for p, w in zip(client_state['personalized'], weights)]
+            metrics['personalized_model'] = client_evaluation(personalized, client_id)
+        return metrics
+
+    personalize_builder = None
+    if finetune_epochs:
+
+        @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+        def client_finetune(weights, round_num, client_state):
+            client_id = client_state['client_id']
+            model = model_fn()
+            with tf.control_dependencies(local_training.assign_weights(model, weights)):
+                tuned, epochs, accuracies = local_training.finetune_on_validation(
+                    model,
+                    client_data.read_split(spec, client_id, 'train'),
+                    client_data.read_split(spec, client_id, 'val'),
+                    max_epochs=finetune_epochs,
+                    batch_size=finetune_config.batch_size,
+                    learning_rate=finetune_config.learning_rate,
+                    seed=local_training.client_seed(seed, round_num, client_id, salt=2),
+                )
+            state = collections.OrderedDict((k, client_state[k]) for k in client_state)
+            state.update(personalized=tuned, finetune_epochs=epochs, finetune_val_accuracy=accuracies)
+            return state
+
+        personalize_builder = averaging.broadcast_personalize(client_finetune)
 
     return averaging.build_averaging_process(
         model_fn,
@@ -87,5 +145,6 @@ def build_fedavg_process(
         evaluate_client=evaluate_client,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        personalize_builder=personalize_builder,
         seed=seed,
     )

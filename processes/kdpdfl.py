@@ -227,8 +227,7 @@ def build_kdpdfl_process(
 
     def fresh_state(client_id):
         index = client_data.client_index(client_id)
-        with models.seeded(seed):
-            initial = local_training.get_weights(model_fn())  # every client starts from the same model
+        initial = local_training.initial_weights(model_fn, seed)  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
         return building_blocks.participation_state(
             client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0))

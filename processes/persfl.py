@@ -167,15 +167,6 @@ def build_persfl_process(
         state['grid_val_accuracy'] = grid.val_accuracy
         return state
 
-    def personalize_builder(server_state_type, state_type):
-        @tff.federated_computation(server_state_type, tff.FederatedType(state_type, tff.CLIENTS))
-        def personalize(server_state, client_states):
-            model = tff.federated_broadcast(server_state.model)
-            round_num = tff.federated_broadcast(server_state.round_num)
-            return tff.federated_map(client_personalize, (model, round_num, client_states))
-
-        return personalize
-
     @tff.tensorflow.computation(weights_type, client_state_type)
     def evaluate_client(weights, client_state):
         client_id = client_state['client_id']
@@ -190,7 +181,7 @@ def build_persfl_process(
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         server_optimizer=server_optimizer,
-        personalize_builder=personalize_builder,
+        personalize_builder=averaging.broadcast_personalize(client_personalize),
         seed=seed,
     )
     process.grid_candidates = candidates

@@ -117,6 +117,24 @@ _KD_BROADCAST = flags.DEFINE_enum(
 _FINETUNE_FROM_SLOT = flags.DEFINE_integer(
     'finetune_from_slot', _D.finetune_from_slot, 'kdpdfl_fedavg_plus: slot from which clients only fine-tune.')
 
+# Baselines (fedavg_ft: --finetune_epochs is the largest fine-tuning epoch count tried on validation;
+# Ditto's, pFedMe's and Per-FedAvg's local learning rate is --client_learning_rate).
+_PERSONAL_LAYERS = flags.DEFINE_integer(
+    'personal_layers', _D.personal_layers, 'FedPer: the last N layers with weights stay on the clients.')
+_DITTO_LAMBDA = flags.DEFINE_float('ditto_lambda', _D.ditto_lambda, 'Ditto: lambda, the pull towards the global model.')
+_PERSONAL_EPOCHS = flags.DEFINE_integer('personal_epochs', _D.personal_epochs, 'Ditto: personal-model epochs per round.')
+_PFEDME_LAMBDA = flags.DEFINE_float('pfedme_lambda', _D.pfedme_lambda, 'pFedMe: lambda of the Moreau envelope.')
+_PFEDME_K = flags.DEFINE_integer('pfedme_inner_steps', _D.pfedme_inner_steps, 'pFedMe: K, steps that approximate theta.')
+_PFEDME_PLR = flags.DEFINE_float(
+    'pfedme_personal_learning_rate', _D.pfedme_personal_learning_rate, 'pFedMe: the personal learning rate of those K steps.')
+_PFEDME_BETA = flags.DEFINE_float('pfedme_beta', _D.pfedme_beta, 'pFedMe: beta, the server\'s step towards the mean.')
+_PERFEDAVG_ALPHA = flags.DEFINE_float(
+    'perfedavg_alpha', _D.perfedavg_alpha, 'Per-FedAvg: alpha, the adaptation step (--client_learning_rate is beta).')
+_PERFEDAVG_DELTA = flags.DEFINE_float('perfedavg_delta', _D.perfedavg_delta, 'Per-FedAvg HF: finite-difference step.')
+_APFL_ALPHA = flags.DEFINE_float('apfl_alpha', _D.apfl_alpha, 'APFL: every client\'s initial mixing weight alpha.')
+_APFL_ALPHA_LR = flags.DEFINE_float(
+    'apfl_alpha_learning_rate', _D.apfl_alpha_learning_rate, 'APFL: eta_alpha, the alpha step size (0 fixes alpha).')
+
 # Run.
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')

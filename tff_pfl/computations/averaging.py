@@ -10,20 +10,45 @@ optionally a clients-only personalization stage).
 """
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models
 from tff_pfl.computations import building_blocks
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template
 
 # Builds `personalize` from the server state type and the client state type.
 PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
+
+
+def broadcast_personalize(client_fn: tff.Computation) -> PersonalizeBuilder:
+    """A `personalize` stage that runs `client_fn` on every client from the final global model.
+
+    Args:
+      client_fn: `(weights, round_num, client_state) -> client_state`, a
+        `tff.tensorflow.computation` (e.g. PersFL's distillation, FedAvg's
+        fine-tuning).
+
+    Returns:
+      A `PersonalizeBuilder` for `build_averaging_process`: its
+      `personalize: (S@SERVER, {C}@CLIENTS) -> {C}@CLIENTS` broadcasts the
+      server's model and round number and maps `client_fn` over the clients.
+    """
+
+    def builder(server_state_type, client_state_type):
+        @tff.federated_computation(server_state_type, tff.FederatedType(client_state_type, tff.CLIENTS))
+        def personalize(server_state, client_states):
+            model = tff.federated_broadcast(server_state.model)
+            round_num = tff.federated_broadcast(server_state.round_num)
+            return tff.federated_map(client_fn, (model, round_num, client_states))
+
+        return personalize
+
+    return builder
 
 
 def build_averaging_process(
@@ -36,6 +61,7 @@ def build_averaging_process(
     model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
     personalize_builder: Optional[PersonalizeBuilder] = None,
     server_info: Optional[Callable[[tff.Type], tff.Computation]] = None,
+    shared_indices: Optional[Sequence[int]] = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds a FedAvg-shaped `PersonalizedProcess` around `client_work`.
@@ -60,6 +86,9 @@ def build_averaging_process(
         broadcast to the clients with the model (e.g. an aggregator's
         variance estimate). `client_work` then takes `(weights, round_num,
         info, client_state)`.
+      shared_indices: optional; which of the model's trainable variables
+        are global (broadcast, averaged), in order; default all of them.
+        FedPer keeps the others on the clients.
       seed: fixes the initial global model.
 
     Returns:
@@ -73,17 +102,18 @@ def build_averaging_process(
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
     if model_aggregator is None:
         model_aggregator = tff.aggregators.MeanFactory()
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = local_training.weights_type(model_fn, shared_indices)
     client_state_type = initial_client_state.type_signature.result
     optimizer_init, optimizer_apply = building_blocks.build_server_update(weights_type, server_optimizer)
     aggregation = model_aggregator.create(weights_type, tff.TensorType(np.float32))
 
     @tff.tensorflow.computation
     def server_init():
-        with models.seeded(seed):
-            model = model_fn()
+        weights = local_training.initial_weights(model_fn, seed)
+        if shared_indices is not None:
+            weights = [weights[i] for i in shared_indices]
         return collections.OrderedDict(
-            model=local_training.get_weights(model),
+            model=weights,
             optimizer_state=optimizer_init(),
             round_num=tf.constant(0, tf.int32),
         )

@@ -13,11 +13,13 @@ weights.
 
 import collections
 from collections.abc import Callable, Sequence
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import models
 from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
@@ -26,11 +28,13 @@ LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Te
 Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples'])
 
 
-def weights_type(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
+def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Optional[Sequence[int]] = None) -> tff.Type:
     """The TFF type of a model's trainable weights: a list of float tensors.
 
     Args:
       model_fn: no-arg function returning a fresh Keras model.
+      indices: optional; only these trainable variables, in this order
+        (e.g. FedPer's shared base layers).
 
     Returns:
       A `tff.StructWithPythonType` (list container) of `tff.TensorType`s.
@@ -45,10 +49,35 @@ def weights_type(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
             raise ValueError(
                 f'model {model.name!r} has non-trainable weights, which are not supported'
             )
-        return tff.StructWithPythonType(
-            [tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in model.trainable_weights],
-            list,
-        )
+        variables = model.trainable_weights
+        if indices is not None:
+            variables = [variables[i] for i in indices]
+        return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
+
+
+def merge_weights(parts: Sequence[tuple[Sequence[int], Sequence[tf.Tensor]]]) -> list:
+    """Puts disjoint subsets of a model's weights back in variable order.
+
+    Args:
+      parts: `(indices, weights)` pairs that together cover every index once.
+
+    Returns:
+      The list of all weights, ordered by index.
+    """
+    merged = {}
+    for indices, weights in parts:
+        merged.update(zip(indices, weights))
+    return [merged[i] for i in range(len(merged))]
+
+
+def initial_weights(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[tf.Tensor]:
+    """A fresh model's trainable weights, fixed by the run seed (TF code).
+
+    The same on the server and on every client for a given seed, so a
+    client can build the common initial model itself instead of receiving it.
+    """
+    with models.seeded(seed):
+        return get_weights(model_fn())
 
 
 def get_weights(model: tf.keras.Model) -> list[tf.Tensor]:
@@ -88,6 +117,123 @@ def epoch_permutations(seed: tf.Tensor, epochs, num_examples) -> tf.Tensor:
     return tf.argsort(noise, axis=1)
 
 
+def batch_stream(data: client_data.ClientSplit, *, epochs, batch_size, seed: tf.Tensor):
+    """A client's seeded stream of mini-batches, for loops written by hand (TF code).
+
+    Epoch `e` visits the examples in its own permutation (drawn from `seed`);
+    batch `i` of the stream is batch `i % batches_per_epoch` of epoch
+    `(i // batches_per_epoch) % epochs`; the last batch of an epoch may be
+    smaller than `batch_size`.
+
+    Args:
+      data: the client's split (its tensors may be a tf.function's inputs).
+      epochs: number of distinct epoch permutations.
+      batch_size: examples per batch.
+      seed: int64 tensor of shape [2].
+
+    Returns:
+      `(batches_per_epoch, batch)`: an int32 scalar, and `batch(i) -> (x, y,
+      n)`, the features, labels and size of batch `i`.
+    """
+    epochs = tf.maximum(tf.cast(epochs, tf.int32), 1)
+    batch_size = tf.cast(batch_size, tf.int32)
+    num_examples = data.num_examples
+    batches_per_epoch = (num_examples + batch_size - 1) // batch_size
+    permutations = epoch_permutations(seed, epochs, num_examples)
+
+    def batch(index):
+        epoch = (index // batches_per_epoch) % epochs
+        start = (index % batches_per_epoch) * batch_size
+        stop = tf.minimum(start + batch_size, num_examples)
+        x, y = data.gather(permutations[epoch, start:stop])
+        return x, y, tf.cast(stop - start, tf.float32)
+
+    return batches_per_epoch, batch
+
+
+def sgd_steps(
+    data: client_data.ClientSplit,
+    step_fn,
+    *,
+    epochs,
+    batch_size,
+    seed: tf.Tensor,
+    carry=(),
+    max_steps=None,
+    batches_per_step: int = 1,
+):
+    """Runs a hand-written local update over a client's seeded batch stream.
+
+    The number of steps is `epochs * batches_per_epoch // batches_per_step`
+    (at least 1 when `epochs > 0`, none when it is 0), capped at `max_steps`; step `s` gets batches
+    `s * batches_per_step ...` of `batch_stream`, so that an algorithm that
+    needs several independent batches per step (Per-FedAvg's D, D', D'')
+    reads fresh ones.
+
+    Args:
+      data: the client's whole split.
+      step_fn: `(batches, carry) -> (carry, Stats)`, TF code: `batches` is a
+        list of `batches_per_step` `(x, y, n)` tuples; it updates model
+        variables in place and returns its loop values and the stats of the
+        examples it reports on.
+      epochs, batch_size, seed: as in `batch_stream`.
+      carry: a nest of tensors threaded through the steps.
+      max_steps: optional cap on the number of steps.
+      batches_per_step: batches each step consumes.
+
+    Returns:
+      `(carry, Stats)`: the final loop values and the stats summed over steps.
+    """
+    flat_carry = tf.nest.flatten(carry)
+
+    @tf.function(autograph=False)
+    def loop(features, labels, seed, flat_carry):
+        split = data.with_tensors(features, labels)
+        batches_per_epoch, batch = batch_stream(split, epochs=epochs, batch_size=batch_size, seed=seed)
+        epoch_count = tf.cast(epochs, tf.int32)
+        total_steps = tf.where(
+            epoch_count > 0, tf.maximum(epoch_count * batches_per_epoch // batches_per_step, 1), 0)
+        if max_steps is not None:
+            total_steps = tf.minimum(total_steps, tf.cast(max_steps, tf.int32))
+
+        def body(step, loss_sum, num_correct, num_seen, flat_carry):
+            batches = [batch(step * batches_per_step + j) for j in range(batches_per_step)]
+            new_carry, stats = step_fn(batches, tf.nest.pack_sequence_as(carry, flat_carry))
+            return (
+                step + 1,
+                loss_sum + stats.loss_sum,
+                num_correct + stats.num_correct,
+                num_seen + stats.num_examples,
+                tf.nest.flatten(new_carry),
+            )
+
+        zero = tf.constant(0.0)
+        _, loss_sum, num_correct, num_seen, flat_carry = tf.while_loop(
+            lambda step, *_: step < total_steps,
+            body,
+            (tf.constant(0), zero, zero, zero, flat_carry),
+        )
+        return Stats(loss_sum, num_correct, num_seen), flat_carry
+
+    stats, flat_carry = loop(data.features, data.labels, seed, flat_carry)
+    return tf.nest.pack_sequence_as(carry, flat_carry), stats
+
+
+def batch_stats(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor, n: tf.Tensor) -> Stats:
+    """`Stats` of one batch from its mean loss and logits (TF code)."""
+    return Stats(loss * n, _correct(logits, y), n)
+
+
+def sgd_step(model: tf.keras.Model, x, y, n, learning_rate, loss_fn: LossFn = supervised_loss) -> Stats:
+    """One SGD step on `model`'s variables for `loss_fn`; the batch's stats before it (TF code)."""
+    with tf.GradientTape() as tape:
+        loss, logits = loss_fn(model, x, y)
+    grads = tape.gradient(loss, model.trainable_variables)
+    for variable, grad in zip(model.trainable_variables, grads):
+        variable.assign_sub(tf.cast(learning_rate, tf.float32) * grad)
+    return batch_stats(loss, logits, y, n)
+
+
 def train(
     model: tf.keras.Model,
     data: client_data.ClientSplit,
@@ -102,7 +248,8 @@ def train(
     """Mini-batch SGD on whole tensors, in place on `model`'s variables.
 
     Each epoch visits the examples in a fresh permutation drawn from
-    `seed`; the last batch of an epoch may be smaller than `batch_size`.
+    `seed` (`batch_stream`); the last batch of an epoch may be smaller than
+    `batch_size`.
 
     Args:
       model: the Keras model to train (its variables are updated).
@@ -118,48 +265,13 @@ def train(
       `Stats` summed over every example seen during training (with the
       weights as they were before each step).
     """
-    epochs = tf.cast(epochs, tf.int32)
-    batch_size = tf.cast(batch_size, tf.int32)
-    learning_rate = tf.cast(learning_rate, tf.float32)
 
-    @tf.function(autograph=False)
-    def loop(features, labels, seed):
-        split = data.with_tensors(features, labels)
-        num_examples = split.num_examples
-        batches_per_epoch = (num_examples + batch_size - 1) // batch_size
-        total_steps = epochs * batches_per_epoch
-        if max_steps is not None:
-            total_steps = tf.minimum(total_steps, tf.cast(max_steps, tf.int32))
-        permutations = epoch_permutations(seed, epochs, num_examples)
-        variables = model.trainable_variables
+    def step(batches, carry):
+        x, y, n = batches[0]
+        return carry, sgd_step(model, x, y, n, learning_rate, loss_fn)
 
-        def body(step, loss_sum, num_correct, num_seen):
-            epoch = step // batches_per_epoch
-            start = (step % batches_per_epoch) * batch_size
-            stop = tf.minimum(start + batch_size, num_examples)
-            x_batch, y_batch = split.gather(permutations[epoch, start:stop])
-            with tf.GradientTape() as tape:
-                loss, logits = loss_fn(model, x_batch, y_batch)
-            grads = tape.gradient(loss, variables)
-            for variable, grad in zip(variables, grads):
-                variable.assign_sub(learning_rate * grad)
-            batch_len = tf.cast(stop - start, tf.float32)
-            return (
-                step + 1,
-                loss_sum + loss * batch_len,
-                num_correct + _correct(logits, y_batch),
-                num_seen + batch_len,
-            )
-
-        zero = tf.constant(0.0)
-        _, loss_sum, num_correct, num_seen = tf.while_loop(
-            lambda step, *_: step < total_steps,
-            body,
-            (tf.constant(0), zero, zero, zero),
-        )
-        return Stats(loss_sum, num_correct, num_seen)
-
-    return loop(data.features, data.labels, seed)
+    _, stats = sgd_steps(data, step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps)
+    return stats
 
 
 def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: int = 1000) -> Stats:
@@ -193,6 +305,63 @@ def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: i
         return Stats(loss_sum, num_correct, tf.cast(num_examples, tf.float32))
 
     return loop(data.features, data.labels)
+
+
+def finetune_on_validation(
+    model: tf.keras.Model,
+    train_split: client_data.ClientSplit,
+    val_split: client_data.ClientSplit,
+    *,
+    max_epochs: int,
+    batch_size,
+    learning_rate,
+    seed: tf.Tensor,
+):
+    """Fine-tunes `model` epoch by epoch; keeps the epoch count best on validation.
+
+    Evaluates the model on `val_split` before fine-tuning and after each of
+    `max_epochs` epochs of SGD on `train_split` (epoch `e` uses the
+    permutation of seed `seed + [e, 0]`), and returns the weights of the best
+    validation accuracy (the earliest on ties, so 0 epochs wins when nothing
+    helps). `model` ends with the last epoch's weights.
+
+    Args:
+      model: the Keras model, holding the starting weights.
+      train_split, val_split: the client's splits.
+      max_epochs: the largest number of epochs tried (a Python int >= 0).
+      batch_size, learning_rate: SGD settings.
+      seed: int64 tensor of shape [2].
+
+    Returns:
+      `(weights, epochs, val_accuracies)`: the chosen weights, the chosen
+      number of epochs (int32) and the validation accuracy after each number
+      of epochs (float32 [max_epochs + 1]).
+    """
+
+    def accuracy_now():
+        stats = evaluate(model, val_split)
+        return stats.num_correct / tf.maximum(stats.num_examples, 1.0)
+
+    best = get_weights(model)
+    with tf.control_dependencies(best):
+        best_accuracy = accuracy_now()
+    best_epochs = tf.constant(0, tf.int32)
+    accuracies = [best_accuracy]
+    for epoch in range(1, max_epochs + 1):
+        with tf.control_dependencies(best + [best_accuracy, best_epochs]):
+            stats = train(
+                model, train_split, epochs=1, batch_size=batch_size, learning_rate=learning_rate,
+                seed=seed + tf.constant([epoch, 0], tf.int64))
+        with tf.control_dependencies(list(stats)):
+            current = get_weights(model)
+            with tf.control_dependencies(current):
+                accuracy = accuracy_now()
+        better = accuracy > best_accuracy
+        best = [tf.where(better, c, b) for c, b in zip(current, best)]
+        best_accuracy = tf.where(better, accuracy, best_accuracy)
+        best_epochs = tf.where(better, epoch, best_epochs)
+        accuracies.append(accuracy)
+    return best, best_epochs, tf.stack(accuracies)
 
 
 def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt: int = 0) -> tf.Tensor:

@@ -299,6 +299,86 @@ def _kdpdfl_plots(out, result, process):
     return [('Collaboration graph W', 'collaboration_graph.png')]
 
 
+def _fedavg_finetune(config, spec, model_fn):
+    from processes import fedavg
+
+    return fedavg.build_fedavg_process(
+        spec, model_fn, local_config=_local_config(config),
+        server_optimizer=_server_optimizer(config), finetune_epochs=config.finetune_epochs, seed=config.seed,
+    )
+
+
+def _finetune_plots(out, result, process):
+    del process
+    states = list(result.client_states.values())
+    reports.plot_client_bars(
+        _short_ids(list(result.client_states)), {'fine-tuning epochs': [int(s['finetune_epochs']) for s in states]},
+        os.path.join(out, 'finetune_epochs.png'), 'Fine-tuning epochs chosen on validation', 'epochs')
+    return [('Fine-tuning epochs per client', 'finetune_epochs.png')]
+
+
+def _local(config, spec, model_fn):
+    from processes import local
+
+    return local.build_local_process(spec, model_fn, local_config=_local_config(config), seed=config.seed)
+
+
+def _fedper(config, spec, model_fn):
+    from processes import fedper
+
+    return fedper.build_fedper_process(
+        spec, model_fn, local_config=_local_config(config), personal_layers=config.personal_layers,
+        server_optimizer=_server_optimizer(config), seed=config.seed)
+
+
+def _ditto(config, spec, model_fn):
+    from processes import ditto
+
+    return ditto.build_ditto_process(
+        spec, model_fn, local_config=_local_config(config),
+        personal_config=local_training.TrainingConfig(
+            config.personal_epochs, config.batch_size, config.client_learning_rate),
+        ditto_lambda=config.ditto_lambda, server_optimizer=_server_optimizer(config), seed=config.seed)
+
+
+def _pfedme(config, spec, model_fn):
+    from processes import pfedme
+
+    return pfedme.build_pfedme_process(
+        spec, model_fn, local_config=_local_config(config), pfedme_lambda=config.pfedme_lambda,
+        inner_steps=config.pfedme_inner_steps, personal_learning_rate=config.pfedme_personal_learning_rate,
+        beta=config.pfedme_beta, seed=config.seed)
+
+
+def _perfedavg_builder(variant):
+    def build(config, spec, model_fn):
+        from processes import perfedavg
+
+        return perfedavg.build_perfedavg_process(
+            spec, model_fn, local_config=_local_config(config), alpha=config.perfedavg_alpha,
+            variant=variant, delta=config.perfedavg_delta, seed=config.seed)
+
+    return build
+
+
+def _apfl(config, spec, model_fn):
+    from processes import apfl
+
+    return apfl.build_apfl_process(
+        spec, model_fn, local_config=_local_config(config), initial_alpha=config.apfl_alpha,
+        alpha_learning_rate=config.apfl_alpha_learning_rate, server_optimizer=_server_optimizer(config),
+        seed=config.seed)
+
+
+def _apfl_plots(out, result, process):
+    del process
+    reports.plot_client_bars(
+        _short_ids(list(result.client_states)),
+        {'alpha': [float(s['alpha']) for s in result.client_states.values()]},
+        os.path.join(out, 'apfl_alpha.png'), 'APFL mixing weight alpha per client', 'alpha')
+    return [('APFL alpha per client', 'apfl_alpha.png')]
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
@@ -311,6 +391,15 @@ _ALGORITHMS = {
         _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
     'pfeddf': Algorithm(
         _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+    'local': Algorithm(_local),
+    'fedavg_ft': Algorithm(
+        _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots),
+    'fedper': Algorithm(_fedper),
+    'ditto': Algorithm(_ditto),
+    'pfedme': Algorithm(_pfedme),
+    'perfedavg_fo': Algorithm(_perfedavg_builder('fo')),
+    'perfedavg_hf': Algorithm(_perfedavg_builder('hf')),
+    'apfl': Algorithm(_apfl, lambda state: {'alpha': float(state['alpha'])}, _apfl_plots),
     'kdpdfl': Algorithm(_kdpdfl_builder('kdpdfl'), _kdpdfl_columns, _kdpdfl_plots, _decentralized_run(False)),
     'kdpdfl_fedavg': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False)),
     'kdpdfl_fedavg_plus': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True)),

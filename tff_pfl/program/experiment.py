@@ -107,6 +107,18 @@ class ExperimentConfig:
     kd_distance_layer: int = -1
     kd_broadcast: str = 'adopt'
     finetune_from_slot: int = 150
+    # Baselines (fedavg_ft uses finetune_epochs as its largest fine-tuning epoch count).
+    personal_layers: int = 1
+    ditto_lambda: float = 0.1
+    personal_epochs: int = 1
+    pfedme_lambda: float = 15.0
+    pfedme_inner_steps: int = 5
+    pfedme_personal_learning_rate: float = 0.09
+    pfedme_beta: float = 1.0
+    perfedavg_alpha: float = 0.01
+    perfedavg_delta: float = 0.001
+    apfl_alpha: float = 0.5
+    apfl_alpha_learning_rate: float = 0.01
 
     def model_name(self) -> str:
         """The model to use: the explicit one, else the dataset's default."""
@@ -200,6 +212,21 @@ class ExperimentConfig:
              f'kd_distance_layer must be -1 (output) or >= 1, got {self.kd_distance_layer}'),
             (self.kd_broadcast in ('adopt', 'keep'), f"kd_broadcast must be adopt or keep, got {self.kd_broadcast!r}"),
             (self.finetune_from_slot >= 0, f'finetune_from_slot must be >= 0, got {self.finetune_from_slot}'),
+            (self.personal_layers >= 1, f'personal_layers must be >= 1, got {self.personal_layers}'),
+            (self.ditto_lambda >= 0, f'ditto_lambda must be >= 0, got {self.ditto_lambda}'),
+            (self.personal_epochs >= 1, f'personal_epochs must be >= 1, got {self.personal_epochs}'),
+            (self.pfedme_lambda > 0, f'pfedme_lambda must be > 0, got {self.pfedme_lambda}'),
+            (self.pfedme_inner_steps >= 1, f'pfedme_inner_steps must be >= 1, got {self.pfedme_inner_steps}'),
+            (self.pfedme_personal_learning_rate > 0,
+             f'pfedme_personal_learning_rate must be > 0, got {self.pfedme_personal_learning_rate}'),
+            (self.pfedme_beta > 0, f'pfedme_beta must be > 0, got {self.pfedme_beta}'),
+            (self.perfedavg_alpha > 0, f'perfedavg_alpha must be > 0, got {self.perfedavg_alpha}'),
+            (self.perfedavg_delta > 0, f'perfedavg_delta must be > 0, got {self.perfedavg_delta}'),
+            (0 <= self.apfl_alpha <= 1, f'apfl_alpha must be in [0, 1], got {self.apfl_alpha}'),
+            (self.apfl_alpha_learning_rate >= 0,
+             f'apfl_alpha_learning_rate must be >= 0, got {self.apfl_alpha_learning_rate}'),
+            (self.algorithm != 'fedavg_ft' or self.finetune_epochs >= 1,
+             f'fedavg_ft needs --finetune_epochs >= 1, got {self.finetune_epochs}'),
             (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
             (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
             (self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),

@@ -1,0 +1,150 @@
+"""APFL: each client mixes a local model with the global one, with a learned alpha.
+
+Y. Deng, M. M. Kamani, M. Mahdavi, "Adaptive Personalized Federated
+Learning" (arXiv 2003.13461), Algorithm 1 with adaptive alpha (Eq. 10).
+
+Client i keeps a local model v_i and a mixing weight alpha_i in [0, 1]; its
+personalized model is v_bar_i = alpha_i v_i + (1 - alpha_i) w. In a round
+the server broadcasts w^t; each sampled client sets w_i = w^t and, for each
+local mini-batch xi, with the values of the previous step on the right:
+
+* w_i     <- w_i - eta grad f_i(w_i; xi)
+* v_i     <- v_i - eta grad_v f_i(v_bar_i; xi) = v_i - eta alpha_i grad f_i(v_bar_i; xi)
+* alpha_i <- alpha_i - eta_alpha <v_i - w_i, grad f_i(v_bar_i; xi)>, clipped to [0, 1]
+
+and sends back its w_i update; the server takes the example-weighted mean
+(FedAvg). v_i and alpha_i stay on the client.
+
+`evaluate` reports the global model and, as `personalized_model`,
+alpha_i v_i + (1 - alpha_i) w with the current global w.
+"""
+
+import collections
+from collections.abc import Callable
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import averaging
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+
+def mix(alpha, local, global_weights) -> list:
+    """alpha * local + (1 - alpha) * global, tensor by tensor (TF code)."""
+    return [alpha * v + (1.0 - alpha) * w for v, w in zip(local, global_weights)]
+
+
+def build_apfl_process(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    local_config: local_training.TrainingConfig,
+    initial_alpha: float = 0.5,
+    alpha_learning_rate: float = 0.01,
+    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds APFL as a `PersonalizedProcess`.
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      local_config: local epochs or steps, batch size, and eta.
+      initial_alpha: every client's alpha before its first round, in [0, 1].
+      alpha_learning_rate: eta_alpha (0 keeps alpha fixed). The default 0.01
+        is smaller than usual local learning rates on purpose: see
+        docs/algorithms/baselines.md.
+      server_optimizer: FedAvg's server optimizer; default plain averaging.
+      seed: run seed; v_i starts from the same initial model as w.
+
+    Returns:
+      A `template.PersonalizedProcess`. Client state: `<client_id,
+      num_participations, last_round, local, alpha>`.
+
+    Raises:
+      ValueError: on a bad configuration.
+    """
+    local_config.validate()
+    if not 0.0 <= initial_alpha <= 1.0:
+        raise ValueError(f'initial_alpha must be in [0, 1], got {initial_alpha}')
+    if not alpha_learning_rate >= 0:
+        raise ValueError(f'alpha_learning_rate must be >= 0, got {alpha_learning_rate}')
+    eta = local_config.learning_rate
+    weights_type = local_training.weights_type(model_fn)
+    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        return building_blocks.participation_state(
+            client_id,
+            local=local_training.initial_weights(model_fn, seed),
+            alpha=tf.constant(initial_alpha, tf.float32),
+        )
+
+    client_state_type = initial_client_state.type_signature.result
+
+    @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+    def client_work(weights, round_num, client_state):
+        client_id = client_state['client_id']
+        model = model_fn()
+
+        def gradients(values, x, y):
+            local_training.assign_weights(model, values)
+            with tf.GradientTape() as tape:
+                loss, logits = local_training.supervised_loss(model, x, y)
+            return tape.gradient(loss, model.trainable_variables), loss, logits
+
+        def step(batches, carry):
+            x, y, n = batches[0]
+            w, v, alpha = carry['w'], carry['v'], carry['alpha']
+            grad_w, _, _ = gradients(w, x, y)
+            grad_mixed, loss, logits = gradients(mix(alpha, v, w), x, y)
+            alpha_grad = tf.add_n([tf.reduce_sum((a - b) * g) for a, b, g in zip(v, w, grad_mixed)])
+            new_carry = dict(
+                w=[a - eta * g for a, g in zip(w, grad_w)],
+                v=[a - eta * alpha * g for a, g in zip(v, grad_mixed)],
+                alpha=tf.clip_by_value(alpha - alpha_learning_rate * alpha_grad, 0.0, 1.0),
+            )
+            # The reported training metrics are those of the personalized model.
+            return new_carry, local_training.batch_stats(loss, logits, y, n)
+
+        data = client_data.read_split(spec, client_id, 'train')
+        carry, stats = local_training.sgd_steps(
+            data,
+            step,
+            epochs=local_config.epochs,
+            batch_size=local_config.batch_size,
+            seed=local_training.client_seed(seed, round_num, client_id),
+            carry=dict(w=list(weights), v=list(client_state['local']), alpha=client_state['alpha']),
+            max_steps=local_config.max_steps,
+        )
+        return collections.OrderedDict(
+            update=[a - b for a, b in zip(weights, carry['w'])],
+            weight=tf.cast(data.num_examples, tf.float32),
+            metric_sums=building_blocks.training_metric_sums(stats),
+            client_state=building_blocks.participated(
+                client_state, round_num, local=carry['v'], alpha=carry['alpha']),
+        )
+
+    @tff.tensorflow.computation(weights_type, client_state_type)
+    def evaluate_client(weights, client_state):
+        client_id = client_state['client_id']
+        return collections.OrderedDict(
+            global_model=client_evaluation(weights, client_id),
+            personalized_model=client_evaluation(
+                mix(client_state['alpha'], client_state['local'], weights), client_id),
+        )
+
+    return averaging.build_averaging_process(
+        model_fn,
+        client_work=client_work,
+        initial_client_state=initial_client_state,
+        evaluate_client=evaluate_client,
+        server_optimizer=server_optimizer,
+        seed=seed,
+    )

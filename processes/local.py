@@ -1,0 +1,100 @@
+"""Local-only training: every client trains its own model on its own data.
+
+The no-collaboration baseline of the personalization papers (PersFL's and
+KD-PDFL's "local learning"). Every client starts from the same initial model
+(built from the run seed on the client itself, so nothing is broadcast but the
+round number) and, in each round it is sampled, runs local SGD on its own
+training split. No model leaves a client: the only CLIENTS -> SERVER value is
+the sum of the training metrics.
+
+`evaluate` reports each client's own model on its test split as
+`personalized_model`.
+"""
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+
+def build_local_process(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    local_config: local_training.TrainingConfig,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds local-only training as a `PersonalizedProcess`.
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      local_config: local epochs (per round), batch size and learning rate.
+      seed: run seed; fixes the common initial model and the batch orders.
+
+    Returns:
+      A `template.PersonalizedProcess`. Server state: `<round_num>`; client
+      state: `<client_id, num_participations, last_round, model>`; metrics:
+      `<train_loss, train_accuracy, num_examples, num_clients>`.
+    """
+    local_config.validate()
+    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        return building_blocks.participation_state(client_id, model=local_training.initial_weights(model_fn, seed))
+
+    client_state_type = initial_client_state.type_signature.result
+
+    @tff.tensorflow.computation(np.int32, client_state_type)
+    def client_work(round_num, client_state):
+        weights = client_state['model']
+        result = client_training(weights, round_num, client_state['client_id'])
+        trained = [w - u for w, u in zip(weights, result['update'])]
+        return collections.OrderedDict(
+            metric_sums=result['metric_sums'],
+            client_state=building_blocks.participated(client_state, round_num, model=trained),
+        )
+
+    @tff.tensorflow.computation
+    def server_init():
+        return collections.OrderedDict(round_num=tf.constant(0, tf.int32))
+
+    @tff.federated_computation
+    def initialize():
+        return tff.federated_eval(server_init, tff.SERVER)
+
+    server_state_type = initialize.type_signature.result
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+
+    @tff.tensorflow.computation(server_state_type.member)
+    def advance(state):
+        return collections.OrderedDict(round_num=state['round_num'] + 1)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        round_num = tff.federated_broadcast(state.round_num)
+        outputs = tff.federated_map(client_work, (round_num, client_states))
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
+        return template.RoundOutput(tff.federated_map(advance, state), outputs.client_state, metrics)
+
+    @tff.tensorflow.computation(client_state_type)
+    def evaluate_client(client_state):
+        return collections.OrderedDict(
+            personalized_model=client_evaluation(client_state['model'], client_state['client_id']))
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(state, client_states):
+        del state
+        return tff.federated_map(evaluate_client, client_states)
+
+    return template.PersonalizedProcess(
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)

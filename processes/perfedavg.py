@@ -1,0 +1,163 @@
+"""Per-FedAvg: a global model meant to be adapted by one local gradient step.
+
+A. Fallah, A. Mokhtari, A. Ozdaglar, "Personalized Federated Learning with
+Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach" (NeurIPS
+2020), Algorithm 1.
+
+The objective is F(w) = mean_i f_i(w - alpha grad f_i(w)). In a round the
+server broadcasts w^t; each sampled client sets w_{i,0} = w^t and takes tau
+local steps (`local_config`), each on independent mini-batches D, D' (and
+D'' for the Hessian-free variant):
+
+* w~ = w - alpha grad f_i(w; D)                            (the inner step)
+* FO: w <- w - beta grad f_i(w~; D')                       (first order)
+* HF: w <- w - beta (I - alpha H f_i(w; D'')) grad f_i(w~; D'), with the
+  Hessian-vector product by central differences
+  (grad f_i(w + delta g; D'') - grad f_i(w - delta g; D'')) / (2 delta),
+  g = grad f_i(w~; D')                                     (Hessian-free)
+
+beta is `local_config.learning_rate`. The server averages the clients' w_i
+uniformly over the sampled clients (line 12).
+
+`evaluate` reports the global model and, as `personalized_model`, the model
+each client gets after one step of gradient descent of size alpha on its
+whole training split, from the current global model (computed at evaluation
+time; it is not kept).
+"""
+
+import collections
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl.computations import averaging
+from tff_pfl.computations import building_blocks
+from tff_pfl.computations import local_training
+from tff_pfl.computations import template
+from tff_pfl.data import client_data
+
+VARIANTS = ('fo', 'hf')
+
+
+def _gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        loss, logits = local_training.supervised_loss(model, x, y)
+    return tape.gradient(loss, model.trainable_variables), loss, logits
+
+
+def _assign(model, values):
+    for variable, value in zip(model.trainable_variables, values):
+        variable.assign(value)
+
+
+def build_perfedavg_process(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    *,
+    local_config: local_training.TrainingConfig,
+    alpha: float = 0.01,
+    variant: str = 'fo',
+    delta: float = 1e-3,
+    seed: int = 0,
+) -> template.PersonalizedProcess:
+    """Builds Per-FedAvg (first-order or Hessian-free) as a `PersonalizedProcess`.
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      local_config: tau local steps (`max_steps`, or epochs: a step consumes
+        two batches (FO) or three (HF)), the batch size, and beta, the outer
+        (meta) learning rate.
+      alpha: the inner (adaptation) step size, also used at evaluation.
+      variant: 'fo' (Per-FedAvg FO) or 'hf' (Per-FedAvg HF).
+      delta: the finite-difference step of the HF Hessian-vector product.
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess` with participation-only client state.
+
+    Raises:
+      ValueError: on a bad configuration or variant.
+    """
+    local_config.validate()
+    if variant not in VARIANTS:
+        raise ValueError(f'variant must be one of {VARIANTS}, got {variant!r}')
+    if not alpha > 0:
+        raise ValueError(f'alpha must be > 0, got {alpha}')
+    if not delta > 0:
+        raise ValueError(f'delta must be > 0, got {delta}')
+    beta = local_config.learning_rate
+    weights_type = local_training.weights_type(model_fn)
+    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+
+    @tff.tensorflow.computation(np.str_)
+    def initial_client_state(client_id):
+        return building_blocks.participation_state(client_id)
+
+    client_state_type = initial_client_state.type_signature.result
+
+    @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
+    def client_work(weights, round_num, client_state):
+        client_id = client_state['client_id']
+        model = model_fn()
+
+        def step(batches, carry):
+            (x, y, n), (x2, y2, _) = batches[0], batches[1]
+            w = [tf.identity(v) for v in model.trainable_variables]
+            grads, loss, logits = _gradients(model, x, y)  # at w, on D
+            _assign(model, [v - alpha * g for v, g in zip(w, grads)])  # w~
+            outer, _, _ = _gradients(model, x2, y2)  # at w~, on D'
+            if variant == 'hf':
+                x3, y3, _ = batches[2]
+                _assign(model, [v + delta * g for v, g in zip(w, outer)])
+                plus, _, _ = _gradients(model, x3, y3)
+                _assign(model, [v - delta * g for v, g in zip(w, outer)])
+                minus, _, _ = _gradients(model, x3, y3)
+                outer = [g - alpha * (p - m) / (2.0 * delta) for g, p, m in zip(outer, plus, minus)]
+            _assign(model, [v - beta * g for v, g in zip(w, outer)])
+            return carry, local_training.batch_stats(loss, logits, y, n)
+
+        data = client_data.read_split(spec, client_id, 'train')
+        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+            _, stats = local_training.sgd_steps(
+                data, step,
+                epochs=local_config.epochs,
+                batch_size=local_config.batch_size,
+                seed=local_training.client_seed(seed, round_num, client_id),
+                max_steps=local_config.max_steps,
+                batches_per_step=3 if variant == 'hf' else 2,
+            )
+        with tf.control_dependencies(list(stats)):
+            trained = local_training.get_weights(model)
+        return collections.OrderedDict(
+            update=[w - t for w, t in zip(weights, trained)],
+            weight=tf.constant(1.0),  # line 12: the uniform mean over sampled clients
+            metric_sums=building_blocks.training_metric_sums(stats),
+            client_state=building_blocks.participated(client_state, round_num),
+        )
+
+    @tff.tensorflow.computation(weights_type, client_state_type)
+    def evaluate_client(weights, client_state):
+        client_id = client_state['client_id']
+        train = client_data.read_split(spec, client_id, 'train')
+        model = model_fn()
+        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+            x, y = train.slice(0, train.num_examples)
+            grads, _, _ = _gradients(model, x, y)
+        adapted = [w - alpha * g for w, g in zip(weights, grads)]
+        return collections.OrderedDict(
+            global_model=client_evaluation(weights, client_id),
+            personalized_model=client_evaluation(adapted, client_id),
+        )
+
+    process = averaging.build_averaging_process(
+        model_fn,
+        client_work=client_work,
+        initial_client_state=initial_client_state,
+        evaluate_client=evaluate_client,
+        seed=seed,
+    )
+    process.variant = variant
+    return process

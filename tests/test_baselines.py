@@ -1,0 +1,295 @@
+"""Each baseline's round against a float64 numpy re-implementation of the paper's update.
+
+The problem: three clients of a tiny linearly generated task, a dense ReLU
+network (mnist_dnn: 4 -> 100 -> 3). Every test runs one round (or a round
+and the personalization stage) through TFF and replays it in numpy with the
+same example order; then checks what crosses from CLIENTS to SERVER.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+from processes import apfl
+from processes import ditto
+from processes import fedavg
+from processes import fedper
+from processes import local
+from processes import perfedavg
+from processes import pfedme
+from tests import numpy_reference as ref
+from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import audit
+from tff_pfl.computations import local_training
+
+SEED = 11
+CONFIG = local_training.TrainingConfig(epochs=2, batch_size=8, learning_rate=0.2)
+
+
+@pytest.fixture(scope='module')
+def problem(tmp_path_factory):
+    spec = make_linear_problem(tmp_path_factory.mktemp('baselines') / 'data')
+    model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes)
+    return spec, model_fn
+
+
+def _start(process, spec, clients=None):
+    state = process.initialize()
+    clients = clients or spec.client_ids
+    return state, [process.initial_client_state(c) for c in clients]
+
+
+def _initial(process):
+    return ref.as_float64(process.initialize()['model'])
+
+
+def _client_sgd(spec, client_id, params, config, round_num=0, salt=0, grad_fn=None):
+    x, y = ref.read(spec, client_id)
+    per_epoch, batch = ref.batch_stream(SEED, client_id, round_num, len(y), config.epochs, config.batch_size, salt)
+    return ref.sgd(params, x, y, config, batch, ref.num_steps(config, per_epoch), grad_fn), len(y)
+
+
+def _uploads(process):
+    """`(intrinsic uris, the types they take from the clients, as one string)`."""
+    crossing = audit.clients_to_server_values(process.next)
+    return {uri for uri, _ in crossing}, ' '.join(str(t) for _, t in crossing)
+
+
+def test_local_only_trains_each_client_alone(problem, tff_runtime):
+    spec, model_fn = problem
+    process = local.build_local_process(spec, model_fn, local_config=CONFIG, seed=SEED)
+    state, clients = _start(process, spec)
+    init = ref.as_float64(clients[0]['model'])
+    for other in clients[1:]:  # every client starts from the same model
+        ref.assert_close(other['model'], init, atol=0, rtol=0)
+    output = process.next(state, clients)
+    for client_id, client_state in zip(spec.client_ids, output.client_states):
+        expected, _ = _client_sgd(spec, client_id, init, CONFIG)
+        ref.assert_close(client_state['model'], expected)
+    evaluation = process.evaluate(output.state, output.client_states)
+    x, y = ref.read(spec, spec.client_ids[1], 'test')
+    assert float(evaluation[1]['personalized_model']['accuracy']) == pytest.approx(
+        ref.accuracy(ref.as_float64(output.client_states[1]['model']), x, y))
+    # Only the metric sums leave the clients; no model crosses.
+    crossing = audit.clients_to_server_values(process.next)
+    assert [uri for uri, _ in crossing] == ['federated_sum']
+    assert 'float32[4,100]' not in str(crossing[0][1])
+
+
+def test_fedavg_finetune_picks_epochs_on_validation(problem, tff_runtime):
+    spec, model_fn = problem
+    tune = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.5)
+    process = fedavg.build_fedavg_process(
+        spec, model_fn, local_config=CONFIG, finetune_epochs=3, finetune_config=tune, seed=SEED)
+    state, clients = _start(process, spec)
+    output = process.next(state, clients)
+    before = process.evaluate(output.state, output.client_states)
+    for e in before:  # before fine-tuning the personalized model is the global one
+        assert float(e['personalized_model']['accuracy']) == float(e['global_model']['accuracy'])
+    personalized = process.personalize(output.state, output.client_states)
+    global_weights = ref.as_float64(output.state['model'])
+    chosen = []
+    for client_id, client_state in zip(spec.client_ids, personalized):
+        x, y = ref.read(spec, client_id)
+        xv, yv = ref.read(spec, client_id, 'val')
+        params, accuracies = global_weights, [ref.accuracy(global_weights, xv, yv)]
+        best, best_epochs = params, 0
+        for epoch in range(1, 4):
+            per_epoch, batch = ref.batch_stream(SEED, client_id, 1, len(y), 1, 8, salt=2, offset=[epoch, 0])
+            params = ref.sgd(params, x, y, tune, batch, per_epoch)
+            accuracies.append(ref.accuracy(params, xv, yv))
+            if accuracies[-1] > accuracies[best_epochs]:
+                best, best_epochs = params, epoch
+        np.testing.assert_allclose(client_state['finetune_val_accuracy'], accuracies, atol=1e-6)
+        assert int(client_state['finetune_epochs']) == best_epochs
+        ref.assert_close(client_state['personalized'], best, atol=5e-5)
+        chosen.append(best_epochs)
+    assert len(set(chosen)) > 1 or chosen[0] > 0  # the choice is made per client, not fixed at 0
+
+
+def test_fedper_averages_the_base_and_keeps_the_head(problem, tff_runtime):
+    spec, model_fn = problem
+    process = fedper.build_fedper_process(spec, model_fn, local_config=CONFIG, personal_layers=1, seed=SEED)
+    assert process.base_indices == [0, 1] and process.personal_indices == [2, 3]
+    state, clients = _start(process, spec)
+    init = ref.as_float64(clients[0]['head'])
+    base = _initial(process)
+    output = process.next(state, clients)
+    trained_bases, sizes = [], []
+    for client_id, client_state in zip(spec.client_ids, output.client_states):
+        trained, n = _client_sgd(spec, client_id, base + init, CONFIG)
+        ref.assert_close(client_state['head'], trained[2:])
+        trained_bases.append(trained[:2])
+        sizes.append(n)
+    ref.assert_close(output.state['model'], ref.weighted_mean(trained_bases, sizes))
+    # The head's weights [100, 3] never reach the server; the base's do.
+    _, uploaded = _uploads(process)
+    assert 'float32[4,100]' in uploaded and 'float32[100,3]' not in uploaded
+    with pytest.raises(ValueError, match='personal_layers must be in'):
+        fedper.build_fedper_process(spec, model_fn, local_config=CONFIG, personal_layers=2)
+
+
+def test_ditto_personal_model_is_pulled_towards_the_global(problem, tff_runtime):
+    spec, model_fn = problem
+    lam = 0.5
+    personal_config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.1)
+    process = ditto.build_ditto_process(
+        spec, model_fn, local_config=CONFIG, personal_config=personal_config, ditto_lambda=lam, seed=SEED)
+    state, clients = _start(process, spec)
+    # Two rounds, so that v_k and w differ when the pull is applied.
+    first = process.next(state, clients)
+    global_weights = ref.as_float64(first.state['model'])
+    output = process.next(first.state, first.client_states)
+    trained, sizes = [], []
+    for client_id, before, after in zip(spec.client_ids, first.client_states, output.client_states):
+        w_k, n = _client_sgd(spec, client_id, global_weights, CONFIG, round_num=1)
+        trained.append(w_k)
+        sizes.append(n)
+        pull = lambda v: [lam * (a - b) for a, b in zip(v, global_weights)]  # noqa: E731
+        v_k, _ = _client_sgd(spec, client_id, ref.as_float64(before['personal']), personal_config,
+                             round_num=1, salt=1, grad_fn=pull)
+        ref.assert_close(after['personal'], v_k)
+    ref.assert_close(output.state['model'], ref.weighted_mean(trained, sizes))
+    assert _uploads(process)[0] <= {'federated_sum', 'federated_weighted_mean', 'federated_mean'}
+
+
+def test_pfedme_round_matches_algorithm_1(problem, tff_runtime):
+    spec, model_fn = problem
+    config = local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.05, max_steps=4)
+    lam, k, personal_lr, beta = 5.0, 3, 0.05, 1.5
+    process = pfedme.build_pfedme_process(
+        spec, model_fn, local_config=config, pfedme_lambda=lam, inner_steps=k,
+        personal_learning_rate=personal_lr, beta=beta, seed=SEED)
+    state, clients = _start(process, spec)
+    w_global = _initial(process)
+    output = process.next(state, clients)
+    locals_ = []
+    for client_id, client_state in zip(spec.client_ids, output.client_states):
+        x, y = ref.read(spec, client_id)
+        per_epoch, batch = ref.batch_stream(SEED, client_id, 0, len(y), config.epochs, config.batch_size)
+        w, theta = [p.copy() for p in w_global], [p.copy() for p in w_global]
+        for r in range(ref.num_steps(config, per_epoch)):
+            idx = batch(r)
+            for _ in range(k):
+                _, grads = ref.loss_and_grads(theta, x[idx], y[idx])
+                theta = [t - personal_lr * (g + lam * (t - a)) for t, g, a in zip(theta, grads, w)]
+            w = [a - config.learning_rate * lam * (a - t) for a, t in zip(w, theta)]
+        ref.assert_close(client_state['personalized'], theta)
+        locals_.append(w)
+    mean = ref.weighted_mean(locals_, [1, 1, 1])  # uniform over the sampled clients
+    ref.assert_close(output.state['model'], [(1 - beta) * a + beta * m for a, m in zip(w_global, mean)])
+
+
+@pytest.mark.parametrize('variant', ['fo', 'hf'])
+def test_perfedavg_round_matches_algorithm_1(problem, tff_runtime, variant):
+    spec, model_fn = problem
+    config = local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.1, max_steps=3)
+    alpha, delta = 0.3, 1e-3
+    process = perfedavg.build_perfedavg_process(
+        spec, model_fn, local_config=config, alpha=alpha, variant=variant, delta=delta, seed=SEED)
+    state, clients = _start(process, spec)
+    w_global = _initial(process)
+    output = process.next(state, clients)
+    per_step = 3 if variant == 'hf' else 2
+    trained = []
+    for client_id in spec.client_ids:
+        x, y = ref.read(spec, client_id)
+        per_epoch, batch = ref.batch_stream(SEED, client_id, 0, len(y), config.epochs, config.batch_size)
+        w = [p.copy() for p in w_global]
+        for s in range(ref.num_steps(config, per_epoch, per_step)):
+            d1, d2 = batch(per_step * s), batch(per_step * s + 1)
+            _, g = ref.loss_and_grads(w, x[d1], y[d1])
+            w_tilde = [a - alpha * b for a, b in zip(w, g)]
+            _, outer = ref.loss_and_grads(w_tilde, x[d2], y[d2])
+            if variant == 'hf':
+                d3 = batch(per_step * s + 2)
+                _, plus = ref.loss_and_grads([a + delta * b for a, b in zip(w, outer)], x[d3], y[d3])
+                _, minus = ref.loss_and_grads([a - delta * b for a, b in zip(w, outer)], x[d3], y[d3])
+                outer = [o - alpha * (p - m) / (2 * delta) for o, p, m in zip(outer, plus, minus)]
+            w = [a - config.learning_rate * o for a, o in zip(w, outer)]
+        trained.append(w)
+    ref.assert_close(output.state['model'], ref.weighted_mean(trained, [1, 1, 1]), atol=1e-4)
+    # Evaluation: the global model after one gradient step of size alpha on the whole training split.
+    w_new = ref.as_float64(output.state['model'])
+    evaluation = process.evaluate(output.state, output.client_states)
+    for client_id, e in zip(spec.client_ids, evaluation):
+        x, y = ref.read(spec, client_id)
+        xt, yt = ref.read(spec, client_id, 'test')
+        _, g = ref.loss_and_grads(w_new, x, y)
+        adapted = [a - alpha * b for a, b in zip(w_new, g)]
+        assert float(e['personalized_model']['accuracy']) == pytest.approx(ref.accuracy(adapted, xt, yt))
+        assert float(e['global_model']['accuracy']) == pytest.approx(ref.accuracy(w_new, xt, yt))
+
+
+def test_apfl_round_matches_algorithm_1(problem, tff_runtime):
+    spec, model_fn = problem
+    config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.2)
+    alpha0, alpha_lr = 0.3, 0.5
+    process = apfl.build_apfl_process(
+        spec, model_fn, local_config=config, initial_alpha=alpha0, alpha_learning_rate=alpha_lr, seed=SEED)
+    state, clients = _start(process, spec)
+    w_global = _initial(process)
+    output = process.next(state, clients)
+    trained, sizes = [], []
+    for client_id, client_state in zip(spec.client_ids, output.client_states):
+        x, y = ref.read(spec, client_id)
+        per_epoch, batch = ref.batch_stream(SEED, client_id, 0, len(y), config.epochs, config.batch_size)
+        w, v, a = [p.copy() for p in w_global], [p.copy() for p in w_global], alpha0
+        for i in range(ref.num_steps(config, per_epoch)):
+            idx = batch(i)
+            _, g_w = ref.loss_and_grads(w, x[idx], y[idx])
+            mixed = [a * p + (1 - a) * q for p, q in zip(v, w)]
+            _, g_mix = ref.loss_and_grads(mixed, x[idx], y[idx])
+            a_grad = sum(float(np.sum((p - q) * g)) for p, q, g in zip(v, w, g_mix))
+            w, v, a = ([p - config.learning_rate * g for p, g in zip(w, g_w)],
+                       [p - config.learning_rate * a * g for p, g in zip(v, g_mix)],
+                       float(np.clip(a - alpha_lr * a_grad, 0.0, 1.0)))
+        ref.assert_close(client_state['local'], v)
+        assert float(client_state['alpha']) == pytest.approx(a, abs=1e-5)
+        trained.append(w)
+        sizes.append(len(y))
+    ref.assert_close(output.state['model'], ref.weighted_mean(trained, sizes))
+    # The personalized model mixes the client's v and alpha with the current global model.
+    w_new = ref.as_float64(output.state['model'])
+    evaluation = process.evaluate(output.state, output.client_states)
+    for client_id, client_state, e in zip(spec.client_ids, output.client_states, evaluation):
+        a = float(client_state['alpha'])
+        mixed = [a * p + (1 - a) * q for p, q in zip(ref.as_float64(client_state['local']), w_new)]
+        xt, yt = ref.read(spec, client_id, 'test')
+        assert float(e['personalized_model']['accuracy']) == pytest.approx(ref.accuracy(mixed, xt, yt))
+    # Neither v_i nor alpha_i crosses: the uploads are the w update, its weight and metric sums.
+    uris, uploaded = _uploads(process)
+    assert uris <= {'federated_sum', 'federated_weighted_mean', 'federated_mean'}
+    assert uploaded.count('float32[4,100]') == 1 and 'alpha' not in uploaded
+
+
+def test_bad_arguments_are_refused(problem):
+    spec, model_fn = problem
+    with pytest.raises(ValueError, match='pfedme_lambda'):
+        pfedme.build_pfedme_process(spec, model_fn, local_config=CONFIG, pfedme_lambda=0.0)
+    with pytest.raises(ValueError, match='variant'):
+        perfedavg.build_perfedavg_process(spec, model_fn, local_config=CONFIG, variant='so')
+    with pytest.raises(ValueError, match='initial_alpha'):
+        apfl.build_apfl_process(spec, model_fn, local_config=CONFIG, initial_alpha=1.5)
+    with pytest.raises(ValueError, match='ditto_lambda'):
+        ditto.build_ditto_process(spec, model_fn, local_config=CONFIG, ditto_lambda=-1.0)
+    with pytest.raises(ValueError, match='finetune_epochs'):
+        fedavg.build_fedavg_process(spec, model_fn, local_config=CONFIG, finetune_epochs=-1)
+
+
+def test_per_client_evaluation_covers_unsampled_clients(problem, tff_runtime):
+    """Every client is evaluated with its own personalized model, sampled or not."""
+    spec, model_fn = problem
+    process = ditto.build_ditto_process(spec, model_fn, local_config=CONFIG, ditto_lambda=0.1, seed=SEED)
+    state, clients = _start(process, spec)
+    output = process.next(state, clients[:1])  # only client 0 trains
+    all_states = list(output.client_states) + clients[1:]
+    evaluation = process.evaluate(output.state, all_states)
+    init = ref.as_float64(clients[1]['personal'])
+    for client_id, client_state, e in zip(spec.client_ids, all_states, evaluation):
+        xt, yt = ref.read(spec, client_id, 'test')
+        assert float(e['personalized_model']['accuracy']) == pytest.approx(
+            ref.accuracy(ref.as_float64(client_state['personal']), xt, yt))
+    ref.assert_close(all_states[2]['personal'], init, atol=0, rtol=0)  # untouched
