@@ -1159,7 +1159,8 @@ def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], row
     for row in rows:
         cost.append({
             'algorithm': row['algorithm'], 'partition': row['partition'], 'rounds': row['rounds'],
-            'rounds to target': '' if row['rounds_to_target'] is None else f'{row["rounds_to_target"]:.1f}',
+            'rounds to target': f'{row["rounds_to_target"]:.1f}' if row['rounds_to_target'] is not None
+            else ('not reached' if suite.target_accuracy is not None else ''),
             'reached': row['rounds_to_target_reached'],
             'MB down / client': '' if row['bytes_down_per_client'] is None
             else f'{row["bytes_down_per_client"] / 1e6:.3f}',
