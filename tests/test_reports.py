@@ -132,6 +132,15 @@ def test_plot_client_bars_rejects_wrong_length(tmp_path):
     assert plt.get_fignums() == []
 
 
+def test_plot_bars_with_error_bars(tmp_path):
+    path = str(tmp_path / 'std.png')
+    reports.plot_bars(['FedAvg', 'PersFL'], [3.0, 1.0], path, 'Std across clients', 'std (%)', errors=[0.5, None])
+    assert_png(path)
+    with pytest.raises(ValueError, match='1 values for 2 labels'):
+        reports.plot_bars(['a', 'b'], [1.0], path, 't', 'y')
+    assert plt.get_fignums() == []
+
+
 def test_plot_class_histogram(tmp_path):
     histogram = np.array([[5, 0, 3], [0, 7, 1], [2, 2, 2], [10, 0, 0]])
     path = str(tmp_path / 'partition.png')

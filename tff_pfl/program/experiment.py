@@ -258,6 +258,7 @@ def run_experiment(
     *,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
+    on_process: Optional[Callable[[object], None]] = None,
 ) -> training_loop.RunResult:
     """Runs one experiment end to end and writes its output directory.
 
@@ -265,6 +266,7 @@ def run_experiment(
       config: the run's configuration.
       overwrite: replace a non-empty `output_dir`.
       log: receives progress lines.
+      on_process: called with the built process before training starts.
 
     Returns:
       The `training_loop.RunResult`.
@@ -309,6 +311,8 @@ def run_experiment(
 
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
     process = algorithms.build(config, spec, model_fn)
+    if on_process is not None:
+        on_process(process)
     metrics_path = os.path.join(out, 'metrics.csv')
     board = reports.TensorBoardWriter(os.path.join(out, 'tensorboard'))
     fieldnames: list = []

@@ -271,6 +271,59 @@ def plot_client_bars(
     _save_and_close(fig, path)
 
 
+def plot_bars(
+    labels: Sequence[str],
+    values: Sequence[float],
+    path: str,
+    title: str,
+    ylabel: str,
+    errors: Optional[Sequence[Optional[float]]] = None,
+) -> None:
+    """One bar per label, with an optional error bar on each.
+
+    Args:
+      labels: The x tick labels, one per bar.
+      values: The bar heights, in `labels` order.
+      path: Where to write the PNG.
+      title: The figure title.
+      ylabel: The y axis label.
+      errors: Optional half-lengths of the error bars, one per bar; `None`
+        entries draw no error bar.
+
+    Raises:
+      ValueError: If `values` or `errors` do not have one entry per label.
+    """
+    if len(values) != len(labels):
+        raise ValueError(f'{len(values)} values for {len(labels)} labels')
+    if errors is not None and len(errors) != len(labels):
+        raise ValueError(f'{len(errors)} errors for {len(labels)} labels')
+    positions = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2.0), 5))
+    try:
+        yerr = None
+        if errors is not None:
+            yerr = np.asarray([np.nan if e is None else e for e in errors], dtype=np.float64)
+        ax.bar(
+            positions,
+            np.asarray(values, dtype=np.float64),
+            yerr=yerr,
+            capsize=4,
+            color=[f'C{i % 10}' for i in range(len(labels))],
+        )
+        ax.set_xticks(positions)
+        ax.set_xticklabels(
+            [str(label) for label in labels],
+            rotation=90 if len(labels) > _ROTATE_TICKS_ABOVE else 0,
+        )
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, axis='y', alpha=0.3)
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
 def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
     """Stacked horizontal bars of each client's examples per class.
 

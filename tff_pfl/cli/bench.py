@@ -1,0 +1,130 @@
+"""tff-pfl-bench: run a benchmark suite (algorithms x partitions x seeds), write its report.
+
+    tff-pfl-bench --suite=benchmarks/suites/persfl_mnist.toml --output_dir=runs/bench/persfl_mnist
+
+Runs every run of the suite that is not complete yet (so rerunning the same
+command resumes), then aggregates every complete run into `report.md`,
+`results.csv`, `summary.csv` and plots in `--output_dir`. `--seeds`,
+`--algorithms` and `--partitions` select a subset, to split a suite over
+sittings or over processes; `--report_only` only re-aggregates. See
+`tff_pfl.program.bench` and docs/benchmarks.md.
+
+Bad input prints one line `tff-pfl-bench: error: ...` and exits with 2.
+"""
+
+import os
+import shlex
+import sys
+import tomllib
+
+# As in tff-pfl-train: TensorFlow's C++ start-up chatter is not for users.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_SUITE = flags.DEFINE_string('suite', None, 'Suite TOML file, e.g. benchmarks/suites/persfl_mnist.toml.')
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/bench/<suite name>.')
+_SEEDS = flags.DEFINE_list('seeds', None, 'Run only these seeds (default: all of the suite\'s).')
+_ALGORITHMS = flags.DEFINE_list('algorithms', None, 'Run only these algorithm labels (default: all).')
+_PARTITIONS = flags.DEFINE_list('partitions', None, 'Run only these partition labels (default: all).')
+_REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the complete runs into the report.')
+_OVERWRITE = flags.DEFINE_bool(
+    'overwrite', False, 'Discard the output directory\'s contents first (needed for a different suite).')
+
+_PROG = 'tff-pfl-bench'
+
+
+def _fail(message: str) -> None:
+    print(f'{_PROG}: error: {" ".join(str(message).split())}', file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e).splitlines()[0])
+
+
+def _seeds():
+    if _SEEDS.value is None:
+        return None
+    try:
+        return [int(s) for s in _SEEDS.value]
+    except ValueError:
+        _fail(f'--seeds must be integers, got {",".join(_SEEDS.value)}')
+
+
+def _read_suite(path: str) -> str:
+    """The suite file's text, checked to be TOML before TensorFlow is imported.
+
+    `bench.parse_suite` validates the rest; reading and parsing here first
+    keeps the commonest mistakes (a wrong path, a typo in the TOML) fast.
+    """
+    try:
+        with open(path, 'rb') as f:
+            text = f.read().decode('utf-8')
+    except FileNotFoundError:
+        _fail(f'suite file not found: {path}')
+    except IsADirectoryError:
+        _fail(f'suite file {path} is a directory')
+    except OSError as e:
+        _fail(f'cannot read suite file {path}: {e.strerror}')
+    except UnicodeDecodeError:
+        _fail(f'{path}: not UTF-8 text')
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        _fail(f'{path}: bad TOML: {e}')
+    return text
+
+
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        _fail(f'unexpected arguments: {" ".join(argv[1:])}')
+    if not _SUITE.value:
+        _fail('--suite is required')
+    if _REPORT_ONLY.value and _OVERWRITE.value:
+        _fail('--report_only and --overwrite do not go together')
+    seeds = _seeds()
+    text = _read_suite(_SUITE.value)
+    from tff_pfl import runtime
+    from tff_pfl.data import partition
+    from tff_pfl.data import sources
+    from tff_pfl.program import bench
+    from tff_pfl.program import experiment
+
+    logging.set_verbosity(logging.WARNING)
+    runtime.install_sigterm_handler()
+    try:
+        suite = bench.parse_suite(text, _SUITE.value)
+        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench.slug(suite.name))
+        if _REPORT_ONLY.value:
+            suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
+            bench.check_report_dir(suite, output_dir)
+            bench.write_report(suite, output_dir, log=_log)
+        else:
+            command = ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
+            bench.run_suite(
+                suite, output_dir, seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value,
+                overwrite=_OVERWRITE.value, command=command, log=_log)
+    except (bench.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        print(f'{_PROG}: interrupted', file=sys.stderr)
+        sys.exit(130)
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app.run(main, flags_parser=_parse_flags)
+
+
+if __name__ == '__main__':
+    run()
