@@ -205,6 +205,9 @@ def test_committed_suites():
                       'pFedMe': [800, 800, 800], 'Per-FedAvg': [800, 800, 800], 'Local': [100, 100, 100],
                       'FedAvg+FT': [100, 50, 100]}
     assert suite.paper['PersFL']['ds3'] == (99.4, 0.3)
+    baselines = bench.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
+    names = {a.algorithm for a in baselines.algorithms}
+    assert {'local', 'fedavg_ft', 'fedper', 'ditto', 'pfedme', 'perfedavg_fo', 'perfedavg_hf', 'apfl'} <= names
 
 
 # ----------------------------------------------------------------------------
