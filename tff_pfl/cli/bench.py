@@ -24,6 +24,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tff_pfl.cli import common
+
 _SUITE = flags.DEFINE_string('suite', None, 'Suite TOML file, e.g. benchmarks/suites/persfl_mnist.toml.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/bench/<suite name>.')
 _SEEDS = flags.DEFINE_list('seeds', None, 'Run only these seeds (default: all of the suite\'s).')
@@ -36,16 +38,8 @@ _OVERWRITE = flags.DEFINE_bool(
 _PROG = 'tff-pfl-bench'
 
 
-def _fail(message: str) -> None:
-    print(f'{_PROG}: error: {" ".join(str(message).split())}', file=sys.stderr)
-    sys.exit(2)
-
-
-def _parse_flags(argv):
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
+def _fail(message) -> None:
+    common.fail(_PROG, message)
 
 
 def _seeds():
@@ -123,7 +117,7 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=common.flags_parser(_PROG))
 
 
 if __name__ == '__main__':

@@ -21,6 +21,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from tff_pfl.cli import common
 from tff_pfl.program import experiment
 
 _D = experiment.ExperimentConfig(output_dir='')
@@ -145,16 +146,8 @@ _MAX_CONCURRENT = flags.DEFINE_integer(
 _PROG = 'tff-pfl-train'
 
 
-def _fail(message: str) -> None:
-    print(f'{_PROG}: error: {message}', file=sys.stderr)
-    sys.exit(2)
-
-
-def _parse_flags(argv):
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
+def _fail(message) -> None:
+    common.fail(_PROG, message)
 
 
 def _floats(flag) -> tuple:
@@ -218,7 +211,7 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=common.flags_parser(_PROG))
 
 
 if __name__ == '__main__':

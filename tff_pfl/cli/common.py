@@ -1,0 +1,37 @@
+"""What the project's absl binaries share: one-line errors with exit code 2."""
+
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from absl import flags
+
+
+def fail(prog: str, message) -> NoReturn:
+    """Prints `prog: error: message` (on one line) to stderr and exits with 2.
+
+    Args:
+      prog: the binary's name.
+      message: the error; its whitespace, newlines included, is collapsed.
+    """
+    print(f'{prog}: error: {" ".join(str(message).split())}', file=sys.stderr)
+    sys.exit(2)
+
+
+def flags_parser(prog: str) -> Callable[[list], list]:
+    """An `app.run` flags parser whose flag errors are `fail`'s one line.
+
+    Args:
+      prog: the binary's name.
+
+    Returns:
+      `argv -> remaining argv`.
+    """
+
+    def parse(argv):
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(prog, str(e).splitlines()[0])
+
+    return parse
