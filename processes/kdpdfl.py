@@ -43,7 +43,6 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models
 from tff_pfl.computations import building_blocks
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template

@@ -16,7 +16,6 @@ from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.computations import local_training
-from tff_pfl.program import algorithms
 from tff_pfl.program import bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

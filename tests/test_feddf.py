@@ -5,7 +5,6 @@ import functools
 import numpy as np
 import pytest
 import tensorflow as tf
-import tensorflow_federated as tff
 
 from processes import fedavg
 from processes import feddf
