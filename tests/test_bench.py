@@ -345,6 +345,8 @@ def test_rounds_to_target_and_communication(tiny_run):
     for row in tiny_run['rows']:
         assert summary[(row['partition'], row['algorithm'])]['rounds'] == '2'
         assert row['bytes_down_per_client'] > 0 and row['bytes_up_per_client'] > 0
+        if row['algorithm'] == 'FedAvg':  # per round: the model and round number down
+            assert row['bytes_down_per_client_per_round'] == (60 * 10 + 10) * 4 + 4
 
 
 def test_incomplete_run_is_redone_and_others_are_not(tiny_run, tmp_path):

@@ -961,6 +961,8 @@ def aggregate(suite: Suite, records: Sequence[Mapping]) -> list[dict]:
                 rounds=mine[0]['rounds'],
                 rounds_to_target=_mean(reached),
                 rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
+                bytes_down_per_client_per_round=_mean(c.get('bytes_down_per_client_per_round') for c in communication),
+                bytes_up_per_client_per_round=_mean(c.get('bytes_up_per_client_per_round') for c in communication),
                 bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
                 bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
                 minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
@@ -1042,6 +1044,10 @@ def _display_path(path: str) -> str:
     """`path` relative to the working directory when it is inside it."""
     relative = os.path.relpath(path)
     return path if relative.startswith('..') else relative
+
+
+def _kilobytes(value: Optional[float]) -> str:
+    return '' if value is None else f'{value / 1e3:.1f}'
 
 
 def _pct(value: Optional[float], decimals: int = 2) -> str:
@@ -1152,7 +1158,8 @@ def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], row
         'Communication: bytes of one round per participating client, read from the round\'s type signature',
         '(`audit.communication_bytes`: every `federated_broadcast` down, every CLIENTS -> SERVER aggregation up),',
         'times the clients of each round, summed over the rounds, plus a final `personalize` stage\'s bytes for',
-        'every client; divided by the number of clients. Evaluation is not counted. MB = 10^6 bytes.',
+        'every client; divided by the number of clients. Evaluation is not counted. kB = 10^3 bytes, MB = 10^6.',
+        'Per round: one participating client\'s bytes in one training round.',
         '',
     ]
     cost = []
@@ -1162,13 +1169,15 @@ def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], row
             'rounds to target': f'{row["rounds_to_target"]:.1f}' if row['rounds_to_target'] is not None
             else ('not reached' if suite.target_accuracy is not None else ''),
             'reached': row['rounds_to_target_reached'],
+            'kB down / client / round': _kilobytes(row['bytes_down_per_client_per_round']),
+            'kB up / client / round': _kilobytes(row['bytes_up_per_client_per_round']),
             'MB down / client': '' if row['bytes_down_per_client'] is None
             else f'{row["bytes_down_per_client"] / 1e6:.3f}',
             'MB up / client': '' if row['bytes_up_per_client'] is None else f'{row["bytes_up_per_client"] / 1e6:.3f}',
             'minutes / run': f'{row["minutes_per_run"]:.2f}',
         })
-    columns = ['algorithm', 'partition', 'rounds', 'rounds to target', 'reached', 'MB down / client',
-               'MB up / client', 'minutes / run']
+    columns = ['algorithm', 'partition', 'rounds', 'rounds to target', 'reached', 'kB down / client / round',
+               'kB up / client / round', 'MB down / client', 'MB up / client', 'minutes / run']
     lines += [reports.markdown_table(cost, columns), '']
     lines += [
         '## Commands',
