@@ -88,6 +88,135 @@ def _worker_command(port: int, max_concurrent_computation_calls: int) -> list[st
     return command
 
 
+def _wait_until_ready(
+        address: str, timeout: float, process: Optional[subprocess.Popen] = None
+) -> 'tff.framework.RemoteExecutorGrpcStub':
+    """A stub for the worker at `address`, once it answers.
+
+    Raises:
+        RuntimeStartError: if `process` (the worker we started) exits, or the
+            worker does not answer within `timeout` seconds.
+    """
+    channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+    stub = tff.framework.RemoteExecutorGrpcStub(channel)
+    deadline = time.monotonic() + timeout
+    while not stub.is_ready:
+        if process is not None and process.poll() is not None:
+            raise RuntimeStartError(f'TFF worker exited with code {process.returncode} before it was ready')
+        if time.monotonic() > deadline:
+            if process is not None:
+                raise RuntimeStartError(f'TFF worker did not become ready in {timeout:g} s')
+            raise RuntimeStartError(f'no TFF worker answers at {address} (waited {timeout:g} s)')
+        time.sleep(0.05)
+    return stub
+
+
+def _execution_context(stub) -> tff.framework.SyncExecutionContext:
+    """TFF's synchronous context on one worker, behind `stub`."""
+
+    def executor_fn(cardinalities):
+        # Computations with no CLIENTS-placed argument (initialize) still
+        # need a CLIENTS cardinality; 0 is what TFF's own context uses.
+        cardinalities.setdefault(tff.CLIENTS, 0)
+        executor = tff.framework.RemoteExecutor(stub)
+        executor.set_cardinalities(cardinalities)
+        return executor
+
+    return tff.framework.SyncExecutionContext(
+            executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
+            compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+            transform_args=tff.tensorflow.transform_args,
+            transform_result=tff.tensorflow.transform_result,
+    )
+
+
+def parse_worker_address(address: str) -> tuple[str, int]:
+    """`host:port` -> `(host, port)`.
+
+    Raises:
+        ValueError: with a one-line message if `address` is not `host:port`
+            with a port in 1..65535.
+    """
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f'worker address must be host:port, got {address!r}')
+    return host, int(port)
+
+
+def check_worker(address: str, timeout: float = 10.0) -> None:
+    """Raises `RuntimeStartError` unless a TFF worker answers at `address`.
+
+    Raises:
+        ValueError: if `address` is not `host:port`.
+        RuntimeStartError: if nothing answers in `timeout` seconds.
+    """
+    parse_worker_address(address)
+    _wait_until_ready(address, timeout)
+
+
+@contextlib.contextmanager
+def runtime_for(workers=(), **local_kwargs):
+    """The runtime of a run: the given remote worker, or a local one we own.
+
+    Args:
+        workers: `()` for a local worker, or one `host:port`.
+        **local_kwargs: `LocalRuntime` arguments, used without `workers`.
+
+    Raises:
+        ValueError: for more than one worker (a round that returns client
+            states cannot be split over workers by TFF's mergeable context).
+    """
+    if len(workers) > 1:
+        raise ValueError('several workers are not supported: TFF\'s mergeable context cannot split a round '
+                         'that returns client states; give one worker')
+    if workers:
+        with RemoteRuntime(workers[0]) as remote:
+            yield remote
+    else:
+        with local_runtime(**local_kwargs) as local:
+            yield local
+
+
+class RemoteRuntime:
+    """A TFF `worker_binary` someone else runs, at `host:port`, as the default context.
+
+    The worker may be on another machine (see deploy/README.md for how to
+    run one): it must be TFF 0.87's `worker_binary`, reachable from this
+    machine, and its `--max_concurrent_computation_calls` sets how many client
+    computations it runs at once. Nothing is started or ended here; `close`
+    puts the previous context back.
+    """
+
+    def __init__(self, address: str, *, ready_timeout: float = 10.0):
+        """Connects to the worker and installs it as TFF's default context.
+
+        Args:
+            address: `host:port` of a running worker.
+            ready_timeout: seconds to wait for the worker to answer.
+
+        Raises:
+            ValueError: if `address` is not `host:port`.
+            RuntimeStartError: if no worker answers in `ready_timeout` seconds.
+        """
+        parse_worker_address(address)
+        self.address = address
+        self.context = _execution_context(_wait_until_ready(address, ready_timeout))
+        self._previous_context = tff.framework.get_context_stack().current
+        tff.framework.set_default_context(self.context)
+
+    def close(self) -> None:
+        """Puts back the context that was there before; safe to call twice."""
+        previous, self._previous_context = self._previous_context, None
+        if previous is not None:
+            tff.framework.set_default_context(previous)
+
+    def __enter__(self) -> 'RemoteRuntime':
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
 class LocalRuntime:
     """A TFF `worker_binary` owned by this process, and a context that uses it.
 
@@ -133,36 +262,11 @@ class LocalRuntime:
         self.pid: Optional[int] = self._process.pid
         atexit.register(self.close)
         try:
-            channel = grpc.insecure_channel(f'localhost:{self.port}', _GRPC_OPTIONS)
-            stub = tff.framework.RemoteExecutorGrpcStub(channel)
-            deadline = time.monotonic() + _READY_TIMEOUT_S
-            while not stub.is_ready:
-                if self._process.poll() is not None:
-                    raise RuntimeStartError(
-                            f'TFF worker exited with code {self._process.returncode} '
-                            'before it was ready'
-                    )
-                if time.monotonic() > deadline:
-                    raise RuntimeStartError('TFF worker did not become ready in 60 s')
-                time.sleep(0.05)
+            stub = _wait_until_ready(f'localhost:{self.port}', _READY_TIMEOUT_S, self._process)
         except BaseException:
             self.close()
             raise
-
-        def executor_fn(cardinalities):
-            # Computations with no CLIENTS-placed argument (initialize) still
-            # need a CLIENTS cardinality; 0 is what TFF's own context uses.
-            cardinalities.setdefault(tff.CLIENTS, 0)
-            executor = tff.framework.RemoteExecutor(stub)
-            executor.set_cardinalities(cardinalities)
-            return executor
-
-        self.context = tff.framework.SyncExecutionContext(
-                executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
-                compiler_fn=tff.backends.native.desugar_and_transform_to_native,
-                transform_args=tff.tensorflow.transform_args,
-                transform_result=tff.tensorflow.transform_result,
-        )
+        self.context = _execution_context(stub)
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
 

@@ -140,6 +140,8 @@ _APFL_ALPHA_LR = flags.DEFINE_float(
 _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and training.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')
 _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty output directory.')
+_WORKERS = flags.DEFINE_list(
+    'workers', [], 'host:port of a TFF worker_binary to run the rounds on (deploy/README.md); default: a local one.')
 _MAX_CONCURRENT = flags.DEFINE_integer(
     'max_concurrent_clients', _D.max_concurrent_clients, 'Client computations the TFF worker runs at once (-1: no limit).')
 
@@ -168,7 +170,7 @@ def config_from_flags() -> experiment.ExperimentConfig:
         if field.name == 'output_dir':
             continue
         flag = flags.FLAGS[field.name]
-        if field.name == 'architectures':
+        if field.name in ('architectures', 'workers'):
             values[field.name] = tuple(flag.value)
         elif isinstance(field.default, tuple):
             values[field.name] = _floats(flag)

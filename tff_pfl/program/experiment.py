@@ -107,6 +107,8 @@ class ExperimentConfig:
     kd_distance_layer: int = -1
     kd_broadcast: str = 'adopt'
     finetune_from_slot: int = 150
+    # Runtime: a TFF worker someone runs at host:port (deploy/README.md); empty: a local one.
+    workers: tuple = ()
     # Baselines (fedavg_ft uses finetune_epochs as its largest fine-tuning epoch count).
     personal_layers: int = 1
     ditto_lambda: float = 0.1
@@ -235,6 +237,14 @@ class ExperimentConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if len(self.workers) > 1:
+            raise ConfigError('several --workers are not supported yet: TFF\'s mergeable context cannot split a '
+                              'round that returns client states; give one worker')
+        for address in self.workers:
+            try:
+                runtime.parse_worker_address(address)
+            except ValueError as e:
+                raise ConfigError(f'--workers: {e}') from None
         return self
 
 
@@ -281,6 +291,11 @@ def run_experiment(
     config.validate()
     out = os.path.abspath(config.output_dir)
     _prepare_output_dir(out, overwrite)
+    for address in config.workers:  # before anything is written
+        try:
+            runtime.check_worker(address)
+        except runtime.RuntimeStartError as e:
+            raise ConfigError(f'--workers: {e}') from None
     staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out)}.staging.', dir=os.path.dirname(out))
     try:
         prepared = pipeline.prepare(
@@ -327,7 +342,8 @@ def run_experiment(
         board.scalars(row['round'], {k: v for k, v in row.items() if k != 'round'})
 
     try:
-        with runtime.local_runtime(
+        with runtime.runtime_for(
+            config.workers,
             max_concurrent_computation_calls=config.max_concurrent_clients,
             log_path=os.path.join(out, 'worker.log'),
         ):
