@@ -21,12 +21,7 @@ def worker():
         runtime.check_worker(f'localhost:{port}', timeout=60)
         yield f'localhost:{port}'
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        runtime.end_process(process)
 
 
 def _rows(path):

@@ -217,6 +217,17 @@ class RemoteRuntime:
         self.close()
 
 
+def end_process(process: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Ends a process we started (SIGTERM, then SIGKILL after `timeout` s) and reaps it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.wait()
+
+
 class LocalRuntime:
     """A TFF `worker_binary` owned by this process, and a context that uses it.
 
@@ -282,13 +293,7 @@ class LocalRuntime:
         """
         process, self._process = self._process, None
         if process is not None:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            end_process(process)
             self.pid = None
             # Back to what was there before (nested runtimes close LIFO).
             previous = getattr(self, '_previous_context', None)
