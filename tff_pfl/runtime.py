@@ -111,8 +111,8 @@ def _wait_until_ready(
     return stub
 
 
-def _execution_context(stub) -> tff.framework.SyncExecutionContext:
-    """TFF's synchronous context on one worker, behind `stub`."""
+def _execution_context(stub, asynchronous: bool = False):
+    """TFF's synchronous (or asynchronous) execution context on the worker behind `stub`."""
 
     def executor_fn(cardinalities):
         # Computations with no CLIENTS-placed argument (initialize) still
@@ -122,7 +122,8 @@ def _execution_context(stub) -> tff.framework.SyncExecutionContext:
         executor.set_cardinalities(cardinalities)
         return executor
 
-    return tff.framework.SyncExecutionContext(
+    context_class = tff.framework.AsyncExecutionContext if asynchronous else tff.framework.SyncExecutionContext
+    return context_class(
             executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
             compiler_fn=tff.backends.native.desugar_and_transform_to_native,
             transform_args=tff.tensorflow.transform_args,
@@ -156,21 +157,14 @@ def check_worker(address: str, timeout: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def runtime_for(workers=(), **local_kwargs):
-    """The runtime of a run: the given remote worker, or a local one we own.
+    """The runtime of a run: the given remote workers, or a local one we own.
 
     Args:
-        workers: `()` for a local worker, or one `host:port`.
+        workers: `()` for a local worker, else `host:port` of each worker.
         **local_kwargs: `LocalRuntime` arguments, used without `workers`.
-
-    Raises:
-        ValueError: for more than one worker (a round that returns client
-            states cannot be split over workers by TFF's mergeable context).
     """
-    if len(workers) > 1:
-        raise ValueError('several workers are not supported: TFF\'s mergeable context cannot split a round '
-                         'that returns client states; give one worker')
     if workers:
-        with RemoteRuntime(workers[0]) as remote:
+        with RemoteRuntime(workers) as remote:
             yield remote
     else:
         with local_runtime(**local_kwargs) as local:
@@ -178,31 +172,54 @@ def runtime_for(workers=(), **local_kwargs):
 
 
 class RemoteRuntime:
-    """A TFF `worker_binary` someone else runs, at `host:port`, as the default context.
+    """TFF `worker_binary`s someone else runs, at `host:port`, as the default context.
 
-    The worker may be on another machine (see deploy/README.md for how to
-    run one): it must be TFF 0.87's `worker_binary`, reachable from this
-    machine, and its `--max_concurrent_computation_calls` sets how many client
-    computations it runs at once. Nothing is started or ended here; `close`
-    puts the previous context back.
+    The workers may be on other machines (see deploy/README.md for how to
+    run one): each must be TFF 0.87's `worker_binary`, reachable from this
+    machine; its `--max_concurrent_computation_calls` sets how many client
+    computations it runs at once. With one worker the context is TFF's
+    synchronous remote context. With several it is TFF's mergeable context:
+    each computation's CLIENTS-placed arguments are split over the workers,
+    each worker runs its clients up to the aggregation, the partial
+    aggregates are merged here, and the rest runs after the merge. Such
+    computations may hold at most one aggregation stage and return nothing
+    CLIENTS-placed that depends on work before it (`multi_worker`). Nothing
+    is started or ended here; `close` puts the previous context back.
     """
 
-    def __init__(self, address: str, *, ready_timeout: float = 10.0):
-        """Connects to the worker and installs it as TFF's default context.
+    def __init__(self, addresses, *, ready_timeout: float = 10.0):
+        """Connects to the workers and installs them as TFF's default context.
 
         Args:
-            address: `host:port` of a running worker.
-            ready_timeout: seconds to wait for the worker to answer.
+            addresses: `host:port` of each running worker (a string for one).
+            ready_timeout: seconds to wait for each worker to answer.
 
         Raises:
-            ValueError: if `address` is not `host:port`.
-            RuntimeStartError: if no worker answers in `ready_timeout` seconds.
+            ValueError: if an address is not `host:port`, or appears twice.
+            RuntimeStartError: if a worker does not answer in `ready_timeout` s.
         """
-        parse_worker_address(address)
-        self.address = address
-        self.context = _execution_context(_wait_until_ready(address, ready_timeout))
+        addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
+        if not addresses:
+            raise ValueError('no worker address given')
+        for address in addresses:
+            parse_worker_address(address)
+        if len(set(addresses)) != len(addresses):
+            raise ValueError(f'worker addresses repeat: {",".join(addresses)}')
+        self.addresses = addresses
+        self.address = addresses[0]
+        stubs = [_wait_until_ready(address, ready_timeout) for address in addresses]
+        if len(stubs) == 1:
+            self.context = _execution_context(stubs[0])
+        else:
+            self.context = tff.backends.native.create_mergeable_comp_execution_context(
+                [_execution_context(stub, asynchronous=True) for stub in stubs])
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
+
+    @property
+    def multi_worker(self) -> bool:
+        """True when rounds are split over several workers."""
+        return len(self.addresses) > 1
 
     def close(self) -> None:
         """Puts back the context that was there before; safe to call twice."""

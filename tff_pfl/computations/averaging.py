@@ -18,6 +18,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl.computations import building_blocks
+from tff_pfl.computations import device_state
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template
 
@@ -48,6 +49,7 @@ def broadcast_personalize(client_fn: tff.Computation) -> PersonalizeBuilder:
 
         return personalize
 
+    builder.client_fn = client_fn  # what each device runs, for the `DeviceProcess`
     return builder
 
 
@@ -143,15 +145,26 @@ def build_averaging_process(
             round_num=state['round_num'] + 1,
         )
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        model = tff.federated_broadcast(state.model)
-        round_num = tff.federated_broadcast(state.round_num)
+    broadcast_fields = [('model', weights_type), ('round_num', np.int32)]
+    if info_fn is not None:
+        broadcast_fields.append(('info', info_fn.type_signature.result))
+    broadcast_type = tff.StructWithPythonType(broadcast_fields, collections.OrderedDict)
+
+    @tff.tensorflow.computation(server_state_type.member)
+    def server_broadcast(state):
+        broadcast = collections.OrderedDict(model=state['model'], round_num=state['round_num'])
+        if info_fn is not None:
+            broadcast['info'] = info_fn(state['aggregator_state'])
+        return broadcast
+
+    @tff.tensorflow.computation(broadcast_type, client_state_type)
+    def client_step(broadcast, client_state):
         if info_fn is None:
-            outputs = tff.federated_map(client_work, (model, round_num, client_states))
-        else:
-            info = tff.federated_broadcast(tff.federated_map(info_fn, state.aggregator_state))
-            outputs = tff.federated_map(client_work, (model, round_num, info, client_states))
+            return client_work(broadcast['model'], broadcast['round_num'], client_state)
+        return client_work(broadcast['model'], broadcast['round_num'], broadcast['info'], client_state)
+
+    def finish(state, outputs):
+        """Aggregation, server update and metrics of a round (federated code)."""
         aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
         updated = tff.federated_map(server_update, (state, aggregated.result))
         new_state = tff.federated_zip(
@@ -162,7 +175,13 @@ def build_averaging_process(
                 round_num=updated.round_num,
             )
         )
-        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
+        return new_state, building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        broadcast = tff.federated_broadcast(tff.federated_map(server_broadcast, state))
+        outputs = tff.federated_map(client_step, (broadcast, client_states))
+        new_state, metrics = finish(state, outputs)
         return template.RoundOutput(new_state, outputs.client_state, metrics)
 
     @tff.federated_computation(server_state_type, client_states_type)
@@ -171,12 +190,48 @@ def build_averaging_process(
         return tff.federated_map(evaluate_client, (model, client_states))
 
     personalize = None
+    personalize_fn = None
     if personalize_builder is not None:
         personalize = personalize_builder(server_state_type, client_state_type)
+        personalize_fn = getattr(personalize_builder, 'client_fn', None)
+
+    device_inputs_type = tff.FederatedType(device_state.DEVICE_INPUT_TYPE, tff.CLIENTS)
+    device_work = device_state.stateful(client_step, initial_client_state, [broadcast_type])
+    device_evaluate_client = device_state.reading(evaluate_client, initial_client_state, [weights_type])
+
+    @tff.federated_computation(server_state_type, device_inputs_type)
+    def device_next(state, devices):
+        broadcast = tff.federated_broadcast(tff.federated_map(server_broadcast, state))
+        outputs = tff.federated_map(device_work, (broadcast, devices))
+        new_state, metrics = finish(state, outputs)
+        return collections.OrderedDict(state=new_state, metrics=metrics)
+
+    @tff.federated_computation(server_state_type, device_inputs_type)
+    def device_evaluate(state, devices):
+        model = tff.federated_broadcast(state.model)
+        return tff.federated_map(device_evaluate_client, (model, devices))
+
+    client_computations = collections.OrderedDict(
+        client_work=device_work, client_evaluate=device_evaluate_client)
+    device_personalize = None
+    if personalize_fn is not None:
+        device_personalize_client = device_state.stateful_update(
+            personalize_fn, initial_client_state, [weights_type, np.int32])
+
+        @tff.federated_computation(server_state_type, device_inputs_type)
+        def device_personalize(state, devices):
+            model = tff.federated_broadcast(state.model)
+            round_num = tff.federated_broadcast(state.round_num)
+            return tff.federated_map(device_personalize_client, (model, round_num, devices))
+
+        client_computations['client_personalize'] = device_personalize_client
+    device = template.DeviceProcess(device_next, device_evaluate, device_personalize, client_computations)
+
     return template.PersonalizedProcess(
         initialize,
         next_fn,
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         personalize=personalize,
+        device=device,
     )

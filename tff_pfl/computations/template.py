@@ -26,6 +26,17 @@ import tensorflow_federated as tff
 
 RoundOutput = collections.namedtuple('RoundOutput', ['state', 'client_states', 'metrics'])
 
+# The process with its client states kept on the devices
+# (`tff_pfl.computations.device_state`): D is `<client_id, state_file>`.
+#   next: (S@SERVER, {D}@CLIENTS) -> <state=S@SERVER, metrics=M@SERVER>, the
+#     shape TFF's production forms and mergeable context take;
+#   evaluate: (S@SERVER, {D}@CLIENTS) -> {<client_id, result=E>}@CLIENTS
+#     (`device_state.in_client_order` puts the results in client order);
+#   personalize: (S@SERVER, {D}@CLIENTS) -> {bool}@CLIENTS, or None;
+#   client_computations: name -> the client-local `tff.tensorflow.computation`s
+#     a device runs (its work, evaluation, personalization), for export.
+DeviceProcess = collections.namedtuple('DeviceProcess', ['next', 'evaluate', 'personalize', 'client_computations'])
+
 
 def client_metrics(stats) -> collections.OrderedDict:
     """Per-client means from `local_training.Stats` sums (TF code)."""
@@ -48,6 +59,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         initial_client_state: tff.Computation,
         evaluate: tff.Computation,
         personalize: Optional[tff.Computation] = None,
+        device: Optional[DeviceProcess] = None,
     ):
         """Builds the process; see the module docstring for the signatures.
 
@@ -57,6 +69,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
           initial_client_state: `tf.string -> C`.
           evaluate: `(S@SERVER, {C}@CLIENTS) -> {E}@CLIENTS`.
           personalize: optional clients-only stage.
+          device: optional; the same algorithm with device-held client
+            states (`DeviceProcess`), where its round has the shape
+            `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`.
 
         Raises:
           TypeError: if the client state types of the computations disagree.
@@ -73,6 +88,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._initial_client_state = initial_client_state
         self._evaluate = evaluate
         self._personalize = personalize
+        self._device = device
         self._client_state_type = client_state_type
 
     @property
@@ -90,3 +106,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
     @property
     def personalize(self) -> Optional[tff.Computation]:
         return self._personalize
+
+    @property
+    def device(self) -> Optional[DeviceProcess]:
+        return self._device

@@ -29,12 +29,17 @@ class Algorithm:
       run: `(process, spec, config, on_round=, log=) -> RunResult` for
         algorithms that need their own run loop (serverless ones); default
         `training_loop.run`.
+      not_one_aggregation: why the algorithm's round has no form with one
+        broadcast, one aggregation and device-held client state (so it can
+        neither be split over several workers nor exported as MapReduceForm);
+        None when the process has such a form (`process.device`).
     """
 
     build: Callable
     client_columns: Optional[Callable[[Mapping], Mapping]] = None
     plots: Optional[Callable] = None
     run: Optional[Callable] = None
+    not_one_aggregation: Optional[str] = None
 
 
 def _short_ids(client_ids):
@@ -379,19 +384,32 @@ def _apfl_plots(out, result, process):
     return [('APFL alpha per client', 'apfl_alpha.png')]
 
 
+_KTPFL_LIMIT = ('its server mixes every client\'s own soft predictions (or parameters) with the '
+                'knowledge-coefficient matrix and broadcasts the personalized result back in the same round: '
+                'a broadcast that depends on an aggregation, so two aggregation stages')
+_FEDDF_LIMIT = ('its client stage returns CLIENTS-placed client states and has no device-state form yet; '
+                'the server step (ensemble distillation) fits one aggregation')
+_LOCAL_LIMIT = 'no device-state form yet (its round is a broadcast of the round number and one sum of metrics)'
+_KDPDFL_LIMIT = ('it is serverless: the star node needs each neighbour\'s own model (one slot per neighbour), '
+                 'then sends its new model back for a second client stage: two aggregation stages in one step, '
+                 'driven by a topology the driver samples')
+
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
     'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
     'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
     'ktpfl': Algorithm(
-        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
-    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots),
+        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots,
+        not_one_aggregation=_KTPFL_LIMIT),
+    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots, not_one_aggregation=_KTPFL_LIMIT),
     'feddf': Algorithm(
-        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots,
+        not_one_aggregation=_FEDDF_LIMIT),
     'pfeddf': Algorithm(
-        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
-    'local': Algorithm(_local),
+        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots,
+        not_one_aggregation=_FEDDF_LIMIT),
+    'local': Algorithm(_local, not_one_aggregation=_LOCAL_LIMIT),
     'fedavg_ft': Algorithm(
         _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots),
     'fedper': Algorithm(_fedper),
@@ -400,10 +418,14 @@ _ALGORITHMS = {
     'perfedavg_fo': Algorithm(_perfedavg_builder('fo')),
     'perfedavg_hf': Algorithm(_perfedavg_builder('hf')),
     'apfl': Algorithm(_apfl, lambda state: {'alpha': float(state['alpha'])}, _apfl_plots),
-    'kdpdfl': Algorithm(_kdpdfl_builder('kdpdfl'), _kdpdfl_columns, _kdpdfl_plots, _decentralized_run(False)),
-    'kdpdfl_fedavg': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False)),
-    'kdpdfl_fedavg_plus': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True)),
-    'kdpdfl_local': Algorithm(_kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False)),
+    'kdpdfl': Algorithm(_kdpdfl_builder('kdpdfl'), _kdpdfl_columns, _kdpdfl_plots, _decentralized_run(False),
+        not_one_aggregation=_KDPDFL_LIMIT),
+    'kdpdfl_fedavg': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False),
+        not_one_aggregation=_KDPDFL_LIMIT),
+    'kdpdfl_fedavg_plus': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True),
+        not_one_aggregation=_KDPDFL_LIMIT),
+    'kdpdfl_local': Algorithm(_kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False),
+        not_one_aggregation=_KDPDFL_LIMIT),
 }
 
 

@@ -238,8 +238,12 @@ class ExperimentConfig:
             if not ok:
                 raise ConfigError(message)
         if len(self.workers) > 1:
-            raise ConfigError('several --workers are not supported yet: TFF\'s mergeable context cannot split a '
-                              'round that returns client states; give one worker')
+            limit = algorithms.get(self.algorithm).not_one_aggregation
+            if limit:
+                raise ConfigError(f'--workers: {self.algorithm} cannot be split over several workers: {limit}; '
+                                  'give one worker')
+            if len(set(self.workers)) != len(self.workers):
+                raise ConfigError(f'--workers: an address repeats: {",".join(self.workers)}')
         for address in self.workers:
             try:
                 runtime.parse_worker_address(address)
@@ -248,7 +252,12 @@ class ExperimentConfig:
         return self
 
 
-def _prepare_output_dir(path: str, overwrite: bool) -> None:
+def prepare_output_dir(path: str, overwrite: bool) -> None:
+    """Checks that `path` may be written: empty or absent (or `overwrite`), in a writable parent.
+
+    Raises:
+      ConfigError: otherwise; nothing is written.
+    """
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ConfigError(f'output_dir {path} exists and is not a directory')
@@ -263,39 +272,26 @@ def _prepare_output_dir(path: str, overwrite: bool) -> None:
         raise ConfigError(f'output_dir {path} is not writable: {e.strerror}') from None
 
 
-def run_experiment(
-    config: ExperimentConfig,
-    *,
-    overwrite: bool = False,
-    log: Callable[[str], None] = print,
-    on_process: Optional[Callable[[object], None]] = None,
-) -> training_loop.RunResult:
-    """Runs one experiment end to end and writes its output directory.
+def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], None] = print):
+    """Partitions the dataset into `out`: `client_data/`, `config.json`, `partition.csv` and `.png`.
+
+    The data and `config.json` are written to a staging directory first and
+    renamed to `out` (replacing it) in one step.
 
     Args:
-      config: the run's configuration.
-      overwrite: replace a non-empty `output_dir`.
-      log: receives progress lines.
-      on_process: called with the built process before training starts.
+      config: a validated configuration.
+      out: absolute path of the run directory (checked by the caller).
+      log: receives one line about the data.
 
     Returns:
-      The `training_loop.RunResult`.
+      The `client_data.ClientDataSpec` rooted at `out/client_data`.
 
     Raises:
-      ConfigError, sources.DataError, partition.PartitionError: bad input;
-        raised before anything is written to `output_dir`.
+      sources.DataError, partition.PartitionError: bad input; nothing is
+        written then.
     """
-    # Local imports keep `--help` and flag errors fast.
     from tff_pfl.data import pipeline
 
-    config.validate()
-    out = os.path.abspath(config.output_dir)
-    _prepare_output_dir(out, overwrite)
-    for address in config.workers:  # before anything is written
-        try:
-            runtime.check_worker(address)
-        except runtime.RuntimeStartError as e:
-            raise ConfigError(f'--workers: {e}') from None
     staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out)}.staging.', dir=os.path.dirname(out))
     try:
         prepared = pipeline.prepare(
@@ -323,7 +319,40 @@ def run_experiment(
     log(f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
         f'{sum(spec.split_sizes["test"])}')
+    return spec
 
+
+def run_experiment(
+    config: ExperimentConfig,
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+    on_process: Optional[Callable[[object], None]] = None,
+) -> training_loop.RunResult:
+    """Runs one experiment end to end and writes its output directory.
+
+    Args:
+      config: the run's configuration.
+      overwrite: replace a non-empty `output_dir`.
+      log: receives progress lines.
+      on_process: called with the built process before training starts.
+
+    Returns:
+      The `training_loop.RunResult`.
+
+    Raises:
+      ConfigError, sources.DataError, partition.PartitionError: bad input;
+        raised before anything is written to `output_dir`.
+    """
+    config.validate()
+    out = os.path.abspath(config.output_dir)
+    prepare_output_dir(out, overwrite)
+    for address in config.workers:  # before anything is written
+        try:
+            runtime.check_worker(address)
+        except runtime.RuntimeStartError as e:
+            raise ConfigError(f'--workers: {e}') from None
+    spec = write_client_data(config, out, log)
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
     process = algorithms.build(config, spec, model_fn)
     if on_process is not None:
@@ -360,6 +389,10 @@ def run_experiment(
                     eval_every=config.eval_every,
                     on_round=on_round,
                     log=log,
+                    # Split over several workers, the round keeps client
+                    # states on the devices (TFF's mergeable context returns
+                    # nothing CLIENTS-placed from before the aggregation).
+                    device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
                 )
     finally:
         board.close()

@@ -7,6 +7,7 @@ computations, so the same loop drives every algorithm.
 
 import collections
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
@@ -14,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from tff_pfl import metrics as metrics_lib
+from tff_pfl.computations import device_state
 from tff_pfl.computations import template
 
 
@@ -72,6 +74,77 @@ class ClientStateStore:
     def ids(self) -> list[str]:
         return list(self._states)
 
+    def states(self) -> dict:
+        """Client id -> client state, for every client."""
+        return dict(self._states)
+
+    def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
+        """One `next` over `client_ids`; stores their new states and returns `(state, metrics)`."""
+        output = process.next(state, self.get(client_ids))
+        self.put(client_ids, output.client_states)
+        return output.state, output.metrics
+
+    def personalize(self, process: template.PersonalizedProcess, state) -> None:
+        self.put(self.ids(), process.personalize(state, self.all()))
+
+    def evaluate(self, process: template.PersonalizedProcess, state) -> list:
+        return process.evaluate(state, self.all())
+
+
+class DeviceStateStore:
+    """Client states kept by the devices, as files in `state_dir`.
+
+    The process runs as its `DeviceProcess`: each client's work reads its
+    state from `<state_dir>/<client_id>.state` and writes the new one back,
+    so rounds have the shape `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`
+    that TFF's mergeable context splits over several workers. Every worker
+    must see `state_dir` at the same path (as it sees the client data).
+    """
+
+    def __init__(self, process: template.PersonalizedProcess, client_ids: Sequence[str], state_dir: str):
+        """Args: the process (it must have a `device` form), every client id, and the state directory.
+
+        Raises:
+          ValueError: if the process has no device-state form, or a state
+            path is not usable.
+        """
+        if process.device is None:
+            raise ValueError('this algorithm has no device-state form')
+        os.makedirs(state_dir, exist_ok=True)
+        self._process = process
+        self._inputs = collections.OrderedDict(
+            (c, device_state.device_input(c, state_dir)) for c in client_ids)
+
+    def get(self, client_ids: Sequence[str]) -> list:
+        return [self._inputs[c] for c in client_ids]
+
+    def all(self) -> list:
+        return list(self._inputs.values())
+
+    def ids(self) -> list[str]:
+        return list(self._inputs)
+
+    def states(self) -> dict:
+        """Client id -> client state, read from the state files (initial state where none yet)."""
+        states = {}
+        for client_id, device in self._inputs.items():
+            initial = self._process.initial_client_state(client_id)
+            if os.path.exists(device['state_file']):
+                states[client_id] = device_state.load(device['state_file'], initial)
+            else:
+                states[client_id] = initial
+        return states
+
+    def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
+        output = process.device.next(state, self.get(client_ids))
+        return output['state'], output['metrics']
+
+    def personalize(self, process: template.PersonalizedProcess, state) -> None:
+        process.device.personalize(state, self.all())
+
+    def evaluate(self, process: template.PersonalizedProcess, state) -> list:
+        return device_state.in_client_order(process.device.evaluate(state, self.all()), self.ids())
+
 
 @dataclasses.dataclass
 class RunResult:
@@ -113,13 +186,13 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
     return rows, summaries
 
 
-def evaluate_all(process, state, store: 'ClientStateStore', row: dict):
+def evaluate_all(process, state, store, row: dict):
     """Evaluates every client; adds the across-client summaries to `row`.
 
     Returns:
       `summarize_evaluation`'s `(client rows, summaries)`.
     """
-    client_rows, summaries = summarize_evaluation(store.ids(), process.evaluate(state, store.all()))
+    client_rows, summaries = summarize_evaluation(store.ids(), store.evaluate(process, state))
     for model_name, summary in summaries.items():
         for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
             row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
@@ -160,6 +233,7 @@ def run(
     eval_every: int = 0,
     on_round: Optional[Callable[[Mapping], None]] = None,
     log: Callable[[str], None] = print,
+    device_state_dir: Optional[str] = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -175,27 +249,32 @@ def run(
       every client before the final evaluation.
       on_round: called with each round's metrics row (e.g. to append CSV).
       log: receives one progress line per round.
+      device_state_dir: if given, the client states stay on the devices as
+        files in this directory (`DeviceStateStore`), and the rounds run as
+        the process's `DeviceProcess` (needed to split them over several
+        workers); default: the driver keeps them (`ClientStateStore`).
 
     Returns:
       A `RunResult`.
     """
     rng = np.random.default_rng([seed, 0x5A3D])
-    store = ClientStateStore(process, client_ids)
+    if device_state_dir is None:
+        store = ClientStateStore(process, client_ids)
+    else:
+        store = DeviceStateStore(process, client_ids, device_state_dir)
     state = process.initialize()
     rows, started = [], time.monotonic()
     for round_num in range(1, rounds + 1):
         round_start = time.monotonic()
         sampled = sample_clients(rng, client_ids, client_fraction)
-        output = process.next(state, store.get(sampled))
-        state = output.state
-        store.put(sampled, output.client_states)
-        row = collections.OrderedDict(round=round_num, **flatten(output.metrics))
+        state, round_metrics = store.run_round(process, state, sampled)
+        row = collections.OrderedDict(round=round_num, **flatten(round_metrics))
         row['round_seconds'] = time.monotonic() - round_start
         evaluate_now = round_num == rounds or (eval_every and round_num % eval_every == 0)
         if round_num == rounds and process.personalize is not None:
             log(f'personalizing {len(client_ids)} clients ...')
             personalize_start = time.monotonic()
-            store.put(store.ids(), process.personalize(state, store.all()))
+            store.personalize(process, state)
             row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
             client_rows, summaries = evaluate_all(process, state, store, row)
@@ -206,7 +285,7 @@ def run(
                           summaries if evaluate_now else {}, started))
     return RunResult(
         state=state,
-        client_states=dict(zip(store.ids(), store.all())),
+        client_states=store.states(),
         rounds=rows,
         clients=client_rows,
         summary=summaries,

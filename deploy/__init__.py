@@ -1,0 +1,1 @@
+"""Deployment: workers (README.md, systemd/, kubernetes/) and the loader of exported computations."""

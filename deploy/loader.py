@@ -1,0 +1,225 @@
+"""Reads a tff-pfl-export directory back and runs it, piece by piece.
+
+`Export(path)` checks every file against the manifest's SHA-256, checks that
+the TFF version matches the one that wrote it, deserializes the computations
+and rebuilds `tff.backends.mapreduce.MapReduceForm` and
+`DistributeAggregateForm` from their pieces (whose constructors check that the
+pieces fit together).
+
+`run_round_map_reduce` runs one round the way a federated system runs a
+MapReduceForm: `prepare` on the server, `work` on each device (which reads and
+writes the device's client state file), `zero`/`accumulate`/`merge`/`report`
+to aggregate, and `update` on the server. `run_round_distribute_aggregate`
+does the same with the DistributeAggregateForm's five stages.
+
+Command line (runs rounds over every client of the export):
+
+    python -m deploy.loader --export_dir=DIR --state_dir=DIR [--rounds=N]
+        [--form=map_reduce|distribute_aggregate] [--workers=host:port]
+"""
+
+import collections
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from typing import Optional
+
+import tensorflow_federated as tff
+from tensorflow_federated.proto.v0 import computation_pb2
+
+from tff_pfl.computations import device_state
+
+MANIFEST = 'manifest.json'
+SUPPORTED_FORMAT_VERSIONS = (1,)
+
+
+class ExportError(ValueError):
+    """The export directory is missing, incomplete, altered or from another TFF."""
+
+
+class Export:
+    """A tff-pfl-export directory, loaded."""
+
+    def __init__(self, export_dir: str):
+        """Loads and checks `export_dir`.
+
+        Raises:
+          ExportError: if the manifest is missing or unreadable, a file is
+            missing or its hash differs, or the export was written by
+            another TFF version.
+        """
+        self.export_dir = export_dir
+        try:
+            with open(os.path.join(export_dir, MANIFEST)) as f:
+                self.manifest = json.load(f)
+        except FileNotFoundError:
+            raise ExportError(f'{export_dir}: no {MANIFEST}; not a tff-pfl-export directory') from None
+        except json.JSONDecodeError as e:
+            raise ExportError(f'{export_dir}/{MANIFEST}: not valid JSON ({e})') from None
+        if self.manifest.get('format_version') not in SUPPORTED_FORMAT_VERSIONS:
+            raise ExportError(f'{export_dir}: format_version {self.manifest.get("format_version")!r} is not supported')
+        written_by = self.manifest['versions'].get('tensorflow-federated')
+        if written_by != tff.__version__:
+            raise ExportError(f'{export_dir} was written by TFF {written_by}; this is TFF {tff.__version__}')
+        self.computations = collections.OrderedDict(
+            (name, self._load(entry)) for name, entry in self.manifest['computations'].items())
+        self.map_reduce_form = self._form('map_reduce_form', tff.backends.mapreduce.MapReduceForm)
+        self.distribute_aggregate_form = self._form(
+            'distribute_aggregate_form', tff.backends.mapreduce.DistributeAggregateForm)
+        form = self.distribute_aggregate_form
+        if form is not None:
+            # The broadcast runs with the clients' work, in one invocation: on
+            # its own it has no CLIENTS-placed argument to say how many
+            # clients it reaches.
+            @tff.federated_computation(form.client_work.type_signature.parameter[0],
+                                       form.server_to_client_broadcast.type_signature.parameter)
+            def distribute_and_work(devices, broadcast_input):
+                return form.client_work(devices, form.server_to_client_broadcast(broadcast_input))
+
+            self._distribute_and_work = distribute_and_work
+
+    @property
+    def algorithm(self) -> str:
+        return self.manifest['algorithm']
+
+    @property
+    def client_ids(self) -> list:
+        return list(self.manifest['client_ids'])
+
+    def _load(self, entry) -> tff.Computation:
+        path = os.path.join(self.export_dir, entry['file'])
+        try:
+            with open(path, 'rb') as f:
+                blob = f.read()
+        except FileNotFoundError:
+            raise ExportError(f'{path}: missing') from None
+        if hashlib.sha256(blob).hexdigest() != entry['sha256']:
+            raise ExportError(f'{path}: SHA-256 differs from the manifest')
+        proto = computation_pb2.Computation()
+        proto.ParseFromString(blob)
+        comp = tff.framework.deserialize_computation(proto)
+        if str(comp.type_signature) != entry['type_signature']:
+            raise ExportError(f'{path}: type {comp.type_signature} differs from the manifest\'s')
+        return comp
+
+    def _form(self, name, form_class):
+        entry = self.manifest['forms'].get(name, {})
+        if not entry.get('exported'):
+            return None
+        pieces = collections.OrderedDict((piece, self._load(e)) for piece, e in entry['pieces'].items())
+        return form_class(self.computations['next'].type_signature, **pieces)
+
+    def __getattr__(self, name):
+        # initialize(), next(...), evaluate(...), client_work(...), ...
+        computations = self.__dict__.get('computations', {})
+        if name in computations:
+            return computations[name]
+        raise AttributeError(name)
+
+    def device_inputs(self, state_dir: str, client_ids: Optional[Sequence[str]] = None) -> list:
+        """`<client_id, state_file>` of each client (default: all of the export's)."""
+        return [device_state.device_input(c, state_dir) for c in (client_ids or self.client_ids)]
+
+    def load_client_state(self, device) -> object:
+        """The client state in a device's state file (the initial one if it has none yet)."""
+        initial = self.computations['initial_client_state'](device['client_id'])
+        if not os.path.exists(device['state_file']):
+            return initial
+        return device_state.load(device['state_file'], initial)
+
+    def _require(self, form, name):
+        if form is None:
+            reason = self.manifest['forms'].get(name, {}).get('reason', 'not exported')
+            raise ExportError(f'{self.algorithm} has no {name}: {reason}')
+        return form
+
+    def run_round_map_reduce(self, state, devices: Sequence):
+        """One round through the MapReduceForm's pieces.
+
+        Args:
+          state: the server state (from `initialize()` or a previous round).
+          devices: the round's `device_inputs`.
+
+        Returns:
+          `(new server state, round metrics)`.
+        """
+        form = self._require(self.map_reduce_form, 'map_reduce_form')
+        broadcast = form.prepare(state)
+        accumulator = form.zero()
+        for device in devices:
+            work = form.work(device, broadcast)
+            if any(len(tff.structure.flatten(part)) for part in work[1:]):
+                raise ExportError('the round has secure-aggregation parts; run them under tff.backends.test')
+            accumulator = form.accumulate(accumulator, work[0])
+        report = form.report(form.merge(form.zero(), accumulator))
+        result = form.update(state, (report, (), (), ()))
+        return _state_and_metrics(result)
+
+    def run_round_distribute_aggregate(self, state, devices: Sequence):
+        """One round through the DistributeAggregateForm's five stages; see `run_round_map_reduce`."""
+        form = self._require(self.distribute_aggregate_form, 'distribute_aggregate_form')
+        broadcast_input, intermediate = _parts(form.server_prepare(state))
+        client_outputs = self._distribute_and_work(list(devices), broadcast_input)
+        aggregated = form.client_to_server_aggregation(intermediate, client_outputs)
+        result = form.server_result(intermediate, aggregated)
+        return _state_and_metrics(result)
+
+
+def _parts(value) -> list:
+    """The elements of a returned structure, in order (named or not)."""
+    if isinstance(value, collections.abc.Mapping):
+        return list(value.values())
+    return list(value)
+
+
+def _state_and_metrics(result):
+    if isinstance(result, collections.abc.Mapping):
+        return result['state'], result['metrics']
+    return result[0], result[1]
+
+
+def main(argv=None) -> int:
+    """The command line; returns the exit code."""
+    import argparse
+    import sys
+    import time
+
+    parser = argparse.ArgumentParser(prog='deploy.loader', description=__doc__.splitlines()[0])
+    parser.add_argument('--export_dir', required=True)
+    parser.add_argument('--state_dir', required=True, help='where the devices keep their client states')
+    parser.add_argument('--rounds', type=int, default=1)
+    parser.add_argument('--form', choices=('map_reduce', 'distribute_aggregate'), default='map_reduce')
+    parser.add_argument('--workers', default='', help='host:port of a TFF worker; default: a local one')
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f'--rounds must be >= 1, got {args.rounds}')
+
+    from tff_pfl import runtime
+
+    try:
+        export = Export(args.export_dir)
+    except ExportError as e:
+        print(f'deploy.loader: error: {e}', file=sys.stderr)
+        return 2
+    run_round = (export.run_round_map_reduce if args.form == 'map_reduce'
+                 else export.run_round_distribute_aggregate)
+    os.makedirs(args.state_dir, exist_ok=True)
+    workers = tuple(w for w in args.workers.split(',') if w)
+    with runtime.runtime_for(workers):
+        try:
+            devices = export.device_inputs(args.state_dir)
+            state = export.initialize()
+            for round_num in range(1, args.rounds + 1):
+                started = time.monotonic()
+                state, metrics = run_round(state, devices)
+                shown = '  '.join(f'{k} {float(v):.4f}' for k, v in metrics.items() if not isinstance(v, dict))
+                print(f'round {round_num}/{args.rounds}  {shown}  {time.monotonic() - started:.2f}s', flush=True)
+        except ExportError as e:
+            print(f'deploy.loader: error: {e}', file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == '__main__':
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""Exported computations, read back by deploy/loader.py and run piece by piece, equal the in-process rounds."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+
+from deploy import loader
+from tff_pfl import models
+from tff_pfl.computations import device_state
+from tff_pfl.program import algorithms
+from tff_pfl.program import experiment
+from tff_pfl.program import export
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(out, algorithm, **kwargs):
+    return experiment.ExperimentConfig(
+        output_dir=str(out), algorithm=algorithm, dataset='synthetic', num_clients=4, batch_size=16,
+        temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, finetune_epochs=2, **kwargs)
+
+
+@pytest.fixture(scope='module')
+def exports(tmp_path_factory):
+    """algorithm -> (export directory, config), exported once per module."""
+    root = tmp_path_factory.mktemp('exports')
+    done = {}
+    for algorithm in ('fedavg', 'persfl', 'fedavg_ft', 'ktpfl_homo'):
+        extra = {'public_examples': 40, 'partition': 'iid'} if algorithm.startswith('ktpfl') else {}
+        config = _config(root / algorithm, algorithm, **extra)
+        export.export(config, log=lambda line: None)
+        done[algorithm] = (str(root / algorithm), config)
+    return done
+
+
+def _in_process(export_dir, config):
+    """The same algorithm built in process, on the export's own client data."""
+    with open(os.path.join(export_dir, 'manifest.json')) as f:
+        root = json.load(f)['client_data_root']
+    from tff_pfl.data import client_data
+    spec = client_data.load_client_data_spec(root)
+    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
+    return algorithms.build(config, spec, model_fn), spec
+
+
+def _flat(value):
+    return [np.asarray(x) for x in tff.structure.flatten(tff.structure.from_container(value, recursive=True))]
+
+
+def _assert_equal(a, b):
+    fa, fb = _flat(a), _flat(b)
+    assert len(fa) == len(fb)
+    for x, y in zip(fa, fb):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize('algorithm, form', [
+    ('fedavg', 'map_reduce'), ('fedavg', 'distribute_aggregate'),
+    ('persfl', 'map_reduce'), ('persfl', 'distribute_aggregate')])
+def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form, exports, tmp_path, tff_runtime):
+    export_dir, config = exports[algorithm]
+    exported = loader.Export(export_dir)
+    run_round = getattr(exported, f'run_round_{form}')
+    process, spec = _in_process(export_dir, config)
+    ids = list(spec.client_ids)
+    states = {c: process.initial_client_state(c) for c in ids}
+    devices = dict(zip(ids, exported.device_inputs(str(tmp_path / 'states'))))
+    os.makedirs(tmp_path / 'states')
+    state = process.initialize()
+    exported_state = exported.initialize()
+    _assert_equal(state, exported_state)
+    for sampled in (ids, ids[1:3], ids):  # clients that skip a round keep their state
+        output = process.next(state, [states[c] for c in sampled])
+        states.update(zip(sampled, output.client_states))
+        exported_state, metrics = run_round(exported_state, [devices[c] for c in sampled])
+        _assert_equal(output.state, exported_state)
+        _assert_equal(output.metrics, metrics)
+        for c in ids:
+            _assert_equal(states[c], exported.load_client_state(devices[c]))
+        state = output.state
+    # The device's evaluation (and personalization) stages, run from the export.
+    if process.personalize is not None:
+        personalized = process.personalize(state, [states[c] for c in ids])
+        states.update(zip(ids, personalized))
+        exported.personalize(exported_state, [devices[c] for c in ids])
+        for c in ids:
+            _assert_equal(states[c], exported.load_client_state(devices[c]))
+    evaluations = process.evaluate(state, [states[c] for c in ids])
+    exported_evaluations = device_state.in_client_order(
+        exported.evaluate(exported_state, [devices[c] for c in ids]), ids)
+    _assert_equal(evaluations, exported_evaluations)
+
+
+def test_client_work_alone_is_what_the_map_reduce_work_computes(exports, tmp_path, tff_runtime):
+    exported = loader.Export(exports['persfl'][0])
+    state = exported.initialize()
+    broadcast = exported.map_reduce_form.prepare(state)
+    first, second = exported.device_inputs(str(tmp_path / 'a'))[0], exported.device_inputs(str(tmp_path / 'b'))[0]
+    os.makedirs(tmp_path / 'a')
+    os.makedirs(tmp_path / 'b')
+    weighted_update, weight, metric_sums = exported.map_reduce_form.work(first, broadcast)[0]
+    alone = exported.client_work(broadcast[0], second)  # prepare wraps the broadcast value in a 1-tuple
+    # The form's work also runs the client side of the weighted mean.
+    assert weight == alone['weight']
+    for product, update in zip(weighted_update, alone['update']):
+        np.testing.assert_array_equal(product, update * alone['weight'])
+    _assert_equal(metric_sums, alone['metric_sums'])
+    _assert_equal(exported.load_client_state(first), exported.load_client_state(second))
+
+
+def test_manifest_records_types_hashes_and_versions(exports):
+    export_dir, _ = exports['persfl']
+    with open(os.path.join(export_dir, 'manifest.json')) as f:
+        manifest = json.load(f)
+    assert manifest['algorithm'] == 'persfl'
+    assert manifest['versions']['tensorflow-federated'] == tff.__version__
+    assert set(manifest['computations']) == {
+        'initialize', 'initial_client_state', 'next', 'evaluate', 'personalize',
+        'client_work', 'client_evaluate', 'client_personalize'}
+    # The exported round takes device inputs and returns nothing CLIENTS-placed.
+    assert manifest['computations']['next']['type_signature'].startswith(
+        '(<state=<model=<float32')
+    assert '{<client_id=str,state_file=str>}@CLIENTS' in manifest['computations']['next']['type_signature']
+    assert '@CLIENTS' not in manifest['computations']['next']['type_signature'].split('->')[1]
+    assert list(manifest['forms']['map_reduce_form']['pieces']) == list(export.MAP_REDUCE_PIECES)
+    assert list(manifest['forms']['distribute_aggregate_form']['pieces']) == list(export.DISTRIBUTE_AGGREGATE_PIECES)
+
+
+def test_altered_or_foreign_exports_are_refused(exports, tmp_path):
+    import shutil
+    copy = tmp_path / 'copy'
+    shutil.copytree(exports['fedavg'][0], copy)
+    with open(copy / 'map_reduce_form' / 'work.pb', 'ab') as f:
+        f.write(b'\0')
+    with pytest.raises(loader.ExportError, match='work.pb: SHA-256 differs from the manifest'):
+        loader.Export(str(copy))
+    manifest = json.loads((copy / 'manifest.json').read_text())
+    manifest['versions']['tensorflow-federated'] = '0.1.0'
+    (copy / 'manifest.json').write_text(json.dumps(manifest))
+    with pytest.raises(loader.ExportError, match=f'written by TFF 0.1.0; this is TFF {tff.__version__}'):
+        loader.Export(str(copy))
+    with pytest.raises(loader.ExportError, match='no manifest.json'):
+        loader.Export(str(tmp_path))
+
+
+def test_a_round_that_does_not_fit_is_exported_without_the_forms(exports, tff_runtime):
+    exported = loader.Export(exports['ktpfl_homo'][0])
+    assert exported.map_reduce_form is None and exported.distribute_aggregate_form is None
+    reason = exported.manifest['forms']['map_reduce_form']['reason']
+    assert 'a broadcast that depends on an aggregation' in reason
+    # What does fit is there: the whole round, with client states as federated values.
+    assert '@CLIENTS' in str(exported.next.type_signature.result)
+    with pytest.raises(loader.ExportError, match='ktpfl_homo has no map_reduce_form: its server mixes'):
+        exported.run_round_map_reduce(exported.initialize(), [])
+
+
+def _run(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_loader_binary_runs_rounds(exports, tmp_path):
+    result = _run('-m', 'deploy.loader', f'--export_dir={exports["fedavg"][0]}', f'--state_dir={tmp_path}/s',
+                  '--rounds=2')
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [['round', '1/2'], ['round', '2/2']]
+    assert sorted(os.listdir(tmp_path / 's')) == [f'client_{i:05d}.state' for i in range(4)]
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--algorithm=fedavg'], 'tff-pfl-export: error: --output_dir is required'),
+    (['--algorithm=nope', '--output_dir={out}'], "tff-pfl-export: error: unknown algorithm 'nope'"),
+    (['--num_clients=0', '--output_dir={out}'], 'tff-pfl-export: error: num_clients must be'),
+])
+def test_export_binary_bad_input(args, message, tmp_path):
+    out = tmp_path / 'out'
+    result = _run('-m', 'tff_pfl.cli.export', *[a.format(out=out) for a in args])
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()

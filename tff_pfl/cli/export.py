@@ -1,0 +1,59 @@
+"""tff-pfl-export: an algorithm's computations in TFF's production forms, with a manifest.
+
+Takes the flags of tff-pfl-train (algorithm, hyperparameters, dataset,
+partition) and writes to --output_dir what `tff_pfl.program.export`
+describes: serialized computations, the round as MapReduceForm and
+DistributeAggregateForm where it fits, and manifest.json. deploy/loader.py
+runs the result.
+
+Bad flag values print one line `tff-pfl-export: error: ...` and exit with 2;
+nothing is left in --output_dir then.
+"""
+
+import os
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from tff_pfl.cli import common
+from tff_pfl.cli import train  # defines the shared flags
+from tff_pfl.program import experiment
+
+_PROG = 'tff-pfl-export'
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        common.fail(_PROG, f'unexpected arguments: {" ".join(argv[1:])}')
+    if not flags.FLAGS['output_dir'].value:
+        common.fail(_PROG, '--output_dir is required')
+    from tff_pfl.data import partition
+    from tff_pfl.data import sources
+    from tff_pfl.program import export
+
+    logging.set_verbosity(logging.WARNING)
+    try:
+        config = train.config_from_flags()
+        manifest = export.export(config, overwrite=flags.FLAGS['overwrite'].value)
+    except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+        common.fail(_PROG, str(e))
+    except KeyboardInterrupt:
+        print(f'{_PROG}: interrupted', file=sys.stderr)
+        sys.exit(130)
+    out = os.path.abspath(config.output_dir)
+    for form, entry in manifest['forms'].items():
+        print(f'{form}: {"written" if entry["exported"] else "not exported: " + entry["reason"]}')
+    print(f'manifest: {os.path.join(out, export.MANIFEST)}')
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app.run(main, flags_parser=common.flags_parser(_PROG))
+
+
+if __name__ == '__main__':
+    run()

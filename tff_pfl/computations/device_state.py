@@ -1,0 +1,234 @@
+"""Client state kept on the device: read and written inside the client's work.
+
+TFF's production forms (MapReduceForm, DistributeAggregateForm) and its
+mergeable multi-worker context take rounds of the shape
+`(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`: nothing CLIENTS-placed comes
+out. A personalized algorithm's client state therefore cannot be a federated
+value of the exported round. Here it is the device's own: `D` is
+`<client_id, state_file>`, and the client's work reads its state from
+`state_file` (or builds the initial one when the file does not exist yet),
+runs the algorithm's client step and writes the new state back before it
+returns what goes up for aggregation.
+
+The file holds the state's tensors, flattened in the order of the client
+state's TFF type, as one serialized `tf.string` tensor of serialized tensors
+(`tf.io.serialize_tensor`). `load` reads it back in Python.
+"""
+
+import collections
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+import tensorflow_federated as tff
+
+# What a device holds and the exported round takes at CLIENTS.
+DEVICE_INPUT_TYPE = tff.StructWithPythonType(
+    [('client_id', np.str_), ('state_file', np.str_)], collections.OrderedDict)
+
+_GLOB_CHARACTERS = frozenset('*?[]\\')
+
+
+def device_input(client_id: str, state_dir: str) -> collections.OrderedDict:
+    """The device input of `client_id` whose state lives in `state_dir`.
+
+    Raises:
+      ValueError: if the path has a glob character (`*?[]\\`): the device's
+        existence check is a `tf.io.matching_files` pattern.
+    """
+    state_file = os.path.join(state_dir, f'{client_id}.state')
+    bad = sorted(_GLOB_CHARACTERS.intersection(state_file))
+    if bad:
+        raise ValueError(f'client state path {state_file!r} contains {"".join(bad)!r}; '
+                         'device state paths may not contain * ? [ ] or \\')
+    return collections.OrderedDict(client_id=client_id, state_file=state_file)
+
+
+def _flat(value) -> list:
+    return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
+
+
+def _pack(template, flat):
+    return tff.structure.pack_sequence_as(tff.structure.from_container(template, recursive=True), flat)
+
+
+def _serialize(state) -> tf.Tensor:
+    """TF code: the state's tensors as one scalar string."""
+    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(t)) for t in _flat(state)]
+    return tf.io.serialize_tensor(tf.stack(leaves))
+
+
+def _parse(blob, template):
+    """TF code: inverse of `_serialize`, typed and shaped like `template`."""
+    serialized = tf.io.parse_tensor(blob, tf.string)
+    leaves = []
+    for i, like in enumerate(_flat(template)):
+        like = tf.convert_to_tensor(like)
+        leaf = tf.io.parse_tensor(serialized[i], like.dtype)
+        leaf.set_shape(like.shape)
+        leaves.append(leaf)
+    return _pack(template, leaves)
+
+
+def read(device, initial_client_state: tff.Computation):
+    """TF code: the device's client state, or the initial one if it has none yet.
+
+    Args:
+      device: `DEVICE_INPUT_TYPE` value.
+      initial_client_state: `tf.string -> C`.
+
+    Returns:
+      `C`, as a `tff.structure.Struct`.
+    """
+    initial = initial_client_state(device['client_id'])
+    exists = tf.size(tf.io.matching_files(device['state_file'])) > 0
+    flat_initial = _flat(initial)
+    flat = tf.cond(
+        exists,
+        lambda: _flat(_parse(tf.io.read_file(device['state_file']), initial)),
+        lambda: [tf.identity(t) for t in flat_initial],
+    )
+    return _pack(initial, flat)
+
+
+def write(device, client_state) -> tf.Operation:
+    """TF code: the op that writes `client_state` to the device's state file."""
+    return tf.io.write_file(device['state_file'], _serialize(client_state))
+
+
+def after(op: tf.Operation, value):
+    """TF code: `value` (any structure of tensors), computed only after `op` ran."""
+    flat = _flat(value)
+    with tf.control_dependencies([op]):
+        flat = [tf.identity(t) for t in flat]
+    return _pack(value, flat)
+
+
+def stateful(step: tff.Computation, initial_client_state: tff.Computation, leading_types: Sequence[tff.Type]):
+    """Wraps a client step so that the client state is read from and written to the device.
+
+    Args:
+      step: `(*leading, client_state) -> <..., client_state=C, ...>`, a
+        `tff.tensorflow.computation`.
+      initial_client_state: `tf.string -> C`.
+      leading_types: the types of `step`'s arguments before the client state
+        (e.g. the broadcast value).
+
+    Returns:
+      `(*leading, D) -> <the other fields of step's result>`, a
+      `tff.tensorflow.computation` that writes the new state to
+      `D.state_file` before returning.
+    """
+
+    def body(leading, device):
+        result = step(*leading, read(device, initial_client_state))
+        written = write(device, result['client_state'])
+        rest = collections.OrderedDict((k, result[k]) for k in _names(result) if k != 'client_state')
+        return after(written, rest)
+
+    return _with_device_arg(body, leading_types)
+
+
+def stateful_update(update: tff.Computation, initial_client_state: tff.Computation,
+                    leading_types: Sequence[tff.Type]):
+    """Like `stateful` for a step that returns only the new client state.
+
+    Returns:
+      `(*leading, D) -> tf.bool` (True once the state is written).
+    """
+
+    def body(leading, device):
+        written = write(device, update(*leading, read(device, initial_client_state)))
+        with tf.control_dependencies([written]):
+            return tf.constant(True)
+
+    return _with_device_arg(body, leading_types)
+
+
+def reading(fn: tff.Computation, initial_client_state: tff.Computation, leading_types: Sequence[tff.Type]):
+    """`(*leading, D) -> <client_id, result=fn(*leading, the device's client state)>`, read-only.
+
+    The result names its client: TFF 0.87's mergeable context concatenates
+    the workers' CLIENTS-placed results in the order the workers finish, not
+    in the order of the clients, so the driver puts them back in order by id
+    (`in_client_order`).
+    """
+
+    def body(leading, device):
+        return collections.OrderedDict(
+            client_id=device['client_id'], result=fn(*leading, read(device, initial_client_state)))
+
+    return _with_device_arg(body, leading_types)
+
+
+def in_client_order(results: Sequence, client_ids: Sequence[str]) -> list:
+    """The `result`s of a `reading` computation, in the order of `client_ids`.
+
+    Raises:
+      RuntimeError: if the results do not name exactly `client_ids`.
+    """
+    by_id = {}
+    for item in results:
+        client_id = item['client_id']
+        by_id[client_id.decode() if isinstance(client_id, bytes) else str(client_id)] = item['result']
+    if sorted(by_id) != sorted(client_ids) or len(results) != len(client_ids):
+        raise RuntimeError(f'device results name {sorted(by_id)}, expected {sorted(client_ids)}')
+    return [by_id[c] for c in client_ids]
+
+
+def _with_device_arg(body, leading_types):
+    """`body(leading_args, device)` as a `tff.tensorflow.computation` of `(*leading_types, D)`."""
+    if len(leading_types) == 1:
+
+        @tff.tensorflow.computation(*leading_types, DEVICE_INPUT_TYPE)
+        def one(a, device):
+            return body([a], device)
+
+        return one
+    if len(leading_types) == 2:
+
+        @tff.tensorflow.computation(*leading_types, DEVICE_INPUT_TYPE)
+        def two(a, b, device):
+            return body([a, b], device)
+
+        return two
+    raise ValueError(f'one or two arguments before the device input, got {len(leading_types)}')
+
+
+def _names(result) -> list:
+    if isinstance(result, tff.structure.Struct):
+        return [name for name, _ in tff.structure.iter_elements(result)]
+    return list(result)
+
+
+def load(state_file: str, template):
+    """The client state in `state_file`, structured like `template` (Python).
+
+    Args:
+      state_file: a file written by a device's work.
+      template: a client state of the same algorithm (e.g. the process's
+        `initial_client_state(client_id)`), whose structure and dtypes the
+        result takes.
+
+    Returns:
+      The state as numpy values in `template`'s containers.
+    """
+    with open(state_file, 'rb') as f:
+        blob = f.read()
+    serialized = list(tf.io.parse_tensor(blob, tf.string).numpy())
+    expected = len(_flat(template))
+    if len(serialized) != expected:
+        raise ValueError(f'{state_file}: {len(serialized)} tensors, expected {expected}')
+    return _fill(template, iter(serialized))
+
+
+def _fill(template, blobs):
+    """`template`'s containers with leaves parsed from `blobs`, in TFF's flattening order."""
+    if isinstance(template, collections.OrderedDict) or isinstance(template, dict):
+        return collections.OrderedDict((k, _fill(v, blobs)) for k, v in template.items())
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(v, blobs) for v in template)
+    like = np.asarray(template)
+    dtype = tf.string if like.dtype.kind in 'SUO' else tf.as_dtype(like.dtype)
+    return tf.io.parse_tensor(next(blobs), dtype).numpy()

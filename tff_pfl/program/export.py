@@ -1,0 +1,169 @@
+"""Writes an algorithm's computations in TFF's production forms, with a manifest.
+
+`export(config)` partitions the data as a training run would, builds the
+algorithm's process and writes to `config.output_dir`:
+
+* `computations/*.pb`: serialized `computation_pb2.Computation`s
+  (`tff.framework.serialize_computation`) of `initialize`, the round
+  (`next`), `evaluate`, `personalize` where the algorithm has one, and
+  `initial_client_state`. For an algorithm whose process has a device-state
+  form (`PersonalizedProcess.device`) the round is that form,
+  `(S@SERVER, {<client_id, state_file>}@CLIENTS) -> <state=S, metrics=M>@SERVER`,
+  and the client-local stages a device runs are exported on their own:
+  `client_work` (what the device computes from the broadcast, reading and
+  writing its client state), `client_evaluate` and `client_personalize`
+  (e.g. PersFL's distillation).
+* `map_reduce_form/*.pb` and `distribute_aggregate_form/*.pb`: the round as
+  `tff.backends.mapreduce.MapReduceForm` and `DistributeAggregateForm`, one
+  file per piece, where the round fits them.
+* `manifest.json`: algorithm and configuration, package versions, the client
+  data root the computations read, and for every file its SHA-256, size and
+  TFF type signature; for an algorithm whose round does not fit, the reason.
+
+`deploy/loader.py` reads the directory back and runs it.
+"""
+
+import collections
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from collections.abc import Callable
+from importlib import metadata
+from typing import Optional
+
+import tensorflow_federated as tff
+
+from tff_pfl import models
+from tff_pfl.program import algorithms
+from tff_pfl.program import experiment
+
+MANIFEST = 'manifest.json'
+FORMAT_VERSION = 1
+MAP_REDUCE_PIECES = (
+    'prepare', 'work', 'zero', 'accumulate', 'merge', 'report', 'secure_sum_bitwidth', 'secure_sum_max_input',
+    'secure_modular_sum_modulus', 'update')
+DISTRIBUTE_AGGREGATE_PIECES = (
+    'server_prepare', 'server_to_client_broadcast', 'client_work', 'client_to_server_aggregation', 'server_result')
+
+
+def _versions() -> collections.OrderedDict:
+    versions = collections.OrderedDict(python=platform.python_version())
+    for package in ('tff-pfl', 'tensorflow-federated', 'tensorflow', 'numpy'):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def _write_computation(out: str, relative: str, comp: tff.Computation) -> collections.OrderedDict:
+    """Serializes `comp` to `out/relative`; returns its manifest entry."""
+    blob = tff.framework.serialize_computation(comp).SerializeToString()
+    path = os.path.join(out, relative)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'wb') as f:
+        f.write(blob)
+    return collections.OrderedDict(
+        file=relative,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        bytes=len(blob),
+        type_signature=str(comp.type_signature),
+    )
+
+
+def exported_computations(process) -> collections.OrderedDict:
+    """Name -> computation of what `export` serializes under `computations/`."""
+    comps = collections.OrderedDict(initialize=process.initialize, initial_client_state=process.initial_client_state)
+    device = process.device
+    if device is not None:
+        comps.update(next=device.next, evaluate=device.evaluate)
+        if device.personalize is not None:
+            comps['personalize'] = device.personalize
+        comps.update(device.client_computations)
+    else:
+        comps.update(next=process.next, evaluate=process.evaluate)
+        if process.personalize is not None:
+            comps['personalize'] = process.personalize
+    return comps
+
+
+def export(
+    config: experiment.ExperimentConfig,
+    *,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> collections.OrderedDict:
+    """Exports `config.algorithm` to `config.output_dir`; see the module docstring.
+
+    Args:
+      config: the algorithm and its hyperparameters, the dataset and the
+        partition, as for a training run; `output_dir` receives the export.
+      overwrite: replace a non-empty `output_dir`.
+      log: receives progress lines.
+
+    Returns:
+      The manifest.
+
+    Raises:
+      experiment.ConfigError, sources.DataError, partition.PartitionError:
+        bad input, raised before anything is written. If writing fails
+        later, the output directory is removed.
+    """
+    config.validate()
+    out = os.path.abspath(config.output_dir)
+    experiment.prepare_output_dir(out, overwrite)
+    spec = experiment.write_client_data(config, out, log)
+    try:
+        manifest = _export_into(out, config, spec, log)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _export_into(out, config, spec, log) -> collections.OrderedDict:
+    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
+    process = algorithms.build(config, spec, model_fn)
+    limit = algorithms.get(config.algorithm).not_one_aggregation
+    manifest = collections.OrderedDict(
+        format_version=FORMAT_VERSION,
+        algorithm=config.algorithm,
+        created=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+        versions=_versions(),
+        client_data_root=spec.root,
+        client_ids=list(spec.client_ids),
+        device_state=process.device is not None,
+        forms=collections.OrderedDict(),
+        computations=collections.OrderedDict(),
+        config=dataclasses.asdict(config),
+    )
+    for name, comp in exported_computations(process).items():
+        manifest['computations'][name] = _write_computation(out, f'computations/{name}.pb', comp)
+    log(f'wrote {len(manifest["computations"])} computations')
+    if process.device is None:
+        reason = limit or 'the process has no device-state form'
+        for form in ('map_reduce_form', 'distribute_aggregate_form'):
+            manifest['forms'][form] = collections.OrderedDict(exported=False, reason=reason)
+        log(f'{config.algorithm}: no MapReduceForm or DistributeAggregateForm: {reason}')
+    else:
+        forms = (
+            ('map_reduce_form', tff.backends.mapreduce.get_map_reduce_form_for_computation, MAP_REDUCE_PIECES),
+            ('distribute_aggregate_form', tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
+             DISTRIBUTE_AGGREGATE_PIECES),
+        )
+        for form_name, convert, pieces in forms:
+            form = convert(process.device.next)
+            entry = collections.OrderedDict(exported=True, pieces=collections.OrderedDict())
+            for piece in pieces:
+                entry['pieces'][piece] = _write_computation(out, f'{form_name}/{piece}.pb', getattr(form, piece))
+            manifest['forms'][form_name] = entry
+            log(f'wrote {form_name} ({len(pieces)} pieces)')
+    with open(os.path.join(out, MANIFEST + '.tmp'), 'w') as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(os.path.join(out, MANIFEST + '.tmp'), os.path.join(out, MANIFEST))
+    return manifest
