@@ -7,10 +7,11 @@ and rebuilds `tff.backends.mapreduce.MapReduceForm` and
 pieces fit together).
 
 `run_round_map_reduce` runs one round the way a federated system runs a
-MapReduceForm: `prepare` on the server, `work` on each device (which reads and
-writes the device's client state file), `zero`/`accumulate`/`merge`/`report`
-to aggregate, and `update` on the server. `run_round_distribute_aggregate`
-does the same with the DistributeAggregateForm's five stages.
+MapReduceForm, for each phase of the round in turn: `prepare` on the server,
+`work` on each device (which reads and writes the device's client state
+file), `zero`/`accumulate`/`merge`/`report` to aggregate, and `update` on the
+server. `run_round_distribute_aggregate` does the same with the
+DistributeAggregateForm's five stages.
 
 Command line (runs rounds over every client of the export):
 
@@ -64,20 +65,12 @@ class Export:
             raise ExportError(f'{export_dir} was written by TFF {written_by}; this is TFF {tff.__version__}')
         self.computations = collections.OrderedDict(
             (name, self._load(entry)) for name, entry in self.manifest['computations'].items())
-        self.map_reduce_form = self._form('map_reduce_form', tff.backends.mapreduce.MapReduceForm)
-        self.distribute_aggregate_form = self._form(
+        # phase -> form; empty where the round does not fit.
+        self.map_reduce_forms = self._forms('map_reduce_form', tff.backends.mapreduce.MapReduceForm)
+        self.distribute_aggregate_forms = self._forms(
             'distribute_aggregate_form', tff.backends.mapreduce.DistributeAggregateForm)
-        form = self.distribute_aggregate_form
-        if form is not None:
-            # The broadcast runs with the clients' work, in one invocation: on
-            # its own it has no CLIENTS-placed argument to say how many
-            # clients it reaches.
-            @tff.federated_computation(form.client_work.type_signature.parameter[0],
-                                       form.server_to_client_broadcast.type_signature.parameter)
-            def distribute_and_work(devices, broadcast_input):
-                return form.client_work(devices, form.server_to_client_broadcast(broadcast_input))
-
-            self._distribute_and_work = distribute_and_work
+        self._distribute_and_work = {
+            phase: _distribute_and_work(form) for phase, form in self.distribute_aggregate_forms.items()}
 
     @property
     def algorithm(self) -> str:
@@ -103,12 +96,18 @@ class Export:
             raise ExportError(f'{path}: type {comp.type_signature} differs from the manifest\'s')
         return comp
 
-    def _form(self, name, form_class):
+    @property
+    def phases(self) -> list:
+        """The round's phases, in order (`next`, or e.g. `share`, `distill`)."""
+        return list(self.manifest['phases'])
+
+    def _forms(self, name, form_class) -> collections.OrderedDict:
         entry = self.manifest['forms'].get(name, {})
-        if not entry.get('exported'):
-            return None
-        pieces = collections.OrderedDict((piece, self._load(e)) for piece, e in entry['pieces'].items())
-        return form_class(self.computations['next'].type_signature, **pieces)
+        forms = collections.OrderedDict()
+        for phase, pieces in entry.get('phases', {}).items() if entry.get('exported') else ():
+            loaded = collections.OrderedDict((piece, self._load(e)) for piece, e in pieces.items())
+            forms[phase] = form_class(self.computations[phase].type_signature, **loaded)
+        return forms
 
     def __getattr__(self, name):
         # initialize(), next(...), evaluate(...), client_work(...), ...
@@ -128,23 +127,31 @@ class Export:
             return initial
         return device_state.load(device['state_file'], initial)
 
-    def _require(self, form, name):
-        if form is None:
+    def _require(self, forms, name):
+        if not forms:
             reason = self.manifest['forms'].get(name, {}).get('reason', 'not exported')
             raise ExportError(f'{self.algorithm} has no {name}: {reason}')
-        return form
+        return forms
 
     def run_round_map_reduce(self, state, devices: Sequence):
-        """One round through the MapReduceForm's pieces.
+        """One round through the MapReduceForms' pieces, phase after phase.
 
         Args:
           state: the server state (from `initialize()` or a previous round).
           devices: the round's `device_inputs`.
 
         Returns:
-          `(new server state, round metrics)`.
+          `(new server state, round metrics)`, the metrics of every phase in
+          one `OrderedDict`.
         """
-        form = self._require(self.map_reduce_form, 'map_reduce_form')
+        metrics = collections.OrderedDict()
+        for form in self._require(self.map_reduce_forms, 'map_reduce_form').values():
+            state, phase_metrics = self.run_phase_map_reduce(form, state, devices)
+            metrics.update(phase_metrics)
+        return state, metrics
+
+    def run_phase_map_reduce(self, form, state, devices: Sequence):
+        """One phase through one MapReduceForm: prepare, work, zero/accumulate/merge/report, update."""
         broadcast = form.prepare(state)
         accumulator = form.zero()
         for device in devices:
@@ -157,13 +164,30 @@ class Export:
         return _state_and_metrics(result)
 
     def run_round_distribute_aggregate(self, state, devices: Sequence):
-        """One round through the DistributeAggregateForm's five stages; see `run_round_map_reduce`."""
-        form = self._require(self.distribute_aggregate_form, 'distribute_aggregate_form')
-        broadcast_input, intermediate = _parts(form.server_prepare(state))
-        client_outputs = self._distribute_and_work(list(devices), broadcast_input)
-        aggregated = form.client_to_server_aggregation(intermediate, client_outputs)
-        result = form.server_result(intermediate, aggregated)
-        return _state_and_metrics(result)
+        """One round through the DistributeAggregateForms' five stages; see `run_round_map_reduce`."""
+        metrics = collections.OrderedDict()
+        for phase, form in self._require(self.distribute_aggregate_forms, 'distribute_aggregate_form').items():
+            broadcast_input, intermediate = _parts(form.server_prepare(state))
+            client_outputs = self._distribute_and_work[phase](list(devices), broadcast_input)
+            aggregated = form.client_to_server_aggregation(intermediate, client_outputs)
+            state, phase_metrics = _state_and_metrics(form.server_result(intermediate, aggregated))
+            metrics.update(phase_metrics)
+        return state, metrics
+
+
+def _distribute_and_work(form):
+    """`server_to_client_broadcast` then `client_work`, in one invocation.
+
+    On its own the broadcast has no CLIENTS-placed argument to say how many
+    clients it reaches.
+    """
+
+    @tff.federated_computation(form.client_work.type_signature.parameter[0],
+                               form.server_to_client_broadcast.type_signature.parameter)
+    def distribute_and_work(devices, broadcast_input):
+        return form.client_work(devices, form.server_to_client_broadcast(broadcast_input))
+
+    return distribute_and_work
 
 
 def _parts(value) -> list:

@@ -33,6 +33,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl.computations import building_blocks
+from tff_pfl.computations import device_state
 from tff_pfl.computations import distillation
 from tff_pfl.computations import heterogeneous
 from tff_pfl.computations import local_training
@@ -161,18 +162,30 @@ def build_feddf_process(
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        prototypes = tff.federated_broadcast(state.prototypes)
-        round_num = tff.federated_broadcast(state.round_num)
-        local = tff.federated_map(client_stage, (prototypes, round_num, client_states))
+    def finish(state, local):
+        """Aggregation and server step (federated code)."""
         weighted_sums = tff.federated_sum(local.weighted_params)
         weights = tff.federated_sum(local.weights)
         mean_logits = tff.federated_mean(local.public_logits)  # the ensemble's logits
         updated = tff.federated_map(server_update, (state, weighted_sums, weights, mean_logits))
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
-        return template.RoundOutput(
-            updated[0], local.client_state, building_blocks.with_server_metrics(metrics, updated[1]))
+        return updated[0], building_blocks.with_server_metrics(metrics, updated[1])
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        prototypes = tff.federated_broadcast(state.prototypes)
+        round_num = tff.federated_broadcast(state.round_num)
+        local = tff.federated_map(client_stage, (prototypes, round_num, client_states))
+        new_state, metrics = finish(state, local)
+        return template.RoundOutput(new_state, local.client_state, metrics)
+
+    @tff.tensorflow.computation(server_state_type.member)
+    def broadcast(state):
+        return collections.OrderedDict(prototypes=state['prototypes'], round_num=state['round_num'])
+
+    @tff.tensorflow.computation(broadcast.type_signature.result, client_state_type)
+    def client_step(value, client_state):
+        return client_stage(value['prototypes'], value['round_num'], client_state)
 
     @tff.tensorflow.computation(server_state_type.member, client_state_type)
     def evaluate_client(state, client_state):
@@ -200,8 +213,15 @@ def build_feddf_process(
     def evaluate(state, client_states):
         return tff.federated_map(evaluate_client, (tff.federated_broadcast(state), client_states))
 
+    @tff.tensorflow.computation(server_state_type.member)
+    def whole_state(state):
+        return state
+
+    device = device_state.build_device_process(
+        initialize, initial_client_state, phases=[device_state.Phase('next', broadcast, client_step, finish)],
+        evaluate_input=whole_state, evaluate_client=evaluate_client)
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
     process.architectures = list(architectures)
     parameter_bytes = float(np.mean([archs.sizes[i] for i in arch_ids])) * 4
     process.communication = collections.OrderedDict(

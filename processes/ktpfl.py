@@ -33,6 +33,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl.computations import building_blocks
+from tff_pfl.computations import device_state
 from tff_pfl.computations import distillation
 from tff_pfl.computations import heterogeneous
 from tff_pfl.computations import local_training
@@ -308,8 +309,12 @@ def build_ktpfl_process(
         del state
         return tff.federated_map(evaluate_client, client_states)
 
+    device = _device_process(
+        server_init, initial_client_state, local_stage=local_stage, upload='predictions', mix=targets_for,
+        second_stage=distill_stage, update_coefficients=update_coefficients, metric='distill_kl',
+        evaluate_client=evaluate_client)
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
     process.architectures = list(architectures)
     process.communication = collections.OrderedDict(
         soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
@@ -491,8 +496,98 @@ def build_ktpfl_homogeneous_process(
         del state
         return tff.federated_map(evaluate_client, client_states)
 
+    device = _device_process(
+        server_init, initial_client_state, local_stage=local_stage, upload='params',
+        mix=personalized_models, second_stage=transfer_stage, update_coefficients=update_coefficients,
+        metric='transfer_distance', evaluate_client=evaluate_client)
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
     process.communication = collections.OrderedDict(
         parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4)
     return process
+
+
+def _device_process(server_init, initial_client_state, *, local_stage, upload, mix, second_stage,
+                    update_coefficients, metric, evaluate_client):
+    """KT-pFL's round with device-held client states, as two phases of one aggregation each.
+
+    In process, one round aggregates every client's upload (soft predictions,
+    or parameters), has the server mix them with the coefficient matrix, and
+    broadcasts the mix back for a second client stage: two aggregation
+    stages. Here they are two phases:
+
+    * `share`: broadcast the round number; each device runs `local_stage`
+      and sends its `upload` slot and size; the server updates the
+      coefficients and keeps the mixed targets in its state;
+    * `distill`: broadcast the targets (the whole matrix; each device takes its
+      own row) and the round's number; each device runs `second_stage`; the
+      server keeps the mean of its scalar (`metric`).
+
+    A MapReduceForm returns the state type it takes, so the device form's
+    server state is `<coefficients, round_num, targets>` throughout (targets
+    zero before the first round).
+
+    Both phases read and write the same state files, so a round of the two
+    equals one in-process round (tests/test_export.py).
+    """
+    upload_type = local_stage.type_signature.result[upload]
+    sizes_type = local_stage.type_signature.result['num_examples']
+    targets_type = mix.type_signature.result
+
+    @tff.tensorflow.computation
+    def device_server_init():
+        state = server_init()
+        return collections.OrderedDict(
+            coefficients=state['coefficients'], round_num=state['round_num'],
+            targets=tf.zeros(targets_type.shape, targets_type.dtype))
+
+    @tff.federated_computation
+    def device_initialize():
+        return tff.federated_eval(device_server_init, tff.SERVER)
+
+    state_type = device_initialize.type_signature.result.member
+
+    @tff.tensorflow.computation(state_type)
+    def share_broadcast(state):
+        return state['round_num']
+
+    @tff.tensorflow.computation(state_type, upload_type, sizes_type)
+    def share_update(state, uploads, sizes):
+        kept = collections.OrderedDict(coefficients=state['coefficients'], round_num=state['round_num'])
+        updated = update_coefficients(kept, uploads, sizes)
+        return collections.OrderedDict(
+            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads))
+
+    def share_finish(state, outputs):
+        uploads = tff.federated_sum(outputs[upload])  # every client's upload in its slot
+        sizes = tff.federated_sum(outputs.num_examples)
+        return (tff.federated_map(share_update, (state, uploads, sizes)),
+                building_blocks.aggregate_training_metrics(outputs.metric_sums))
+
+    @tff.tensorflow.computation(state_type)
+    def distill_broadcast(state):
+        return collections.OrderedDict(targets=state['targets'], round_num=state['round_num'] - 1)
+
+    @tff.tensorflow.computation(distill_broadcast.type_signature.result, initial_client_state.type_signature.result)
+    def distill_step(value, client_state):
+        new_state, scalar = second_stage(value['targets'], value['round_num'], client_state)
+        return collections.OrderedDict([(metric, scalar), ('client_state', new_state)])
+
+    def distill_finish(state, outputs):
+        means = tff.federated_zip(collections.OrderedDict([(metric, tff.federated_mean(outputs[metric]))]))
+        return state, means
+
+    @tff.tensorflow.computation(state_type)
+    def round_of(state):
+        return state['round_num']
+
+    @tff.tensorflow.computation(np.int32, initial_client_state.type_signature.result)
+    def evaluate_at(round_num, client_state):
+        del round_num  # the personalized model is in the client state
+        return evaluate_client(client_state)
+
+    return device_state.build_device_process(
+        device_initialize, initial_client_state,
+        phases=[device_state.Phase('share', share_broadcast, local_stage, share_finish),
+                device_state.Phase('distill', distill_broadcast, distill_step, distill_finish)],
+        evaluate_input=round_of, evaluate_client=evaluate_at)

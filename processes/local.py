@@ -19,6 +19,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl.computations import building_blocks
+from tff_pfl.computations import device_state
 from tff_pfl.computations import local_training
 from tff_pfl.computations import template
 from tff_pfl.data import client_data
@@ -79,12 +80,19 @@ def build_local_process(
     def advance(state):
         return collections.OrderedDict(round_num=state['round_num'] + 1)
 
+    @tff.tensorflow.computation(server_state_type.member)
+    def round_of(state):
+        return state['round_num']
+
+    def finish(state, outputs):
+        return tff.federated_map(advance, state), building_blocks.aggregate_training_metrics(outputs.metric_sums)
+
     @tff.federated_computation(server_state_type, client_states_type)
     def next_fn(state, client_states):
         round_num = tff.federated_broadcast(state.round_num)
         outputs = tff.federated_map(client_work, (round_num, client_states))
-        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
-        return template.RoundOutput(tff.federated_map(advance, state), outputs.client_state, metrics)
+        new_state, metrics = finish(state, outputs)
+        return template.RoundOutput(new_state, outputs.client_state, metrics)
 
     @tff.tensorflow.computation(client_state_type)
     def evaluate_client(client_state):
@@ -96,5 +104,13 @@ def build_local_process(
         del state
         return tff.federated_map(evaluate_client, client_states)
 
+    @tff.tensorflow.computation(np.int32, client_state_type)
+    def evaluate_at(round_num, client_state):
+        del round_num  # the device form broadcasts one value to evaluate with; Local-only needs none
+        return evaluate_client(client_state)
+
+    device = device_state.build_device_process(
+        initialize, initial_client_state, phases=[device_state.Phase('next', round_of, client_work, finish)],
+        evaluate_input=round_of, evaluate_client=evaluate_at)
     return template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)

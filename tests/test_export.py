@@ -31,8 +31,12 @@ def exports(tmp_path_factory):
     """algorithm -> (export directory, config), exported once per module."""
     root = tmp_path_factory.mktemp('exports')
     done = {}
-    for algorithm in ('fedavg', 'persfl', 'fedavg_ft', 'ktpfl_homo'):
-        extra = {'public_examples': 40, 'partition': 'iid'} if algorithm.startswith('ktpfl') else {}
+    for algorithm in ('fedavg', 'persfl', 'local', 'feddf', 'ktpfl', 'ktpfl_homo', 'kdpdfl'):
+        extra = {'public_examples': 40, 'partition': 'iid'} if algorithm in ('feddf', 'ktpfl', 'ktpfl_homo') else {}
+        if algorithm in ('feddf', 'ktpfl'):
+            extra['architectures'] = ('logistic', 'mnist_dnn')
+        if algorithm == 'kdpdfl':
+            extra['partition'] = 'iid'
         config = _config(root / algorithm, algorithm, **extra)
         export.export(config, log=lambda line: None)
         done[algorithm] = (str(root / algorithm), config)
@@ -53,6 +57,13 @@ def _flat(value):
     return [np.asarray(x) for x in tff.structure.flatten(tff.structure.from_container(value, recursive=True))]
 
 
+def _assert_server_state(in_process, exported):
+    """Equal on the in-process state's fields (KT-pFL's device form also carries its targets)."""
+    if set(exported) - set(in_process):
+        exported = {k: exported[k] for k in in_process}
+    _assert_equal(in_process, exported)
+
+
 def _assert_equal(a, b):
     fa, fb = _flat(a), _flat(b)
     assert len(fa) == len(fb)
@@ -62,7 +73,9 @@ def _assert_equal(a, b):
 
 @pytest.mark.parametrize('algorithm, form', [
     ('fedavg', 'map_reduce'), ('fedavg', 'distribute_aggregate'),
-    ('persfl', 'map_reduce'), ('persfl', 'distribute_aggregate')])
+    ('persfl', 'map_reduce'), ('persfl', 'distribute_aggregate'),
+    ('local', 'map_reduce'), ('feddf', 'distribute_aggregate'),
+    ('ktpfl', 'map_reduce'), ('ktpfl_homo', 'distribute_aggregate')])
 def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form, exports, tmp_path, tff_runtime):
     export_dir, config = exports[algorithm]
     exported = loader.Export(export_dir)
@@ -74,12 +87,12 @@ def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form
     os.makedirs(tmp_path / 'states')
     state = process.initialize()
     exported_state = exported.initialize()
-    _assert_equal(state, exported_state)
+    _assert_server_state(state, exported_state)
     for sampled in (ids, ids[1:3], ids):  # clients that skip a round keep their state
         output = process.next(state, [states[c] for c in sampled])
         states.update(zip(sampled, output.client_states))
         exported_state, metrics = run_round(exported_state, [devices[c] for c in sampled])
-        _assert_equal(output.state, exported_state)
+        _assert_server_state(output.state, exported_state)
         _assert_equal(output.metrics, metrics)
         for c in ids:
             _assert_equal(states[c], exported.load_client_state(devices[c]))
@@ -97,14 +110,31 @@ def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form
     _assert_equal(evaluations, exported_evaluations)
 
 
+@pytest.mark.parametrize('algorithm', ['fedavg', 'persfl', 'local', 'feddf', 'ktpfl', 'ktpfl_homo'])
+def test_device_form_sends_the_server_what_the_in_process_round_does(algorithm, exports):
+    from tff_pfl.computations import audit
+    process, _ = _in_process(*exports[algorithm])
+    device = process.device
+
+    def crossings(comps):
+        return sorted((uri, str(t)) for comp in comps for uri, t in audit.clients_to_server_values(comp))
+
+    assert crossings(device.phases.values()) == crossings([process.next])
+    # Neither evaluation nor personalization sends anything from the clients to the server.
+    assert audit.clients_to_server_intrinsics(device.evaluate) == set()
+    if device.personalize is not None:
+        assert audit.clients_to_server_intrinsics(device.personalize) == set()
+
+
 def test_client_work_alone_is_what_the_map_reduce_work_computes(exports, tmp_path, tff_runtime):
     exported = loader.Export(exports['persfl'][0])
     state = exported.initialize()
-    broadcast = exported.map_reduce_form.prepare(state)
+    form = exported.map_reduce_forms['next']
+    broadcast = form.prepare(state)
     first, second = exported.device_inputs(str(tmp_path / 'a'))[0], exported.device_inputs(str(tmp_path / 'b'))[0]
     os.makedirs(tmp_path / 'a')
     os.makedirs(tmp_path / 'b')
-    weighted_update, weight, metric_sums = exported.map_reduce_form.work(first, broadcast)[0]
+    weighted_update, weight, metric_sums = form.work(first, broadcast)[0]
     alone = exported.client_work(broadcast[0], second)  # prepare wraps the broadcast value in a 1-tuple
     # The form's work also runs the client side of the weighted mean.
     assert weight == alone['weight']
@@ -128,15 +158,34 @@ def test_manifest_records_types_hashes_and_versions(exports):
         '(<state=<model=<float32')
     assert '{<client_id=str,state_file=str>}@CLIENTS' in manifest['computations']['next']['type_signature']
     assert '@CLIENTS' not in manifest['computations']['next']['type_signature'].split('->')[1]
-    assert list(manifest['forms']['map_reduce_form']['pieces']) == list(export.MAP_REDUCE_PIECES)
-    assert list(manifest['forms']['distribute_aggregate_form']['pieces']) == list(export.DISTRIBUTE_AGGREGATE_PIECES)
+    assert manifest['phases'] == ['next']
+    assert list(manifest['forms']['map_reduce_form']['phases']['next']) == list(export.MAP_REDUCE_PIECES)
+    assert list(manifest['forms']['distribute_aggregate_form']['phases']['next']) == \
+        list(export.DISTRIBUTE_AGGREGATE_PIECES)
+
+
+def test_ktpfl_round_is_exported_as_two_phases(exports):
+    exported = loader.Export(exports['ktpfl'][0])
+    assert exported.phases == ['share', 'distill']
+    assert set(exported.map_reduce_forms) == set(exported.distribute_aggregate_forms) == {'share', 'distill'}
+    assert {'client_work_share', 'client_work_distill'} <= set(exported.computations)
+    state_type = exported.initialize.type_signature.result
+    assert 'targets=float32[4,' in str(state_type)  # the server keeps the mixed targets between the phases
+    for phase in exported.phases:
+        signature = exported.computations[phase].type_signature
+        assert signature.parameter[0].is_equivalent_to(state_type)
+        assert signature.result['state'].is_equivalent_to(state_type)
+    metric_names = {phase: [name for name, _ in tff.structure.iter_elements(
+        exported.computations[phase].type_signature.result['metrics'].member)] for phase in exported.phases}
+    assert metric_names == {'share': ['train_loss', 'train_accuracy', 'num_examples', 'num_clients'],
+                            'distill': ['distill_kl']}
 
 
 def test_altered_or_foreign_exports_are_refused(exports, tmp_path):
     import shutil
     copy = tmp_path / 'copy'
     shutil.copytree(exports['fedavg'][0], copy)
-    with open(copy / 'map_reduce_form' / 'work.pb', 'ab') as f:
+    with open(copy / 'map_reduce_form' / 'next' / 'work.pb', 'ab') as f:
         f.write(b'\0')
     with pytest.raises(loader.ExportError, match='work.pb: SHA-256 differs from the manifest'):
         loader.Export(str(copy))
@@ -150,13 +199,13 @@ def test_altered_or_foreign_exports_are_refused(exports, tmp_path):
 
 
 def test_a_round_that_does_not_fit_is_exported_without_the_forms(exports, tff_runtime):
-    exported = loader.Export(exports['ktpfl_homo'][0])
-    assert exported.map_reduce_form is None and exported.distribute_aggregate_form is None
+    exported = loader.Export(exports['kdpdfl'][0])
+    assert not exported.map_reduce_forms and not exported.distribute_aggregate_forms
     reason = exported.manifest['forms']['map_reduce_form']['reason']
-    assert 'a broadcast that depends on an aggregation' in reason
-    # What does fit is there: the whole round, with client states as federated values.
+    assert 'it is serverless' in reason
+    # What there is: the whole round, with client states as federated values.
     assert '@CLIENTS' in str(exported.next.type_signature.result)
-    with pytest.raises(loader.ExportError, match='ktpfl_homo has no map_reduce_form: its server mixes'):
+    with pytest.raises(loader.ExportError, match='kdpdfl has no map_reduce_form: it is serverless'):
         exported.run_round_map_reduce(exported.initialize(), [])
 
 
@@ -186,3 +235,35 @@ def test_export_binary_bad_input(args, message, tmp_path):
     assert result.stderr.strip().startswith(message), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize('algorithm', algorithms.names())
+def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
+    extra = {'public_examples': 40} if algorithm.startswith(('ktpfl', 'feddf', 'pfeddf')) else {}
+    config = experiment.ExperimentConfig(
+        output_dir=str(tmp_path / 'out'), algorithm=algorithm, dataset=f'npz:{tiny_npz}', partition='iid',
+        num_clients=3, model='mnist_dnn', batch_size=16, finetune_epochs=1 if algorithm == 'fedavg_ft' else 0,
+        architectures=('logistic', 'mnist_dnn') if algorithm in ('ktpfl', 'feddf', 'pfeddf') else (), **extra)
+    manifest = export.export(config, log=lambda line: None)
+    limit = algorithms.get(algorithm).not_one_aggregation
+    for form in ('map_reduce_form', 'distribute_aggregate_form'):
+        assert manifest['forms'][form]['exported'] == (limit is None)
+        if limit is not None:
+            assert manifest['forms'][form]['reason'] == limit
+    exported = loader.Export(str(tmp_path / 'out'))  # every file reads back, hashes and types match
+    round_names = exported.phases or ['next']
+    assert set(exported.computations) >= {'initialize', 'initial_client_state', 'evaluate', *round_names}
+    if limit is None:
+        # The round that goes to production returns nothing placed at CLIENTS.
+        assert exported.phases
+        for phase in exported.phases:
+            assert '@CLIENTS' not in str(exported.computations[phase].type_signature.result)
+        assert any(name.startswith('client_work') for name in exported.computations)
+
+
+def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
+    config = experiment.ExperimentConfig(
+        output_dir=str(tmp_path / 'out'), algorithm='fedper', dataset='synthetic', num_clients=3, personal_layers=1)
+    with pytest.raises(experiment.ConfigError, match='personal_layers must be in'):
+        export.export(config, log=lambda line: None)
+    assert not (tmp_path / 'out').exists()

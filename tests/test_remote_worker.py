@@ -58,10 +58,13 @@ def test_remote_worker_gives_the_local_runtimes_numbers(worker, tmp_path):
     assert not os.path.exists(tmp_path / 'remote' / 'worker.log')
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'persfl'])
-def test_two_workers_give_the_local_runtimes_numbers(algorithm, two_workers, tmp_path):
-    experiment.run_experiment(_config(tmp_path / 'local', algorithm), log=lambda line: None)
-    experiment.run_experiment(_config(tmp_path / 'two', algorithm, workers=two_workers), log=lambda line: None)
+@pytest.mark.parametrize('algorithm, extra', [
+    ('fedavg', {}), ('persfl', {}),
+    ('ktpfl_homo', {'public_examples': 50, 'partition': 'iid'})])  # a round of two phases
+def test_two_workers_give_the_local_runtimes_numbers(algorithm, extra, two_workers, tmp_path):
+    experiment.run_experiment(_config(tmp_path / 'local', algorithm, **extra), log=lambda line: None)
+    experiment.run_experiment(_config(tmp_path / 'two', algorithm, workers=two_workers, **extra),
+                              log=lambda line: None)
     _assert_same_results(tmp_path / 'local', tmp_path / 'two')
     # The client states stayed with the devices: one state file per client.
     assert sorted(os.listdir(tmp_path / 'two' / 'client_states')) == [
@@ -87,7 +90,7 @@ def test_bad_worker_flags_are_refused(workers, message, tmp_path):
 
 
 @pytest.mark.parametrize('algorithm, extra', [
-    ('ktpfl', {'public_examples': 50}), ('kdpdfl', {}), ('local', {})])
+    ('kdpdfl', {}), ('kdpdfl_fedavg', {}), ('kdpdfl_local', {})])
 def test_rounds_with_more_than_one_aggregation_are_refused_on_several_workers(algorithm, extra, tmp_path):
     with pytest.raises(experiment.ConfigError, match=f'{algorithm} cannot be split over several workers: .*; '
                                                      'give one worker'):

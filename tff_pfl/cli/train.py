@@ -141,7 +141,8 @@ _SEED = flags.DEFINE_integer('seed', _D.seed, 'Seed of partition, sampling and t
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/<algorithm>-<time>.')
 _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty output directory.')
 _WORKERS = flags.DEFINE_list(
-    'workers', [], 'host:port of a TFF worker_binary to run the rounds on (deploy/README.md); default: a local one.')
+    'workers', [], 'host:port of each TFF worker_binary to run the rounds on (deploy/README.md); several split '
+    'every round over the workers, with client states kept in --output_dir/client_states; default: a local one.')
 _MAX_CONCURRENT = flags.DEFINE_integer(
     'max_concurrent_clients', _D.max_concurrent_clients, 'Client computations the TFF worker runs at once (-1: no limit).')
 

@@ -98,7 +98,9 @@ def build_averaging_process(
       optimizer_state, aggregator_state, round_num>` and whose metrics are
       `<train_loss, train_accuracy, num_examples, num_clients, ...>` plus the
       client means of any extra metric sums and the aggregator's
-      measurements (`aggregator`).
+      measurements (`aggregator`). Its `device` form
+      (`device_state.build_device_process`) runs the same round with the
+      client states kept on the devices.
     """
     if server_optimizer is None:
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
@@ -194,38 +196,28 @@ def build_averaging_process(
     if personalize_builder is not None:
         personalize = personalize_builder(server_state_type, client_state_type)
         personalize_fn = getattr(personalize_builder, 'client_fn', None)
+        if personalize_fn is None:
+            raise TypeError('personalize_builder has no client_fn; build it with broadcast_personalize')
 
-    device_inputs_type = tff.FederatedType(device_state.DEVICE_INPUT_TYPE, tff.CLIENTS)
-    device_work = device_state.stateful(client_step, initial_client_state, [broadcast_type])
-    device_evaluate_client = device_state.reading(evaluate_client, initial_client_state, [weights_type])
+    @tff.tensorflow.computation(server_state_type.member)
+    def evaluate_input(state):
+        return state['model']
 
-    @tff.federated_computation(server_state_type, device_inputs_type)
-    def device_next(state, devices):
-        broadcast = tff.federated_broadcast(tff.federated_map(server_broadcast, state))
-        outputs = tff.federated_map(device_work, (broadcast, devices))
-        new_state, metrics = finish(state, outputs)
-        return collections.OrderedDict(state=new_state, metrics=metrics)
-
-    @tff.federated_computation(server_state_type, device_inputs_type)
-    def device_evaluate(state, devices):
-        model = tff.federated_broadcast(state.model)
-        return tff.federated_map(device_evaluate_client, (model, devices))
-
-    client_computations = collections.OrderedDict(
-        client_work=device_work, client_evaluate=device_evaluate_client)
-    device_personalize = None
+    personalize_input = personalize_client = None
     if personalize_fn is not None:
-        device_personalize_client = device_state.stateful_update(
-            personalize_fn, initial_client_state, [weights_type, np.int32])
 
-        @tff.federated_computation(server_state_type, device_inputs_type)
-        def device_personalize(state, devices):
-            model = tff.federated_broadcast(state.model)
-            round_num = tff.federated_broadcast(state.round_num)
-            return tff.federated_map(device_personalize_client, (model, round_num, devices))
+        @tff.tensorflow.computation(server_state_type.member)
+        def personalize_input(state):
+            return collections.OrderedDict(model=state['model'], round_num=state['round_num'])
 
-        client_computations['client_personalize'] = device_personalize_client
-    device = template.DeviceProcess(device_next, device_evaluate, device_personalize, client_computations)
+        @tff.tensorflow.computation(personalize_input.type_signature.result, client_state_type)
+        def personalize_client(value, client_state):
+            return personalize_fn(value['model'], value['round_num'], client_state)
+
+    device = device_state.build_device_process(
+        initialize, initial_client_state, phases=[device_state.Phase('next', server_broadcast, client_step, finish)],
+        evaluate_input=evaluate_input, evaluate_client=evaluate_client,
+        personalize_input=personalize_input, personalize_client=personalize_client)
 
     return template.PersonalizedProcess(
         initialize,

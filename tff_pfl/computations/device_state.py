@@ -17,7 +17,8 @@ state's TFF type, as one serialized `tf.string` tensor of serialized tensors
 
 import collections
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -194,6 +195,111 @@ def _with_device_arg(body, leading_types):
 
         return two
     raise ValueError(f'one or two arguments before the device input, got {len(leading_types)}')
+
+
+# One aggregation stage of a device-form round:
+#   name: e.g. 'next' (the whole round) or 'share' / 'distill';
+#   broadcast: `S_in -> B`, what the phase sends to every client;
+#   client_step: `(B, C) -> <..., client_state=C>`, one client's work;
+#   finish: `(state, outputs) -> (new_state, metrics)`, federated code: the
+#     aggregation and server step from the SERVER-placed `S_in` and the
+#     CLIENTS-placed outputs of `client_step` (without `client_state`).
+Phase = collections.namedtuple('Phase', ['name', 'broadcast', 'client_step', 'finish'])
+
+
+def build_device_process(
+    initialize: tff.Computation,
+    initial_client_state: tff.Computation,
+    *,
+    phases: Sequence[Phase],
+    evaluate_input: tff.Computation,
+    evaluate_client: tff.Computation,
+    personalize_input: Optional[tff.Computation] = None,
+    personalize_client: Optional[tff.Computation] = None,
+):
+    """An algorithm's `template.DeviceProcess`, from the pieces of its round.
+
+    Args:
+      initialize: `() -> S@SERVER`, the device form's initial server state.
+      initial_client_state: `tf.string -> C`.
+      phases: the round's aggregation stages, in order (`Phase`); one for
+        most algorithms. Each maps `S` to `S` (a MapReduceForm's `update`
+        returns the state type its `prepare` takes).
+      evaluate_input: `S -> V`, what evaluation sends to every client.
+      evaluate_client: `(V, C) -> E`.
+      personalize_input, personalize_client: optional, `S -> P` and
+        `(P, C) -> C`, a clients-only personalization stage.
+
+    Returns:
+      A `template.DeviceProcess`. Its client computations are, per phase,
+      the device's work (`client_work`, or `client_work_<phase>` for several
+      phases: `(B, D) -> outputs`), and `client_evaluate` and, with
+      personalization, `client_personalize`.
+
+    Raises:
+      TypeError: if a phase does not return the server state's type.
+    """
+    from tff_pfl.computations import template  # template documents this module's types
+
+    server_state_type = initialize.type_signature.result
+    devices_type = tff.FederatedType(DEVICE_INPUT_TYPE, tff.CLIENTS)
+    client_computations = collections.OrderedDict()
+    built = collections.OrderedDict()
+    for phase in phases:
+        work = stateful(phase.client_step, initial_client_state, [phase.broadcast.type_signature.result])
+        client_computations['client_work' if len(phases) == 1 else f'client_work_{phase.name}'] = work
+        built[phase.name] = _device_phase(server_state_type, devices_type, phase, work)
+        returned = built[phase.name].type_signature.result['state']
+        if not returned.is_equivalent_to(server_state_type):
+            raise TypeError(f'phase {phase.name} returns {returned}, not the server state {server_state_type}')
+    evaluate_work = reading(evaluate_client, initial_client_state, [evaluate_input.type_signature.result])
+    client_computations['client_evaluate'] = evaluate_work
+
+    @tff.federated_computation(server_state_type, devices_type)
+    def device_evaluate(state, devices):
+        value = tff.federated_broadcast(tff.federated_map(evaluate_input, state))
+        return tff.federated_map(evaluate_work, (value, devices))
+
+    device_personalize = None
+    if personalize_client is not None:
+        personalize_work = stateful_update(
+            personalize_client, initial_client_state, [personalize_input.type_signature.result])
+
+        @tff.federated_computation(server_state_type, devices_type)
+        def device_personalize(state, devices):
+            value = tff.federated_broadcast(tff.federated_map(personalize_input, state))
+            return tff.federated_map(personalize_work, (value, devices))
+
+        client_computations['client_personalize'] = personalize_work
+    return template.DeviceProcess(initialize, built, device_evaluate, device_personalize, client_computations)
+
+
+def _device_phase(state_type, devices_type, phase, work):
+    """`(S_in@SERVER, {D}@CLIENTS) -> <state, metrics>@SERVER` of one phase."""
+
+    @tff.federated_computation(state_type, devices_type)
+    def device_phase(state, devices):
+        value = tff.federated_broadcast(tff.federated_map(phase.broadcast, state))
+        outputs = tff.federated_map(work, (value, devices))
+        new_state, metrics = phase.finish(state, outputs)
+        return collections.OrderedDict(state=new_state, metrics=metrics)
+
+    return device_phase
+
+
+def run_round(device_process, state, devices: Sequence):
+    """One round of a `template.DeviceProcess`: its phases in order.
+
+    Returns:
+      `(new server state, metrics)`, the metrics of every phase in one
+      `OrderedDict`.
+    """
+    metrics = collections.OrderedDict()
+    for phase in device_process.phases.values():
+        output = phase(state, list(devices))
+        state = output['state']
+        metrics.update(output['metrics'])
+    return state, metrics
 
 
 def _names(result) -> list:

@@ -28,14 +28,21 @@ RoundOutput = collections.namedtuple('RoundOutput', ['state', 'client_states', '
 
 # The process with its client states kept on the devices
 # (`tff_pfl.computations.device_state`): D is `<client_id, state_file>`.
-#   next: (S@SERVER, {D}@CLIENTS) -> <state=S@SERVER, metrics=M@SERVER>, the
-#     shape TFF's production forms and mergeable context take;
+#   initialize: () -> S@SERVER (the process's own, or with room for what a
+#     phase hands to the next);
+#   phases: name -> (S_in@SERVER, {D}@CLIENTS) -> <state=S_out@SERVER,
+#     metrics=M@SERVER>, the shape TFF's production forms and mergeable
+#     context take, each from S to S; a round runs them in order
+#     (`device_state.run_round`).
+#     Most algorithms have one phase, `next`: one broadcast and one
+#     aggregation. KT-pFL has two (`share`, then `distill`);
 #   evaluate: (S@SERVER, {D}@CLIENTS) -> {<client_id, result=E>}@CLIENTS
 #     (`device_state.in_client_order` puts the results in client order);
 #   personalize: (S@SERVER, {D}@CLIENTS) -> {bool}@CLIENTS, or None;
 #   client_computations: name -> the client-local `tff.tensorflow.computation`s
 #     a device runs (its work, evaluation, personalization), for export.
-DeviceProcess = collections.namedtuple('DeviceProcess', ['next', 'evaluate', 'personalize', 'client_computations'])
+DeviceProcess = collections.namedtuple(
+    'DeviceProcess', ['initialize', 'phases', 'evaluate', 'personalize', 'client_computations'])
 
 
 def client_metrics(stats) -> collections.OrderedDict:
@@ -70,8 +77,8 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
           evaluate: `(S@SERVER, {C}@CLIENTS) -> {E}@CLIENTS`.
           personalize: optional clients-only stage.
           device: optional; the same algorithm with device-held client
-            states (`DeviceProcess`), where its round has the shape
-            `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`.
+            states (`DeviceProcess`), whose round is one or more phases
+            of the shape `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`.
 
         Raises:
           TypeError: if the client state types of the computations disagree.

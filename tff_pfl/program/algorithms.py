@@ -29,10 +29,11 @@ class Algorithm:
       run: `(process, spec, config, on_round=, log=) -> RunResult` for
         algorithms that need their own run loop (serverless ones); default
         `training_loop.run`.
-      not_one_aggregation: why the algorithm's round has no form with one
-        broadcast, one aggregation and device-held client state (so it can
-        neither be split over several workers nor exported as MapReduceForm);
-        None when the process has such a form (`process.device`).
+      not_one_aggregation: why the algorithm's round has no form made of
+        phases with one broadcast, one aggregation and device-held client
+        state each (so it can neither be split over several workers nor
+        exported as MapReduceForm); None when the process has such a form
+        (`process.device`).
     """
 
     build: Callable
@@ -384,15 +385,10 @@ def _apfl_plots(out, result, process):
     return [('APFL alpha per client', 'apfl_alpha.png')]
 
 
-_KTPFL_LIMIT = ('its server mixes every client\'s own soft predictions (or parameters) with the '
-                'knowledge-coefficient matrix and broadcasts the personalized result back in the same round: '
-                'a broadcast that depends on an aggregation, so two aggregation stages')
-_FEDDF_LIMIT = ('its client stage returns CLIENTS-placed client states and has no device-state form yet; '
-                'the server step (ensemble distillation) fits one aggregation')
-_LOCAL_LIMIT = 'no device-state form yet (its round is a broadcast of the round number and one sum of metrics)'
-_KDPDFL_LIMIT = ('it is serverless: the star node needs each neighbour\'s own model (one slot per neighbour), '
-                 'then sends its new model back for a second client stage: two aggregation stages in one step, '
-                 'driven by a topology the driver samples')
+_KDPDFL_LIMIT = ('it is serverless: each exchange gathers every neighbour\'s own model at the star (one slot per '
+                 'neighbour) and sends the star\'s new model back for a second client stage, and its own run loop '
+                 'samples the star and its neighbours per time slot; a device form of two phases, like KT-pFL\'s, '
+                 'is not built')
 
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
@@ -400,16 +396,13 @@ _ALGORITHMS = {
     'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
     'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
     'ktpfl': Algorithm(
-        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots,
-        not_one_aggregation=_KTPFL_LIMIT),
-    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots, not_one_aggregation=_KTPFL_LIMIT),
+        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
+    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots),
     'feddf': Algorithm(
-        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots,
-        not_one_aggregation=_FEDDF_LIMIT),
+        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
     'pfeddf': Algorithm(
-        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots,
-        not_one_aggregation=_FEDDF_LIMIT),
-    'local': Algorithm(_local, not_one_aggregation=_LOCAL_LIMIT),
+        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+    'local': Algorithm(_local),
     'fedavg_ft': Algorithm(
         _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots),
     'fedper': Algorithm(_fedper),

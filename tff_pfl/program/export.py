@@ -4,18 +4,20 @@
 algorithm's process and writes to `config.output_dir`:
 
 * `computations/*.pb`: serialized `computation_pb2.Computation`s
-  (`tff.framework.serialize_computation`) of `initialize`, the round
-  (`next`), `evaluate`, `personalize` where the algorithm has one, and
+  (`tff.framework.serialize_computation`) of `initialize`, the round,
+  `evaluate`, `personalize` where the algorithm has one, and
   `initial_client_state`. For an algorithm whose process has a device-state
-  form (`PersonalizedProcess.device`) the round is that form,
-  `(S@SERVER, {<client_id, state_file>}@CLIENTS) -> <state=S, metrics=M>@SERVER`,
+  form (`PersonalizedProcess.device`) the round is that form: one
+  computation per phase (`next`, or KT-pFL's `share` and `distill`), each
+  `(S@SERVER, {<client_id, state_file>}@CLIENTS) -> <state, metrics>@SERVER`;
   and the client-local stages a device runs are exported on their own:
-  `client_work` (what the device computes from the broadcast, reading and
-  writing its client state), `client_evaluate` and `client_personalize`
-  (e.g. PersFL's distillation).
-* `map_reduce_form/*.pb` and `distribute_aggregate_form/*.pb`: the round as
-  `tff.backends.mapreduce.MapReduceForm` and `DistributeAggregateForm`, one
-  file per piece, where the round fits them.
+  `client_work[_<phase>]` (what the device computes from the broadcast,
+  reading and writing its client state), `client_evaluate` and
+  `client_personalize` (e.g. PersFL's distillation). Otherwise the round is
+  the in-process `next`.
+* `map_reduce_form/<phase>/*.pb` and `distribute_aggregate_form/<phase>/*.pb`:
+  each phase as `tff.backends.mapreduce.MapReduceForm` and
+  `DistributeAggregateForm`, one file per piece.
 * `manifest.json`: algorithm and configuration, package versions, the client
   data root the computations read, and for every file its SHA-256, size and
   TFF type signature; for an algorithm whose round does not fit, the reason.
@@ -78,10 +80,13 @@ def _write_computation(out: str, relative: str, comp: tff.Computation) -> collec
 
 def exported_computations(process) -> collections.OrderedDict:
     """Name -> computation of what `export` serializes under `computations/`."""
-    comps = collections.OrderedDict(initialize=process.initialize, initial_client_state=process.initial_client_state)
     device = process.device
+    comps = collections.OrderedDict(
+        initialize=device.initialize if device is not None else process.initialize,
+        initial_client_state=process.initial_client_state)
     if device is not None:
-        comps.update(next=device.next, evaluate=device.evaluate)
+        comps.update(device.phases)
+        comps['evaluate'] = device.evaluate
         if device.personalize is not None:
             comps['personalize'] = device.personalize
         comps.update(device.client_computations)
@@ -128,7 +133,10 @@ def export(
 
 def _export_into(out, config, spec, log) -> collections.OrderedDict:
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
-    process = algorithms.build(config, spec, model_fn)
+    try:
+        process = algorithms.build(config, spec, model_fn)
+    except ValueError as e:  # e.g. a model that does not fit the data
+        raise experiment.ConfigError(str(e)) from None
     limit = algorithms.get(config.algorithm).not_one_aggregation
     manifest = collections.OrderedDict(
         format_version=FORMAT_VERSION,
@@ -138,6 +146,8 @@ def _export_into(out, config, spec, log) -> collections.OrderedDict:
         client_data_root=spec.root,
         client_ids=list(spec.client_ids),
         device_state=process.device is not None,
+        # The round's phases, in order (device form): `computations/<phase>.pb`.
+        phases=list(process.device.phases) if process.device is not None else [],
         forms=collections.OrderedDict(),
         computations=collections.OrderedDict(),
         config=dataclasses.asdict(config),
@@ -145,24 +155,27 @@ def _export_into(out, config, spec, log) -> collections.OrderedDict:
     for name, comp in exported_computations(process).items():
         manifest['computations'][name] = _write_computation(out, f'computations/{name}.pb', comp)
     log(f'wrote {len(manifest["computations"])} computations')
+    forms = (
+        ('map_reduce_form', tff.backends.mapreduce.get_map_reduce_form_for_computation, MAP_REDUCE_PIECES),
+        ('distribute_aggregate_form', tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
+         DISTRIBUTE_AGGREGATE_PIECES),
+    )
+    for form_name, convert, pieces in forms:
+        if process.device is None:
+            reason = limit or 'the process has no device-state form'
+            manifest['forms'][form_name] = collections.OrderedDict(exported=False, reason=reason)
+            continue
+        entry = collections.OrderedDict(exported=True, phases=collections.OrderedDict())
+        for phase, comp in process.device.phases.items():
+            form = convert(comp)
+            entry['phases'][phase] = collections.OrderedDict(
+                (piece, _write_computation(out, f'{form_name}/{phase}/{piece}.pb', getattr(form, piece)))
+                for piece in pieces)
+        manifest['forms'][form_name] = entry
+        log(f'wrote {form_name}: {len(entry["phases"])} phase(s) of {len(pieces)} pieces')
     if process.device is None:
-        reason = limit or 'the process has no device-state form'
-        for form in ('map_reduce_form', 'distribute_aggregate_form'):
-            manifest['forms'][form] = collections.OrderedDict(exported=False, reason=reason)
+        reason = manifest['forms']['map_reduce_form']['reason']
         log(f'{config.algorithm}: no MapReduceForm or DistributeAggregateForm: {reason}')
-    else:
-        forms = (
-            ('map_reduce_form', tff.backends.mapreduce.get_map_reduce_form_for_computation, MAP_REDUCE_PIECES),
-            ('distribute_aggregate_form', tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
-             DISTRIBUTE_AGGREGATE_PIECES),
-        )
-        for form_name, convert, pieces in forms:
-            form = convert(process.device.next)
-            entry = collections.OrderedDict(exported=True, pieces=collections.OrderedDict())
-            for piece in pieces:
-                entry['pieces'][piece] = _write_computation(out, f'{form_name}/{piece}.pb', getattr(form, piece))
-            manifest['forms'][form_name] = entry
-            log(f'wrote {form_name} ({len(pieces)} pieces)')
     with open(os.path.join(out, MANIFEST + '.tmp'), 'w') as f:
         json.dump(manifest, f, indent=2)
     os.replace(os.path.join(out, MANIFEST + '.tmp'), os.path.join(out, MANIFEST))

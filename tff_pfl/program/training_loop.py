@@ -78,6 +78,9 @@ class ClientStateStore:
         """Client id -> client state, for every client."""
         return dict(self._states)
 
+    def initialize(self, process: template.PersonalizedProcess):
+        return process.initialize()
+
     def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
         """One `next` over `client_ids`; stores their new states and returns `(state, metrics)`."""
         output = process.next(state, self.get(client_ids))
@@ -135,9 +138,11 @@ class DeviceStateStore:
                 states[client_id] = initial
         return states
 
+    def initialize(self, process: template.PersonalizedProcess):
+        return process.device.initialize()
+
     def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
-        output = process.device.next(state, self.get(client_ids))
-        return output['state'], output['metrics']
+        return device_state.run_round(process.device, state, self.get(client_ids))
 
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
         process.device.personalize(state, self.all())
@@ -262,7 +267,7 @@ def run(
         store = ClientStateStore(process, client_ids)
     else:
         store = DeviceStateStore(process, client_ids, device_state_dir)
-    state = process.initialize()
+    state = store.initialize(process)
     rows, started = [], time.monotonic()
     for round_num in range(1, rounds + 1):
         round_start = time.monotonic()
