@@ -179,13 +179,8 @@ def build_feddf_process(
         new_state, metrics = finish(state, local)
         return template.RoundOutput(new_state, local.client_state, metrics)
 
-    @tff.tensorflow.computation(server_state_type.member)
-    def broadcast(state):
-        return collections.OrderedDict(prototypes=state['prototypes'], round_num=state['round_num'])
-
-    @tff.tensorflow.computation(broadcast.type_signature.result, client_state_type)
-    def client_step(value, client_state):
-        return client_stage(value['prototypes'], value['round_num'], client_state)
+    broadcast, client_step = device_state.field_and_round(
+        server_state_type.member, 'prototypes', client_stage, client_state_type)
 
     @tff.tensorflow.computation(server_state_type.member, client_state_type)
     def evaluate_client(state, client_state):

@@ -205,14 +205,8 @@ def build_averaging_process(
 
     personalize_input = personalize_client = None
     if personalize_fn is not None:
-
-        @tff.tensorflow.computation(server_state_type.member)
-        def personalize_input(state):
-            return collections.OrderedDict(model=state['model'], round_num=state['round_num'])
-
-        @tff.tensorflow.computation(personalize_input.type_signature.result, client_state_type)
-        def personalize_client(value, client_state):
-            return personalize_fn(value['model'], value['round_num'], client_state)
+        personalize_input, personalize_client = device_state.field_and_round(
+            server_state_type.member, 'model', personalize_fn, client_state_type)
 
     device = device_state.build_device_process(
         initialize, initial_client_state, phases=[device_state.Phase('next', server_broadcast, client_step, finish)],

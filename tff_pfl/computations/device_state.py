@@ -287,6 +287,31 @@ def _device_phase(state_type, devices_type, phase, work):
     return device_phase
 
 
+def field_and_round(server_state_type: tff.Type, field: str, fn: tff.Computation, client_state_type: tff.Type):
+    """A phase's broadcast of one server-state field with the round number, and the client side.
+
+    Args:
+      server_state_type: `S` (not placed), with `field` and `round_num`.
+      field: the field to send, e.g. `model`.
+      fn: `(field value, round_num, C) -> R`, the client's computation.
+      client_state_type: `C`.
+
+    Returns:
+      `(S -> <field, round_num>, (<field, round_num>, C) -> R)`, both
+      `tff.tensorflow.computation`s.
+    """
+
+    @tff.tensorflow.computation(server_state_type)
+    def select(state):
+        return collections.OrderedDict([(field, state[field]), ('round_num', state['round_num'])])
+
+    @tff.tensorflow.computation(select.type_signature.result, client_state_type)
+    def apply(value, client_state):
+        return fn(value[field], value['round_num'], client_state)
+
+    return select, apply
+
+
 def run_round(device_process, state, devices: Sequence):
     """One round of a `template.DeviceProcess`: its phases in order.
 
