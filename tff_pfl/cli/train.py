@@ -143,6 +143,10 @@ _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty output d
 _WORKERS = flags.DEFINE_list(
     'workers', [], 'host:port of each TFF worker_binary to run the rounds on (deploy/README.md); several split '
     'every round over the workers, with client states kept in --output_dir/client_states; default: a local one.')
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    'checkpoint_every', _D.checkpoint_every,
+    'Write a checkpoint every this many rounds (0: never). Rerun the same command in the same --output_dir to '
+    'continue an interrupted run from its last checkpoint.')
 _MAX_CONCURRENT = flags.DEFINE_integer(
     'max_concurrent_clients', _D.max_concurrent_clients, 'Client computations the TFF worker runs at once (-1: no limit).')
 
@@ -197,6 +201,9 @@ def main(argv) -> None:
         result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
     except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
         _fail(str(e))
+    except experiment.RunComplete as e:
+        print(f'{_PROG}: {e}; nothing to do')
+        return
     except KeyboardInterrupt:
         print(f'{_PROG}: interrupted', file=sys.stderr)
         sys.exit(130)

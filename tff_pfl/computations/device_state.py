@@ -354,6 +354,16 @@ def load(state_file: str, template):
     return _fill(template, iter(serialized))
 
 
+def save(state_file: str, state) -> None:
+    """Writes `state` to `state_file` in the devices' format (Python; e.g. to restore a checkpoint)."""
+    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(leaf)) for leaf in _flat(state)]
+    blob = tf.io.serialize_tensor(tf.stack(leaves)).numpy()
+    temporary = f'{state_file}.tmp'
+    with open(temporary, 'wb') as f:
+        f.write(blob)
+    os.replace(temporary, state_file)
+
+
 def _fill(template, blobs):
     """`template`'s containers with leaves parsed from `blobs`, in TFF's flattening order."""
     if isinstance(template, collections.OrderedDict) or isinstance(template, dict):

@@ -30,6 +30,7 @@ from typing import Optional
 from tff_pfl import models
 from tff_pfl import runtime
 from tff_pfl.program import algorithms
+from tff_pfl.program import checkpoints
 from tff_pfl.program import reports
 from tff_pfl.program import training_loop
 
@@ -73,6 +74,7 @@ class ExperimentConfig:
     client_learning_rate: float = 0.05
     server_learning_rate: float = 1.0
     eval_every: int = 10
+    checkpoint_every: int = 10
     seed: int = 0
     max_concurrent_clients: int = 2
     # PersFL / PersFL-GD stage 2.
@@ -165,6 +167,7 @@ class ExperimentConfig:
             (self.client_learning_rate > 0, f'client_learning_rate must be > 0, got {self.client_learning_rate}'),
             (self.server_learning_rate > 0, f'server_learning_rate must be > 0, got {self.server_learning_rate}'),
             (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
+            (self.checkpoint_every >= 0, f'checkpoint_every must be >= 0, got {self.checkpoint_every}'),
             (self.classes_per_client is None or self.classes_per_client >= 1,
              f'classes_per_client must be >= 1, got {self.classes_per_client}'),
             (self.examples_per_class is None or self.examples_per_class >= 1,
@@ -322,6 +325,33 @@ def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], N
     return spec
 
 
+class RunComplete(Exception):
+    """The output directory already holds this run, finished."""
+
+
+# Fields that may differ when a run is resumed: where and how it runs, not what it computes.
+_RESUMABLE_CHANGES = frozenset({'output_dir', 'workers', 'max_concurrent_clients', 'checkpoint_every'})
+
+
+def _saved_config(out: str) -> Optional[dict]:
+    """The `config.json` of an earlier run in `out`, or None if there is none."""
+    path = os.path.join(out, 'config.json')
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f'output_dir {out} has an unreadable config.json ({e}); pass --overwrite to replace it') \
+            from None
+
+
+def _changed_fields(saved: dict, config: ExperimentConfig) -> list[str]:
+    current = json.loads(json.dumps(dataclasses.asdict(config)))
+    return [f'{k}: {saved.get(k)!r} -> {current[k]!r}' for k in current
+            if k not in _RESUMABLE_CHANGES and saved.get(k) != current[k]]
+
+
 def run_experiment(
     config: ExperimentConfig,
     *,
@@ -331,9 +361,14 @@ def run_experiment(
 ) -> training_loop.RunResult:
     """Runs one experiment end to end and writes its output directory.
 
+    A run writes a checkpoint every `config.checkpoint_every` rounds. Run
+    again with the same configuration and `output_dir`, an interrupted run
+    continues from its last checkpoint (killed, even with SIGKILL, at any
+    point) and ends with the numbers an uninterrupted run gives.
+
     Args:
       config: the run's configuration.
-      overwrite: replace a non-empty `output_dir`.
+      overwrite: replace a non-empty `output_dir`, even one holding this run.
       log: receives progress lines.
       on_process: called with the built process before training starts.
 
@@ -342,17 +377,41 @@ def run_experiment(
 
     Raises:
       ConfigError, sources.DataError, partition.PartitionError: bad input;
-        raised before anything is written to `output_dir`.
+        raised before anything is written to `output_dir`. Also when
+        `output_dir` holds a run with another configuration.
+      RunComplete: `output_dir` holds this run, finished.
     """
     config.validate()
     out = os.path.abspath(config.output_dir)
-    prepare_output_dir(out, overwrite)
+    saved = None if overwrite else _saved_config(out)
+    if saved is not None:
+        changed = _changed_fields(saved, config)
+        if changed:
+            raise ConfigError(f'output_dir {out} holds a run with another configuration ({"; ".join(changed)}); '
+                              'pass --overwrite to replace it')
+        if os.path.exists(os.path.join(out, 'report.md')):
+            raise RunComplete(f'output_dir {out} already holds this run, finished (report.md)')
+    else:
+        prepare_output_dir(out, overwrite)
     for address in config.workers:  # before anything is written
         try:
             runtime.check_worker(address)
         except runtime.RuntimeStartError as e:
             raise ConfigError(f'--workers: {e}') from None
-    spec = write_client_data(config, out, log)
+    if saved is not None:
+        from tff_pfl.data import client_data
+
+        spec = client_data.load_client_data_spec(os.path.join(out, 'client_data'))
+        log(f'continuing the run in {out}')
+        # Rows past the last checkpoint are rewritten as the rounds are run again.
+        for stale in ('metrics.csv', 'tensorboard'):
+            path = os.path.join(out, stale)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    else:
+        spec = write_client_data(config, out, log)
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
     process = algorithms.build(config, spec, model_fn)
     if on_process is not None:
@@ -369,6 +428,11 @@ def run_experiment(
                 fieldnames.append(key)
         reports.append_csv_row(metrics_path, row, fieldnames)
         board.scalars(row['round'], {k: v for k, v in row.items() if k != 'round'})
+
+    def on_resume(round_num, rows):
+        del round_num
+        for row in rows:
+            on_round(row)
 
     try:
         with runtime.runtime_for(
@@ -393,6 +457,9 @@ def run_experiment(
                     # states on the devices (TFF's mergeable context returns
                     # nothing CLIENTS-placed from before the aggregation).
                     device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
+                    checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
+                    checkpoint_every=config.checkpoint_every,
+                    on_resume=on_resume,
                 )
     finally:
         board.close()

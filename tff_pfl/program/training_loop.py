@@ -17,6 +17,7 @@ import numpy as np
 from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import device_state
 from tff_pfl.computations import template
+from tff_pfl.program import checkpoints as checkpoints_lib
 
 
 def sample_clients(rng: np.random.Generator, client_ids: Sequence[str], fraction: float) -> list[str]:
@@ -58,6 +59,10 @@ class ClientStateStore:
 
     def get(self, client_ids: Sequence[str]) -> list:
         return [self._states[c] for c in client_ids]
+
+    def restore(self, states: Mapping) -> None:
+        """Puts back every client's state from a checkpoint."""
+        self.put(list(states), list(states.values()))
 
     def put(self, client_ids: Sequence[str], states: Sequence) -> None:
         for client_id, state in zip(client_ids, states):
@@ -120,6 +125,11 @@ class DeviceStateStore:
 
     def get(self, client_ids: Sequence[str]) -> list:
         return [self._inputs[c] for c in client_ids]
+
+    def restore(self, states: Mapping) -> None:
+        """Writes every client's state from a checkpoint back to its state file."""
+        for client_id, state in states.items():
+            device_state.save(self._inputs[client_id]['state_file'], state)
 
     def all(self) -> list:
         return list(self._inputs.values())
@@ -239,6 +249,9 @@ def run(
     on_round: Optional[Callable[[Mapping], None]] = None,
     log: Callable[[str], None] = print,
     device_state_dir: Optional[str] = None,
+    checkpoints: Optional[checkpoints_lib.RunCheckpoints] = None,
+    checkpoint_every: int = 0,
+    on_resume: Optional[Callable[[int, list], None]] = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -258,6 +271,13 @@ def run(
         files in this directory (`DeviceStateStore`), and the rounds run as
         the process's `DeviceProcess` (needed to split them over several
         workers); default: the driver keeps them (`ClientStateStore`).
+      checkpoints: where the run's checkpoints live; if it holds one, the
+        run continues after its round, with its server state, client states,
+        sampling state and metrics rows, and gives the numbers an
+        uninterrupted run gives.
+      checkpoint_every: write a checkpoint after every this many rounds
+        (0: never); never after the last round, whose results follow at once.
+      on_resume: called with the round resumed after and the restored rows.
 
     Returns:
       A `RunResult`.
@@ -268,8 +288,20 @@ def run(
     else:
         store = DeviceStateStore(process, client_ids, device_state_dir)
     state = store.initialize(process)
-    rows, started = [], time.monotonic()
-    for round_num in range(1, rounds + 1):
+    rows, started, first_round = [], time.monotonic(), 1
+    if checkpoints is not None:
+        restored = checkpoints.load_latest(state, process.initial_client_state(client_ids[0]))
+        if restored is not None:
+            if restored.round_num >= rounds or list(restored.client_states) != list(client_ids):
+                raise ValueError(f'the checkpoint of round {restored.round_num} in {checkpoints.directory} '
+                                 f'does not belong to this run')
+            state, rows, first_round = restored.server_state, list(restored.rows), restored.round_num + 1
+            store.restore(restored.client_states)
+            rng.bit_generator.state = restored.rng_state
+            log(f'resuming after round {restored.round_num} (checkpoint in {checkpoints.directory})')
+            if on_resume is not None:
+                on_resume(restored.round_num, rows)
+    for round_num in range(first_round, rounds + 1):
         round_start = time.monotonic()
         sampled = sample_clients(rng, client_ids, client_fraction)
         state, round_metrics = store.run_round(process, state, sampled)
@@ -286,7 +318,9 @@ def run(
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        log(progress_line(f'round {round_num}/{rounds}', round_num, rounds, row,
+        if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and round_num < rounds:
+            checkpoints.save(round_num, state, store.states(), rng.bit_generator.state, rows)
+        log(progress_line(f'round {round_num}/{rounds}', round_num - first_round + 1, rounds - first_round + 1, row,
                           summaries if evaluate_now else {}, started))
     return RunResult(
         state=state,

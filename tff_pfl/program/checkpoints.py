@@ -1,0 +1,136 @@
+"""Checkpoints of a run, through `tff.program.FileProgramStateManager`.
+
+A checkpoint holds everything the run loop needs to continue as if it had
+never stopped: the round number, the server state, every client's state, the
+client-sampling generator's state, and the metrics rows so far. Training
+randomness needs nothing more: every client's batch order and every seeded
+draw inside the computations derive from (run seed, round number, client id).
+
+TFF's manager writes each version to a temporary directory and renames it
+into place, so a crash while writing leaves the last good checkpoint intact.
+Versions are round numbers; the newest two are kept.
+
+Nested values are flattened in TFF's structure order into one flat
+`OrderedDict` of arrays (no empty containers, which SavedModel does not keep),
+and the client states are stacked leaf by leaf over clients, so the number of
+saved tensors does not grow with the number of clients. Loading rebuilds the
+structures from templates: the process's initial server state and a client's
+initial state.
+"""
+
+import asyncio
+import collections
+import json
+from collections.abc import Mapping, Sequence
+from typing import Optional
+
+import numpy as np
+import tensorflow_federated as tff
+
+KEEP = 2
+
+
+def _flat(value) -> list:
+    if isinstance(value, (Mapping, list, tuple, tff.structure.Struct)):
+        return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
+    return [value]
+
+
+def _fill(template, leaves):
+    """`template`'s containers with the next values of the iterator `leaves`."""
+    if isinstance(template, Mapping):
+        return collections.OrderedDict((k, _fill(v, leaves)) for k, v in template.items())
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(v, leaves) for v in template)
+    return next(leaves)
+
+
+def _scalar(value):
+    """0-d arrays as numpy scalars (dtype kept), others as they are."""
+    value = np.asarray(value)
+    return value[()] if value.ndim == 0 else value
+
+
+class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_states', 'rng_state',
+                                                       'rows'])):
+    """A loaded checkpoint.
+
+    Attributes:
+      round_num: the last round it includes.
+      server_state: the server state after that round.
+      client_states: client id -> client state.
+      rng_state: the sampling generator's `bit_generator.state`.
+      rows: the metrics rows of rounds 1..round_num.
+    """
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._manager = tff.program.FileProgramStateManager(directory, prefix='round_', keep_total=KEEP,
+                                                            keep_first=False)
+
+    def save(self, round_num: int, server_state, client_states: Mapping, rng_state: Mapping,
+             rows: Sequence[Mapping]) -> None:
+        """Writes the checkpoint of round `round_num` (atomically) and drops older ones beyond the newest two.
+
+        Args:
+          round_num: the round just finished.
+          server_state: the server state after it.
+          client_states: client id -> client state, every client.
+          rng_state: the sampling generator's `bit_generator.state`.
+          rows: the metrics rows so far (JSON-serializable values).
+        """
+        ids = list(client_states)
+        flat = collections.OrderedDict(
+            round_num=np.int64(round_num),
+            client_ids=np.array([c.encode() for c in ids], dtype=object),
+            rng_state=np.array(json.dumps(rng_state)),
+            rows=np.array(json.dumps(list(rows))),
+        )
+        for i, leaf in enumerate(_flat(server_state)):
+            flat[f'server_{i:04d}'] = np.asarray(leaf)
+        per_client = [_flat(client_states[c]) for c in ids]
+        for i in range(len(per_client[0]) if per_client else 0):
+            flat[f'client_{i:04d}'] = np.stack([np.asarray(leaves[i]) for leaves in per_client])
+        asyncio.run(self._manager.save(flat, int(round_num)))
+
+    def latest_round(self) -> Optional[int]:
+        versions = asyncio.run(self._manager.get_versions())
+        return max(versions) if versions else None
+
+    def load_latest(self, server_template, client_template) -> Optional[Checkpoint]:
+        """The newest checkpoint, or None if there is none.
+
+        Args:
+          server_template: a server state of the run's process (for its structure).
+          client_template: one client state of the run's process.
+        """
+        round_num = self.latest_round()
+        if round_num is None:
+            return None
+        num_server = len(_flat(server_template))
+        num_client = len(_flat(client_template))
+        structure = collections.OrderedDict(round_num=0, client_ids=0, rng_state=0, rows=0)
+        structure.update((f'server_{i:04d}', 0) for i in range(num_server))
+        structure.update((f'client_{i:04d}', 0) for i in range(num_client))
+        flat = asyncio.run(self._manager.load(round_num, structure))
+        server_state = _fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
+        ids = [c.decode() if isinstance(c, bytes) else str(c) for c in np.asarray(flat['client_ids']).tolist()]
+        stacked = [np.asarray(flat[f'client_{i:04d}']) for i in range(num_client)]
+        client_states = collections.OrderedDict(
+            (c, _fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))) for j, c in enumerate(ids))
+        return Checkpoint(
+            round_num=int(flat['round_num']),
+            server_state=server_state,
+            client_states=client_states,
+            rng_state=json.loads(_text(flat['rng_state'])),
+            rows=json.loads(_text(flat['rows'])),
+        )
+
+
+def _text(value) -> str:
+    value = np.asarray(value).item()
+    return value.decode() if isinstance(value, bytes) else str(value)
