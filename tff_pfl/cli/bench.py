@@ -31,6 +31,10 @@ _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default
 _SEEDS = flags.DEFINE_list('seeds', None, 'Run only these seeds (default: all of the suite\'s).')
 _ALGORITHMS = flags.DEFINE_list('algorithms', None, 'Run only these algorithm labels (default: all).')
 _PARTITIONS = flags.DEFINE_list('partitions', None, 'Run only these partition labels (default: all).')
+_ISOLATE_NETWORK = flags.DEFINE_bool(
+    'isolate_network', True,
+    'Run in a private network namespace, so that nothing else can reach the local TFF worker (docs/runtime.md); '
+    'turn off for suites that download datasets.')
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the complete runs into the report.')
 _OVERWRITE = flags.DEFINE_bool(
     'overwrite', False, 'Discard the output directory\'s contents first (needed for a different suite).')
@@ -95,6 +99,8 @@ def main(argv) -> None:
     from tff_pfl.program import experiment
 
     logging.set_verbosity(logging.WARNING)
+    if _ISOLATE_NETWORK.value:
+        runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.bench', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     try:
         suite = bench.parse_suite(text, _SUITE.value)

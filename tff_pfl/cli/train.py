@@ -143,6 +143,10 @@ _OVERWRITE = flags.DEFINE_bool('overwrite', False, 'Replace a non-empty output d
 _WORKERS = flags.DEFINE_list(
     'workers', [], 'host:port of each TFF worker_binary to run the rounds on (deploy/README.md); several split '
     'every round over the workers, with client states kept in --output_dir/client_states; default: a local one.')
+_ISOLATE_NETWORK = flags.DEFINE_bool(
+    'isolate_network', True,
+    'Run in a private network namespace, so that nothing else can reach the local TFF worker (docs/runtime.md); '
+    'off with --workers or --download, which need the network.')
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
     'checkpoint_every', _D.checkpoint_every,
     'Write a checkpoint every this many rounds (0: never). Rerun the same command in the same --output_dir to '
@@ -195,6 +199,8 @@ def main(argv) -> None:
     from tff_pfl.program import reports
 
     logging.set_verbosity(logging.WARNING)
+    if _ISOLATE_NETWORK.value and not flags.FLAGS['workers'].value and not _DOWNLOAD.value:
+        runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.train', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     try:
         config = config_from_flags()
