@@ -221,6 +221,9 @@ def main(argv=None) -> int:
 
     from tff_pfl import runtime
 
+    workers = tuple(w for w in args.workers.split(',') if w)
+    if not workers:  # a local worker: keep its port out of reach (docs/runtime.md#security)
+        runtime.isolate_network('deploy.loader', ['-m', 'deploy.loader', *(sys.argv[1:] if argv is None else argv)])
     try:
         export = Export(args.export_dir)
     except ExportError as e:
@@ -229,7 +232,6 @@ def main(argv=None) -> int:
     run_round = (export.run_round_map_reduce if args.form == 'map_reduce'
                  else export.run_round_distribute_aggregate)
     os.makedirs(args.state_dir, exist_ok=True)
-    workers = tuple(w for w in args.workers.split(',') if w)
     with runtime.runtime_for(workers):
         try:
             devices = export.device_inputs(args.state_dir)
