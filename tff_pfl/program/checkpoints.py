@@ -1,4 +1,4 @@
-"""Checkpoints of a run, through `tff.program.FileProgramStateManager`.
+"""Checkpoints of a run: one `.npz` file per checkpointed round, written atomically.
 
 A checkpoint holds everything the run loop needs to continue as if it had
 never stopped: the round number, the server state, every client's state, the
@@ -6,9 +6,11 @@ client-sampling generator's state, and the metrics rows so far. Training
 randomness needs nothing more: every client's batch order and every seeded
 draw inside the computations derive from (run seed, round number, client id).
 
-TFF's manager writes each version to a temporary directory and renames it
-into place, so a crash while writing leaves the last good checkpoint intact.
-Versions are round numbers; the newest two are kept.
+Each checkpoint is written to a temporary file, flushed to disk and renamed
+into place (`os.replace`), so a crash while writing leaves the last good
+checkpoint intact; the newest two are kept. (`tff.program`'s
+FileProgramStateManager does the same with SavedModel directories, but each
+save made the driver's memory grow: benchmarks/results/memory_rounds.md.)
 
 Nested values are flattened in TFF's structure order into one flat
 `OrderedDict` of arrays (no empty containers, which SavedModel does not keep),
@@ -18,9 +20,10 @@ structures from templates: the process's initial server state and a client's
 initial state.
 """
 
-import asyncio
 import collections
 import json
+import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
@@ -28,6 +31,7 @@ import numpy as np
 import tensorflow_federated as tff
 
 KEEP = 2
+_NAME = re.compile(r'^round_(\d+)\.npz$')
 
 
 def _flat(value) -> list:
@@ -69,8 +73,15 @@ class RunCheckpoints:
 
     def __init__(self, directory: str):
         self.directory = directory
-        self._manager = tff.program.FileProgramStateManager(directory, prefix='round_', keep_total=KEEP,
-                                                            keep_first=False)
+
+    def _path(self, round_num: int) -> str:
+        return os.path.join(self.directory, f'round_{round_num}.npz')
+
+    def rounds(self) -> list[int]:
+        """The rounds that have a complete checkpoint, oldest first."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m)
 
     def save(self, round_num: int, server_state, client_states: Mapping, rng_state: Mapping,
              rows: Sequence[Mapping]) -> None:
@@ -86,7 +97,7 @@ class RunCheckpoints:
         ids = list(client_states)
         flat = collections.OrderedDict(
             round_num=np.int64(round_num),
-            client_ids=np.array([c.encode() for c in ids], dtype=object),
+            client_ids=np.array([c.encode() for c in ids]),
             rng_state=np.array(json.dumps(rng_state)),
             rows=np.array(json.dumps(list(rows))),
         )
@@ -95,11 +106,25 @@ class RunCheckpoints:
         per_client = [_flat(client_states[c]) for c in ids]
         for i in range(len(per_client[0]) if per_client else 0):
             flat[f'client_{i:04d}'] = np.stack([np.asarray(leaves[i]) for leaves in per_client])
-        asyncio.run(self._manager.save(flat, int(round_num)))
+        os.makedirs(self.directory, exist_ok=True)
+        final = self._path(int(round_num))
+        temporary = f'{final}.tmp'
+        with open(temporary, 'wb') as f:
+            np.savez(f, **flat)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+        directory = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        for old in self.rounds()[:-KEEP]:
+            os.remove(self._path(old))
 
     def latest_round(self) -> Optional[int]:
-        versions = asyncio.run(self._manager.get_versions())
-        return max(versions) if versions else None
+        rounds = self.rounds()
+        return rounds[-1] if rounds else None
 
     def load_latest(self, server_template, client_template) -> Optional[Checkpoint]:
         """The newest checkpoint, or None if there is none.
@@ -113,13 +138,11 @@ class RunCheckpoints:
             return None
         num_server = len(_flat(server_template))
         num_client = len(_flat(client_template))
-        structure = collections.OrderedDict(round_num=0, client_ids=0, rng_state=0, rows=0)
-        structure.update((f'server_{i:04d}', 0) for i in range(num_server))
-        structure.update((f'client_{i:04d}', 0) for i in range(num_client))
-        flat = asyncio.run(self._manager.load(round_num, structure))
+        with np.load(self._path(round_num), allow_pickle=False) as archive:
+            flat = {key: archive[key] for key in archive.files}
         server_state = _fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
-        ids = [c.decode() if isinstance(c, bytes) else str(c) for c in np.asarray(flat['client_ids']).tolist()]
-        stacked = [np.asarray(flat[f'client_{i:04d}']) for i in range(num_client)]
+        ids = [c.decode() if isinstance(c, bytes) else str(c) for c in flat['client_ids'].tolist()]
+        stacked = [flat[f'client_{i:04d}'] for i in range(num_client)]
         client_states = collections.OrderedDict(
             (c, _fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))) for j, c in enumerate(ids))
         return Checkpoint(
