@@ -183,7 +183,7 @@ class RemoteRuntime:
     each worker runs its clients up to the aggregation, the partial
     aggregates are merged here, and the rest runs after the merge. Such
     computations may hold at most one aggregation stage and return nothing
-    CLIENTS-placed that depends on work before it (`multi_worker`). Nothing
+    CLIENTS-placed that depends on work before it. Nothing
     is started or ended here; `close` puts the previous context back.
     """
 
@@ -215,11 +215,6 @@ class RemoteRuntime:
                 [_execution_context(stub, asynchronous=True) for stub in stubs])
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
-
-    @property
-    def multi_worker(self) -> bool:
-        """True when rounds are split over several workers."""
-        return len(self.addresses) > 1
 
     def close(self) -> None:
         """Puts back the context that was there before; safe to call twice."""

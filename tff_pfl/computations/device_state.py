@@ -17,7 +17,7 @@ state's TFF type, as one serialized `tf.string` tensor of serialized tensors
 
 import collections
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
 
 import numpy as np
@@ -46,8 +46,20 @@ def device_input(client_id: str, state_dir: str) -> collections.OrderedDict:
     return collections.OrderedDict(client_id=client_id, state_file=state_file)
 
 
-def _flat(value) -> list:
-    return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
+def flatten(value) -> list:
+    """The leaves of a (nested) client or server state, in TFF's structure order."""
+    if isinstance(value, (Mapping, list, tuple, tff.structure.Struct)):
+        return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
+    return [value]
+
+
+def fill(template, leaves):
+    """`template`'s containers (Python) with the next values of the iterator `leaves`; inverse of `flatten`."""
+    if isinstance(template, Mapping):
+        return collections.OrderedDict((k, fill(v, leaves)) for k, v in template.items())
+    if isinstance(template, (list, tuple)):
+        return type(template)(fill(v, leaves) for v in template)
+    return next(leaves)
 
 
 def _pack(template, flat):
@@ -56,7 +68,7 @@ def _pack(template, flat):
 
 def _serialize(state) -> tf.Tensor:
     """TF code: the state's tensors as one scalar string."""
-    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(t)) for t in _flat(state)]
+    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(t)) for t in flatten(state)]
     return tf.io.serialize_tensor(tf.stack(leaves))
 
 
@@ -64,7 +76,7 @@ def _parse(blob, template):
     """TF code: inverse of `_serialize`, typed and shaped like `template`."""
     serialized = tf.io.parse_tensor(blob, tf.string)
     leaves = []
-    for i, like in enumerate(_flat(template)):
+    for i, like in enumerate(flatten(template)):
         like = tf.convert_to_tensor(like)
         leaf = tf.io.parse_tensor(serialized[i], like.dtype)
         leaf.set_shape(like.shape)
@@ -84,10 +96,10 @@ def read(device, initial_client_state: tff.Computation):
     """
     initial = initial_client_state(device['client_id'])
     exists = tf.size(tf.io.matching_files(device['state_file'])) > 0
-    flat_initial = _flat(initial)
+    flat_initial = flatten(initial)
     flat = tf.cond(
         exists,
-        lambda: _flat(_parse(tf.io.read_file(device['state_file']), initial)),
+        lambda: flatten(_parse(tf.io.read_file(device['state_file']), initial)),
         lambda: [tf.identity(t) for t in flat_initial],
     )
     return _pack(initial, flat)
@@ -100,7 +112,7 @@ def write(device, client_state) -> tf.Operation:
 
 def after(op: tf.Operation, value):
     """TF code: `value` (any structure of tensors), computed only after `op` ran."""
-    flat = _flat(value)
+    flat = flatten(value)
     with tf.control_dependencies([op]):
         flat = [tf.identity(t) for t in flat]
     return _pack(value, flat)
@@ -348,28 +360,19 @@ def load(state_file: str, template):
     with open(state_file, 'rb') as f:
         blob = f.read()
     serialized = list(tf.io.parse_tensor(blob, tf.string).numpy())
-    expected = len(_flat(template))
-    if len(serialized) != expected:
-        raise ValueError(f'{state_file}: {len(serialized)} tensors, expected {expected}')
-    return _fill(template, iter(serialized))
+    like = [np.asarray(leaf) for leaf in flatten(template)]
+    if len(serialized) != len(like):
+        raise ValueError(f'{state_file}: {len(serialized)} tensors, expected {len(like)}')
+    leaves = [tf.io.parse_tensor(b, tf.string if t.dtype.kind in 'SUO' else tf.as_dtype(t.dtype)).numpy()
+              for b, t in zip(serialized, like)]
+    return fill(template, iter(leaves))
 
 
 def save(state_file: str, state) -> None:
     """Writes `state` to `state_file` in the devices' format (Python; e.g. to restore a checkpoint)."""
-    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(leaf)) for leaf in _flat(state)]
+    leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(leaf)) for leaf in flatten(state)]
     blob = tf.io.serialize_tensor(tf.stack(leaves)).numpy()
     temporary = f'{state_file}.tmp'
     with open(temporary, 'wb') as f:
         f.write(blob)
     os.replace(temporary, state_file)
-
-
-def _fill(template, blobs):
-    """`template`'s containers with leaves parsed from `blobs`, in TFF's flattening order."""
-    if isinstance(template, collections.OrderedDict) or isinstance(template, dict):
-        return collections.OrderedDict((k, _fill(v, blobs)) for k, v in template.items())
-    if isinstance(template, (list, tuple)):
-        return type(template)(_fill(v, blobs) for v in template)
-    like = np.asarray(template)
-    dtype = tf.string if like.dtype.kind in 'SUO' else tf.as_dtype(like.dtype)
-    return tf.io.parse_tensor(next(blobs), dtype).numpy()

@@ -28,25 +28,11 @@ from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import numpy as np
-import tensorflow_federated as tff
+
+from tff_pfl.computations import device_state
 
 KEEP = 2
 _NAME = re.compile(r'^round_(\d+)\.npz$')
-
-
-def _flat(value) -> list:
-    if isinstance(value, (Mapping, list, tuple, tff.structure.Struct)):
-        return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
-    return [value]
-
-
-def _fill(template, leaves):
-    """`template`'s containers with the next values of the iterator `leaves`."""
-    if isinstance(template, Mapping):
-        return collections.OrderedDict((k, _fill(v, leaves)) for k, v in template.items())
-    if isinstance(template, (list, tuple)):
-        return type(template)(_fill(v, leaves) for v in template)
-    return next(leaves)
 
 
 def _scalar(value):
@@ -101,9 +87,9 @@ class RunCheckpoints:
             rng_state=np.array(json.dumps(rng_state)),
             rows=np.array(json.dumps(list(rows))),
         )
-        for i, leaf in enumerate(_flat(server_state)):
+        for i, leaf in enumerate(device_state.flatten(server_state)):
             flat[f'server_{i:04d}'] = np.asarray(leaf)
-        per_client = [_flat(client_states[c]) for c in ids]
+        per_client = [device_state.flatten(client_states[c]) for c in ids]
         for i in range(len(per_client[0]) if per_client else 0):
             flat[f'client_{i:04d}'] = np.stack([np.asarray(leaves[i]) for leaves in per_client])
         os.makedirs(self.directory, exist_ok=True)
@@ -136,15 +122,15 @@ class RunCheckpoints:
         round_num = self.latest_round()
         if round_num is None:
             return None
-        num_server = len(_flat(server_template))
-        num_client = len(_flat(client_template))
+        num_server = len(device_state.flatten(server_template))
+        num_client = len(device_state.flatten(client_template))
         with np.load(self._path(round_num), allow_pickle=False) as archive:
             flat = {key: archive[key] for key in archive.files}
-        server_state = _fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
+        server_state = device_state.fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
         ids = [c.decode() if isinstance(c, bytes) else str(c) for c in flat['client_ids'].tolist()]
         stacked = [flat[f'client_{i:04d}'] for i in range(num_client)]
         client_states = collections.OrderedDict(
-            (c, _fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))) for j, c in enumerate(ids))
+            (c, device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))) for j, c in enumerate(ids))
         return Checkpoint(
             round_num=int(flat['round_num']),
             server_state=server_state,
