@@ -10,6 +10,8 @@ import time
 import psutil
 import pytest
 
+from tff_pfl import runtime
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Starts the project's runtime, runs one computation, prints the worker PID,
@@ -134,3 +136,14 @@ def test_nested_runtime_restores_the_outer_one(tff_runtime):
     assert _gone(inner_pid)
     assert plus_one(2) == 3  # back on the session's worker
     assert tff_runtime.alive
+
+
+def test_the_local_worker_runs_with_few_malloc_arenas_unless_the_user_says_otherwise(tff_runtime, monkeypatch):
+    with open(f'/proc/{tff_runtime.pid}/environ', 'rb') as f:
+        environment = dict(item.split(b'=', 1) for item in f.read().split(b'\0') if b'=' in item)
+    assert environment.get(b'MALLOC_ARENA_MAX') == os.environ.get('MALLOC_ARENA_MAX', '2').encode()
+    monkeypatch.setenv('MALLOC_ARENA_MAX', '5')
+    assert runtime._worker_env()['MALLOC_ARENA_MAX'] == '5'
+    monkeypatch.delenv('MALLOC_ARENA_MAX')
+    monkeypatch.setattr(runtime, 'WORKER_MALLOC_ARENAS', None)
+    assert 'MALLOC_ARENA_MAX' not in runtime._worker_env()
