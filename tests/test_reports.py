@@ -56,30 +56,6 @@ def test_write_csv_replaces_existing_file(tmp_path):
     assert not os.path.exists(path + '.tmp')
 
 
-def test_append_csv_row_writes_header_once(tmp_path):
-    path = str(tmp_path / 'log' / 'metrics.csv')
-    fieldnames = ['round', 'loss', 'acc']
-    reports.append_csv_row(path, {'round': 1, 'loss': 2.0 / 3.0}, fieldnames)
-    # Readable after each call: the row is flushed.
-    assert read_csv(path) == [fieldnames, ['1', '0.666667', '']]
-    reports.append_csv_row(path, {'round': 2, 'loss': 0.5, 'acc': 0.25},
-                           fieldnames)
-    reports.append_csv_row(path, {'acc': None, 'round': 3}, fieldnames)
-    assert read_csv(path) == [
-        fieldnames,
-        ['1', '0.666667', ''],
-        ['2', '0.5', '0.25'],
-        ['3', '', ''],
-    ]
-
-
-def test_append_csv_row_rejects_unknown_keys(tmp_path):
-    path = str(tmp_path / 'metrics.csv')
-    with pytest.raises(ValueError, match='bogus'):
-        reports.append_csv_row(path, {'round': 1, 'bogus': 2}, ['round'])
-    assert not os.path.exists(path)
-
-
 def test_write_text_atomic(tmp_path):
     path = str(tmp_path / 'sub' / 'summary.md')
     reports.write_text_atomic(path, 'first\n')
@@ -153,6 +129,25 @@ def test_plot_class_histogram_many_clients_and_classes(tmp_path):
     path = str(tmp_path / 'partition.png')
     reports.plot_class_histogram(histogram, path, 'Partition')
     assert_png(path)
+
+
+def test_per_client_figures_of_4000_clients_keep_a_drawable_size(tmp_path):
+    from PIL import Image  # pylint: disable=g-import-not-at-top
+
+    rng = np.random.default_rng(2)
+    ids = [f'client_{i:05d}' for i in range(4000)]
+    figures = {
+        'partition.png': lambda p: reports.plot_class_histogram(rng.integers(0, 20, size=(4000, 10)), p, 'Partition'),
+        'clients.png': lambda p: reports.plot_client_bars(ids, {'global': rng.uniform(size=4000)}, p, 'Acc', 'acc'),
+        'graph.png': lambda p: reports.plot_heatmap(rng.uniform(size=(4000, 4000)), p, 'W', ids, ids),
+    }
+    for name, draw in figures.items():
+        path = str(tmp_path / name)
+        draw(path)
+        assert_png(path)
+        width, height = Image.open(path).size
+        assert width <= 1500 and height <= 1500, (name, width, height)
+    assert plt.get_fignums() == []
 
 
 def test_plot_class_histogram_rejects_vector(tmp_path):
@@ -237,39 +232,29 @@ def test_format_table_header_wider_than_values():
     )
 
 
-def test_tensorboard_writer_scalars_read_back(tmp_path):
+def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_released_again(tmp_path):
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
-    logdir = str(tmp_path / 'tb')
-    with reports.TensorBoardWriter(logdir) as writer:
-        writer.scalars(1, {'loss': 0.5, 'accuracy': np.float32(0.75)},
-                       prefix='train')
-        writer.scalars(
-            2,
-            {'loss': 0.25, 'clients': 10, 'name': 'skipped', 'none': None},
-            prefix='train/',
-        )
-        writer.scalars(2, {'accuracy': np.array(0.875)})
+    path, logdir = str(tmp_path / 'metrics.csv'), str(tmp_path / 'tb')
+    release = reports.RoundRelease(path, logdir)
+    release({'round': 1, 'loss': 2.0 / 3.0, 'name': 'x'})
+    assert read_csv(path) == [['round', 'loss', 'name'], ['1', '0.666667', 'x']]  # readable after each round
+    release({'round': 2, 'loss': np.float32(0.5), 'name': 'y'})
+    release({'round': 3, 'loss': 0.25, 'name': 'z', 'acc': 0.75})  # a new column
+    release.close()
+    release.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match='closed'):
-        writer.scalars(3, {'loss': 0.1})
-    writer.close()  # A second close does nothing.
-
-    event_files = [f for f in os.listdir(logdir) if 'tfevents' in f]
-    assert len(event_files) == 1
+        release({'round': 4, 'loss': 0.1})
+    assert read_csv(path) == [['round', 'loss', 'name', 'acc'], ['1', '0.666667', 'x', ''], ['2', '0.5', 'y', ''],
+                              ['3', '0.25', 'z', '0.75']]
+    resumed = reports.RoundRelease(path, logdir)
+    resumed({'round': 2, 'loss': 0.125, 'name': 'again'})  # a resumed run releases round 2 again
+    resumed.close()
+    assert read_csv(path) == [['round', 'loss', 'name', 'acc'], ['1', '0.666667', 'x', ''], ['2', '0.125', 'again', '']]
     found = []
-    for event in tf.compat.v1.train.summary_iterator(
-        os.path.join(logdir, event_files[0])
-    ):
-        for value in event.summary.value:
-            assert value.metadata.plugin_data.plugin_name == 'scalars'
-            found.append(
-                (event.step, value.tag,
-                 float(tf.make_ndarray(value.tensor)))
-            )
-    assert found == [
-        (1, 'train/loss', 0.5),
-        (1, 'train/accuracy', 0.75),
-        (2, 'train/loss', 0.25),
-        (2, 'train/clients', 10.0),
-        (2, 'accuracy', 0.875),
-    ]
+    for name in sorted(os.listdir(logdir)):
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):
+            for value in event.summary.value:
+                found.append((event.step, value.tag, round(float(tf.make_ndarray(value.tensor)), 6)))
+    assert sorted(found) == [(1, 'loss', 0.666667), (2, 'loss', 0.125), (2, 'loss', 0.5), (3, 'acc', 0.75),
+                             (3, 'loss', 0.25)]

@@ -99,20 +99,22 @@ def test_a_crash_while_writing_keeps_the_last_good_checkpoint(tmp_path, monkeypa
     server = {'model': [np.ones((2, 2), np.float32)], 'round_num': np.int32(2)}
     clients = {'a': {'client_id': b'a', 'w': np.zeros(3, np.float32)},
                'b': {'client_id': b'b', 'w': np.ones(3, np.float32)}}
-    store.save(2, server, clients, {'state': 1}, [{'round': 1}, {'round': 2}])
+    store.save(2, server, *checkpoints.stack_states(clients), {'state': 1}, [{'round': 1}, {'round': 2}])
     def crash(file, **arrays):
         file.write(b'half a checkpoint')
         raise OSError('disk gone')
 
     monkeypatch.setattr(np, 'savez', crash)
     with pytest.raises(OSError, match='disk gone'):
-        store.save(4, server, clients, {'state': 2}, [])
+        store.save(4, server, *checkpoints.stack_states(clients), {'state': 2}, [])
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ['round_2.npz', 'round_4.npz.tmp']  # the torn write is not a checkpoint
-    restored = checkpoints.RunCheckpoints(str(tmp_path)).load_latest(server, clients['a'])
+    restored = checkpoints.RunCheckpoints(str(tmp_path)).load_latest(server)
     assert restored.round_num == 2 and restored.rng_state == {'state': 1}
-    np.testing.assert_array_equal(restored.client_states['b']['w'], np.ones(3))
-    assert restored.client_states['b']['client_id'] == b'b'
+    assert restored.client_ids == ['a', 'b']
+    states = restored.client_states(clients['a'])
+    np.testing.assert_array_equal(states['b']['w'], np.ones(3))
+    assert states['b']['client_id'] == b'b'
     assert restored.rows == [{'round': 1}, {'round': 2}]
 
 

@@ -26,7 +26,8 @@ class Algorithm:
       build: `(config, spec, model_fn) -> PersonalizedProcess`.
       client_columns: `(client_state) -> {column: value}` for clients.csv.
       plots: `(output_dir, run_result, process) -> [(title, file)]`.
-      run: `(process, spec, config, on_round=, log=) -> RunResult` for
+      run: `(process, spec, config, on_round=, log=, checkpoints=,
+        checkpoint_every=, on_resume=, spill_dir=) -> RunResult` for
         algorithms that need their own run loop (serverless ones); default
         `training_loop.run`.
       not_one_aggregation: why the algorithm's round has no form made of
@@ -274,7 +275,7 @@ def _kdpdfl_builder(mode):
 
 
 def _decentralized_run(finetune):
-    def run(process, spec, config, *, on_round, log):
+    def run(process, spec, config, *, on_round, log, **loop):
         from tff_pfl.program import decentralized
 
         return decentralized.run(
@@ -287,6 +288,7 @@ def _decentralized_run(finetune):
             eval_every=config.eval_every,
             on_round=on_round,
             log=log,
+            **loop,
         )
 
     return run

@@ -24,6 +24,7 @@ import collections
 import json
 import os
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
@@ -41,17 +42,70 @@ def _scalar(value):
     return value[()] if value.ndim == 0 else value
 
 
-class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_states', 'rng_state',
-                                                       'rows'])):
-    """A loaded checkpoint.
+# Client leaves are read back in pieces of at most this many bytes, straight
+# into the store's arrays (which may be memory-mapped).
+_READ_BYTES = 16 * 2**20
+
+
+def stack_states(client_states: Mapping) -> tuple:
+    """`(client ids, leaves)`: every client's state stacked leaf by leaf, one `[num_clients, ...]` array per leaf."""
+    ids = list(client_states)
+    per_client = [device_state.flatten(client_states[c]) for c in ids]
+    leaves = [np.stack([np.asarray(leaves[i]) for leaves in per_client]) for i in range(len(per_client[0]))]
+    return ids, leaves
+
+
+class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state',
+                                                       'rows', 'path'])):
+    """A loaded checkpoint; the client states stay in its file until read.
 
     Attributes:
       round_num: the last round it includes.
       server_state: the server state after that round.
-      client_states: client id -> client state.
+      client_ids: every client id, in the order of the stacked leaves.
       rng_state: the sampling generator's `bit_generator.state`.
       rows: the metrics rows of rounds 1..round_num.
+      path: the checkpoint's file.
     """
+
+    def client_leaf(self, index: int) -> np.ndarray:
+        """Client leaf `index`, `[num_clients, ...]`, read whole."""
+        with np.load(self.path, allow_pickle=False) as archive:
+            return archive[f'client_{index:04d}']
+
+    def read_client_leaf(self, index: int, out: np.ndarray) -> None:
+        """Reads client leaf `index` into `out` (same shape and dtype) piece by piece.
+
+        Raises:
+          ValueError: if the stored leaf's shape or dtype differs from `out`'s.
+        """
+        with zipfile.ZipFile(self.path) as archive, archive.open(f'client_{index:04d}.npy') as f:
+            version = np.lib.format.read_magic(f)
+            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                           else np.lib.format.read_array_header_2_0)
+            shape, fortran_order, dtype = read_header(f)
+            if tuple(shape) != out.shape or dtype != out.dtype or fortran_order:
+                raise ValueError(f'{self.path}: client leaf {index} is {dtype}{list(shape)}, '
+                                 f'the run needs {out.dtype}{list(out.shape)}')
+            row_bytes = max(1, out[0].nbytes if len(out) else 1)
+            step = max(1, _READ_BYTES // row_bytes)
+            for start in range(0, shape[0], step):
+                count = min(step, shape[0] - start)
+                data = f.read(count * row_bytes)
+                out[start:start + count] = np.frombuffer(data, dtype).reshape((count, *shape[1:]))
+
+    def client_states(self, client_template) -> collections.OrderedDict:
+        """Client id -> client state, every client (read whole; for small stores).
+
+        Args:
+          client_template: one client state of the run's process.
+        """
+        num_client = len(device_state.flatten(client_template))
+        with np.load(self.path, allow_pickle=False) as archive:
+            stacked = [archive[f'client_{i:04d}'] for i in range(num_client)]
+        return collections.OrderedDict(
+            (c, device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked])))
+            for j, c in enumerate(self.client_ids))
 
 
 class RunCheckpoints:
@@ -69,29 +123,30 @@ class RunCheckpoints:
             return []
         return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m)
 
-    def save(self, round_num: int, server_state, client_states: Mapping, rng_state: Mapping,
-             rows: Sequence[Mapping]) -> None:
+    def save(self, round_num: int, server_state, client_ids: Sequence[str], client_leaves: Sequence[np.ndarray],
+             rng_state: Mapping, rows: Sequence[Mapping]) -> None:
         """Writes the checkpoint of round `round_num` (atomically) and drops older ones beyond the newest two.
 
         Args:
           round_num: the round just finished.
           server_state: the server state after it.
-          client_states: client id -> client state, every client.
+          client_ids: every client id.
+          client_leaves: every client's state stacked leaf by leaf, one
+            `[num_clients, ...]` array per leaf (`stack_states`, or a store's
+            own arrays, which are written piece by piece).
           rng_state: the sampling generator's `bit_generator.state`.
           rows: the metrics rows so far (JSON-serializable values).
         """
-        ids = list(client_states)
         flat = collections.OrderedDict(
             round_num=np.int64(round_num),
-            client_ids=np.array([c.encode() for c in ids]),
+            client_ids=np.array([c.encode() for c in client_ids]),
             rng_state=np.array(json.dumps(rng_state)),
             rows=np.array(json.dumps(list(rows))),
         )
         for i, leaf in enumerate(device_state.flatten(server_state)):
             flat[f'server_{i:04d}'] = np.asarray(leaf)
-        per_client = [device_state.flatten(client_states[c]) for c in ids]
-        for i in range(len(per_client[0]) if per_client else 0):
-            flat[f'client_{i:04d}'] = np.stack([np.asarray(leaves[i]) for leaves in per_client])
+        for i, leaf in enumerate(client_leaves):
+            flat[f'client_{i:04d}'] = leaf
         os.makedirs(self.directory, exist_ok=True)
         final = self._path(int(round_num))
         temporary = f'{final}.tmp'
@@ -112,31 +167,28 @@ class RunCheckpoints:
         rounds = self.rounds()
         return rounds[-1] if rounds else None
 
-    def load_latest(self, server_template, client_template) -> Optional[Checkpoint]:
-        """The newest checkpoint, or None if there is none.
+    def load_latest(self, server_template) -> Optional[Checkpoint]:
+        """The newest checkpoint, or None if there is none; its client states stay in the file.
 
         Args:
           server_template: a server state of the run's process (for its structure).
-          client_template: one client state of the run's process.
         """
         round_num = self.latest_round()
         if round_num is None:
             return None
+        path = self._path(round_num)
         num_server = len(device_state.flatten(server_template))
-        num_client = len(device_state.flatten(client_template))
-        with np.load(self._path(round_num), allow_pickle=False) as archive:
-            flat = {key: archive[key] for key in archive.files}
+        with np.load(path, allow_pickle=False) as archive:
+            flat = {key: archive[key] for key in ['round_num', 'client_ids', 'rng_state', 'rows'] +
+                    [f'server_{i:04d}' for i in range(num_server)]}
         server_state = device_state.fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
-        ids = [c.decode() if isinstance(c, bytes) else str(c) for c in flat['client_ids'].tolist()]
-        stacked = [flat[f'client_{i:04d}'] for i in range(num_client)]
-        client_states = collections.OrderedDict(
-            (c, device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))) for j, c in enumerate(ids))
         return Checkpoint(
             round_num=int(flat['round_num']),
             server_state=server_state,
-            client_states=client_states,
+            client_ids=[c.decode() if isinstance(c, bytes) else str(c) for c in flat['client_ids'].tolist()],
             rng_state=json.loads(_text(flat['rng_state'])),
             rows=json.loads(_text(flat['rows'])),
+            path=path,
         )
 
 

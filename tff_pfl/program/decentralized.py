@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from tff_pfl.program import checkpoints as checkpoints_lib
 from tff_pfl.program import training_loop
 
 
@@ -31,6 +32,10 @@ def run(
     eval_every: int = 0,
     on_round: Optional[Callable[[Mapping], None]] = None,
     log: Callable[[str], None] = print,
+    checkpoints: Optional[checkpoints_lib.RunCheckpoints] = None,
+    checkpoint_every: int = 0,
+    on_resume: Optional[Callable[[int, list], None]] = None,
+    spill_dir: Optional[str] = None,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -47,6 +52,9 @@ def run(
         the end); the last interval is always evaluated.
       on_round: called with each interval's metrics row.
       log: receives one progress line per interval.
+      checkpoints, checkpoint_every, on_resume, spill_dir: as in
+        `training_loop.run`, counting intervals; the checkpoint also keeps
+        the star and neighbour generator's state.
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
@@ -57,10 +65,22 @@ def run(
         raise ValueError(f'exchange_interval must be >= 2 (gather and broadcast slots), got {exchange_interval}')
     rng = np.random.default_rng([seed, 0x4B44])
     num_clients = len(client_ids)
-    store = training_loop.ClientStateStore(process, client_ids)
+    store = training_loop.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     state = process.initialize()
-    rows, started, summaries = [], time.monotonic(), {}
-    for interval in range(1, intervals + 1):
+    rows, started, summaries, first_interval = [], time.monotonic(), {}, 1
+    if checkpoints is not None:
+        restored = checkpoints.load_latest(state)
+        if restored is not None:
+            if restored.round_num >= intervals or restored.client_ids != list(client_ids):
+                raise ValueError(f'the checkpoint of interval {restored.round_num} in {checkpoints.directory} '
+                                 f'does not belong to this run')
+            state, rows, first_interval = restored.server_state, list(restored.rows), restored.round_num + 1
+            store.restore(restored)
+            rng.bit_generator.state = restored.rng_state
+            log(f'resuming after interval {restored.round_num} (checkpoint in {checkpoints.directory})')
+            if on_resume is not None:
+                on_resume(restored.round_num, rows)
+    for interval in range(first_interval, intervals + 1):
         interval_start = time.monotonic()
         first_slot = (interval - 1) * exchange_interval
         slots = np.full(num_clients, exchange_interval, np.int32)
@@ -95,8 +115,10 @@ def run(
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        log(training_loop.progress_line(f'interval {interval}/{intervals} (slot {row["slot"]})', interval, intervals,
+        if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and interval < intervals:
+            checkpoints.save(interval, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
+        log(training_loop.progress_line(f'interval {interval}/{intervals} (slot {row["slot"]})',
+                                        interval - first_interval + 1, intervals - first_interval + 1,
                                         row, summaries if evaluate_now else {}, started))
     return training_loop.RunResult(
-        state=state, client_states=dict(zip(store.ids(), store.all())), rounds=rows, clients=client_rows,
-        summary=summaries)
+        state=state, client_states=store.states(), rounds=rows, clients=client_rows, summary=summaries)

@@ -417,17 +417,8 @@ def run_experiment(
     if on_process is not None:
         on_process(process)
     metrics_path = os.path.join(out, 'metrics.csv')
-    board = reports.TensorBoardWriter(os.path.join(out, 'tensorboard'))
-    fieldnames: list = []
-
-    def on_round(row):
-        if not fieldnames:
-            fieldnames.extend(row)
-        for key in row:
-            if key not in fieldnames:
-                fieldnames.append(key)
-        reports.append_csv_row(metrics_path, row, fieldnames)
-        board.scalars(row['round'], {k: v for k, v in row.items() if k != 'round'})
+    # Rounds are released through TFF's release managers as they finish.
+    on_round = reports.RoundRelease(metrics_path, os.path.join(out, 'tensorboard'))
 
     def on_resume(round_num, rows):
         del round_num
@@ -440,9 +431,18 @@ def run_experiment(
             max_concurrent_computation_calls=config.max_concurrent_clients,
             log_path=os.path.join(out, 'worker.log'),
         ):
+            loop = dict(
+                on_round=on_round,
+                log=log,
+                checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
+                checkpoint_every=config.checkpoint_every,
+                on_resume=on_resume,
+                # A large store is memory-mapped here (unlinked files).
+                spill_dir=out,
+            )
             custom_run = algorithms.get(config.algorithm).run
             if custom_run is not None:
-                result = custom_run(process, spec, config, on_round=on_round, log=log)
+                result = custom_run(process, spec, config, **loop)
             else:
                 result = training_loop.run(
                     process,
@@ -451,18 +451,14 @@ def run_experiment(
                     client_fraction=config.client_fraction,
                     seed=config.seed,
                     eval_every=config.eval_every,
-                    on_round=on_round,
-                    log=log,
                     # Split over several workers, the round keeps client
                     # states on the devices (TFF's mergeable context returns
                     # nothing CLIENTS-placed from before the aggregation).
                     device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
-                    checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
-                    checkpoint_every=config.checkpoint_every,
-                    on_resume=on_resume,
+                    **loop,
                 )
     finally:
-        board.close()
+        on_round.close()
     # metrics.csv was appended row by row; rewrite it whole so every row has
     # every column (evaluation columns appear only on evaluated rounds).
     reports.write_csv(metrics_path, result.rounds)

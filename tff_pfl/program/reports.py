@@ -8,8 +8,8 @@ Plots use matplotlib's non-interactive Agg backend, selected here before
 `pyplot` is imported, and every figure is closed after saving so memory stays
 flat over many rounds.
 
-TensorFlow is imported only when a `TensorBoardWriter` is created, so that
-importing this module stays fast.
+TensorFlow Federated is imported only when a `RoundRelease` is created, so
+that importing this module stays fast.
 """
 
 from collections.abc import Mapping, Sequence
@@ -27,6 +27,9 @@ import numpy as np
 
 _DPI = 120
 _ROTATE_TICKS_ABOVE = 12
+# Above this many clients, per-client figures keep a fixed size: one bar or
+# tick per client would make an image too large to draw or to read.
+_MANY_CLIENTS = 100
 
 
 def _is_float(value: Any) -> bool:
@@ -110,36 +113,6 @@ def write_csv(path: str, rows: Sequence[Mapping[str, object]]) -> None:
             os.remove(tmp_path)
 
 
-def append_csv_row(
-    path: str, row: Mapping[str, object], fieldnames: Sequence[str]
-) -> None:
-    """Appends one row to a CSV file and flushes it.
-
-    The header (`fieldnames`) is written first when the file does not exist
-    or is empty. Cells are formatted as in `write_csv`; fields missing from
-    `row` are left empty.
-
-    Args:
-      path: The CSV file; it and its parent directory are created if needed.
-      row: Column name -> value. Every key must be in `fieldnames`.
-      fieldnames: The columns of the file, in order.
-
-    Raises:
-      ValueError: If `row` has a key that is not in `fieldnames`.
-    """
-    extra = [key for key in row if key not in fieldnames]
-    if extra:
-        raise ValueError(f'row has keys not in fieldnames: {extra}')
-    _make_parent_dir(path)
-    needs_header = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, 'a', newline='', encoding='utf-8') as f:
-        writer = csv.DictWriter(f, fieldnames=list(fieldnames), restval='')
-        if needs_header:
-            writer.writeheader()
-        writer.writerow({k: _csv_cell(v) for k, v in row.items()})
-        f.flush()
-
-
 def _save_and_close(fig: Any, path: str) -> None:
     """Saves `fig` as a PNG at `path` and closes it."""
     try:
@@ -210,7 +183,9 @@ def plot_client_bars(
 
     Args:
       client_ids: The x tick labels, one group of bars per client. Labels are
-        rotated when there are more than 12 clients.
+        rotated when there are more than 12 clients. With more than 100
+        clients, each series is drawn instead as a line of its values sorted
+        in increasing order (the x axis ranks the clients), at a fixed size.
       series: Series name -> one value per client, in `client_ids` order.
       path: Where to write the PNG.
       title: The figure title.
@@ -226,6 +201,9 @@ def plot_client_bars(
                 f'series {name!r} has {len(values)} values for '
                 f'{num_clients} clients'
             )
+    if num_clients > _MANY_CLIENTS:
+        _plot_sorted_client_values(series, path, title, ylabel)
+        return
     num_series = max(1, len(series))
     width = 0.8 / num_series
     positions = np.arange(num_clients)
@@ -265,6 +243,29 @@ def plot_client_bars(
         ax.set_xlabel('client')
         ax.set_ylabel(ylabel)
         ax.grid(True, axis='y', alpha=0.3)
+    except BaseException:
+        plt.close(fig)
+        raise
+    _save_and_close(fig, path)
+
+
+def _plot_sorted_client_values(series, path, title, ylabel) -> None:
+    """`plot_client_bars` for many clients: each series sorted, as a line."""
+    fig, ax = plt.subplots(figsize=(9, 5))
+    try:
+        for i, (name, values) in enumerate(series.items()):
+            color = f'C{i % 10}'
+            values = np.sort(np.asarray(values, dtype=np.float64))
+            ax.plot(np.arange(1, values.size + 1), values, color=color, label=name)
+            if values.size:
+                mean = float(np.nanmean(values))
+                ax.axhline(mean, color=color, linestyle='--', linewidth=1, label=f'{name} mean ({mean:.4g})')
+        if series:
+            ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
+        ax.set_title(title)
+        ax.set_xlabel('client, ranked by its value (each series sorted on its own)')
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
     except BaseException:
         plt.close(fig)
         raise
@@ -343,6 +344,10 @@ def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
         )
     num_clients, num_classes = histogram.shape
     cmap = plt.get_cmap('tab10' if num_classes <= 10 else 'tab20')
+    if num_clients > _MANY_CLIENTS:
+        plot_heatmap(histogram, path, f'{title} (colour: examples)',
+                     col_labels=[str(c) for c in range(num_classes)], xlabel='class', ylabel='client')
+        return
     positions = np.arange(num_clients)
     fig, ax = plt.subplots(figsize=(8, max(3.0, 0.25 * num_clients + 1.5)))
     try:
@@ -386,6 +391,8 @@ def plot_heatmap(
     title: str,
     row_labels: Optional[Sequence[str]] = None,
     col_labels: Optional[Sequence[str]] = None,
+    xlabel: Optional[str] = None,
+    ylabel: Optional[str] = None,
 ) -> None:
     """Draws a matrix as an image with a colour bar.
 
@@ -393,8 +400,11 @@ def plot_heatmap(
       matrix: A 2-D array of numbers.
       path: Where to write the PNG.
       title: The figure title.
-      row_labels: Optional y tick labels, one per row.
-      col_labels: Optional x tick labels, one per column.
+      row_labels: Optional y tick labels, one per row (not drawn beyond
+        100 rows).
+      col_labels: Optional x tick labels, one per column (not drawn beyond
+        100 columns).
+      xlabel, ylabel: Optional axis labels.
 
     Raises:
       ValueError: If `matrix` is not 2-D or the labels do not match its
@@ -414,15 +424,19 @@ def plot_heatmap(
     try:
         image = ax.imshow(matrix, aspect='auto', interpolation='nearest')
         fig.colorbar(image, ax=ax)
-        if row_labels is not None:
+        if row_labels is not None and num_rows <= _MANY_CLIENTS:
             ax.set_yticks(np.arange(num_rows))
             ax.set_yticklabels([str(label) for label in row_labels])
-        if col_labels is not None:
+        if col_labels is not None and num_cols <= _MANY_CLIENTS:
             ax.set_xticks(np.arange(num_cols))
             ax.set_xticklabels(
                 [str(label) for label in col_labels],
                 rotation=90 if num_cols > _ROTATE_TICKS_ABOVE else 0,
             )
+        if xlabel:
+            ax.set_xlabel(xlabel)
+        if ylabel:
+            ax.set_ylabel(ylabel)
         ax.set_title(title)
     except BaseException:
         plt.close(fig)
@@ -519,73 +533,72 @@ def format_table(
     return '\n'.join(lines)
 
 
-class TensorBoardWriter:
-    """Writes scalar metrics to a TensorBoard event file.
+class RoundRelease:
+    """Releases each round's metrics row through TFF's release managers.
 
-    Typical use:
+    * `tff.program.CSVFileReleaseManager` keeps the CSV file, keyed by the
+      `round` column. Releasing a round drops the rows of that round and
+      later ones first, so a resumed run that releases its rounds again from
+      round 1 leaves no stale row. Cells are formatted as in `write_csv`.
+    * `tff.program.TensorBoardReleaseManager` writes every numeric value as a
+      scalar (lists as histograms) at step `round`.
+
+    The managers are coroutines; they run on an event loop of their own, in
+    a thread, so that releasing works where a loop is already running (a
+    notebook). Typical use:
 
     ```python
-    with reports.TensorBoardWriter(logdir) as tb:
-        tb.scalars(round_num, {'loss': 0.3, 'accuracy': 0.9}, prefix='train')
+    release = reports.RoundRelease('run/metrics.csv', 'run/tensorboard')
+    release({'round': 1, 'train_loss': 0.3})
+    release.close()
     ```
     """
 
-    def __init__(self, logdir: str):
-        """Creates the writer.
+    def __init__(self, csv_path: str, tensorboard_dir: str):
+        """Creates the managers (and the CSV file with its `round` header).
 
         Args:
-          logdir: The directory for the event file; created if needed.
+          csv_path: the metrics CSV file; rows already in it are kept.
+          tensorboard_dir: the directory of the TensorBoard event files.
         """
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        import asyncio  # pylint: disable=g-import-not-at-top
+        import threading  # pylint: disable=g-import-not-at-top
 
-        self._tf = tf
-        self._logdir = logdir
-        self._writer = tf.summary.create_file_writer(logdir)
-        self._closed = False
+        import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
 
-    @property
-    def logdir(self) -> str:
-        return self._logdir
+        self._asyncio = asyncio
+        self._csv = tff.program.CSVFileReleaseManager(csv_path, key_fieldname='round')
+        self._board = tff.program.TensorBoardReleaseManager(tensorboard_dir)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name='metrics-release', daemon=True)
+        self._thread.start()
 
-    def scalars(
-        self, step: int, values: Mapping[str, Any], prefix: str = ''
-    ) -> None:
-        """Writes each numeric value as a scalar at `step` and flushes.
-
-        Values that are not real numbers (strings, `None`, bools, arrays with
-        more than one element) are skipped. NaN and infinite values are
-        written as they are.
-
-        Args:
-          step: The step (e.g. round number) of the values.
-          values: Name -> value; the tag is `prefix/name`, or `name` when
-            `prefix` is empty.
-          prefix: Optional tag prefix, e.g. `'train'`.
+    def __call__(self, row: Mapping[str, Any]) -> None:
+        """Releases one row (`round` and its metrics) to the CSV file and to TensorBoard.
 
         Raises:
-          RuntimeError: If the writer is closed.
+          RuntimeError: if the release is closed.
         """
-        if self._closed:
-            raise RuntimeError('TensorBoardWriter is closed')
-        prefix = prefix.rstrip('/')
-        with self._writer.as_default():
-            for name, value in values.items():
-                if isinstance(value, np.ndarray) and value.size == 1:
-                    value = value.reshape(()).item()
-                if not _is_number(value):
-                    continue
-                tag = f'{prefix}/{name}' if prefix else str(name)
-                self._tf.summary.scalar(tag, float(value), step=int(step))
-        self._writer.flush()
+        if self._loop.is_closed():
+            raise RuntimeError('RoundRelease is closed')
+        key = int(row['round'])
+        cells = {k: _csv_cell(v) for k, v in row.items() if k != 'round'}
+        numbers_only = {k: v for k, v in row.items()
+                        if k != 'round' and v is not None and not isinstance(v, (str, bytes))}
+
+        async def release():
+            await self._asyncio.gather(self._csv.release(cells, key=key), self._board.release(numbers_only, key=key))
+
+        self._asyncio.run_coroutine_threadsafe(release(), self._loop).result()
 
     def close(self) -> None:
-        """Flushes and closes the event file; later calls do nothing."""
-        if not self._closed:
-            self._writer.close()
-            self._closed = True
+        """Stops the release thread and flushes TensorBoard; later calls do nothing."""
+        if self._loop.is_closed():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self._board = None  # its summary writer flushes as it is released
+        import gc  # pylint: disable=g-import-not-at-top
 
-    def __enter__(self) -> 'TensorBoardWriter':
-        return self
-
-    def __exit__(self, *unused_exc_info: Any) -> None:
-        self.close()
+        gc.collect()

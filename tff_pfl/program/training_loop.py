@@ -8,6 +8,7 @@ computations, so the same loop drives every algorithm.
 import collections
 import dataclasses
 import os
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Optional
@@ -51,18 +52,84 @@ def flatten(nested: Mapping, prefix: str = '') -> collections.OrderedDict:
     return flat
 
 
-class ClientStateStore:
-    """Client states keyed by client id; pass-in/pass-out around `next`."""
+# Above this many bytes of client state, the driver's store lives in a
+# memory-mapped file instead of the heap.
+SPILL_BYTES = 128 * 2**20
 
-    def __init__(self, process: template.PersonalizedProcess, client_ids: Sequence[str]):
-        self._states = {c: process.initial_client_state(c) for c in client_ids}
+# `evaluate` and `personalize` of every client run this many clients per call,
+# so neither side holds all client states (and models) at once.
+CLIENTS_PER_CALL = 100
+
+
+class ClientStateStore:
+    """Every client's state, kept by the driver; pass-in/pass-out around `next`.
+
+    States are held stacked leaf by leaf: one array of shape
+    `[num_clients, *leaf_shape]` per tensor of the client-state structure, so
+    the store costs its tensors' bytes and nothing per client, and the rows of
+    a round's clients are gathered and scattered by index. Once the numeric
+    leaves exceed `spill_bytes`, they live in memory-mapped files in
+    `spill_dir` (unlinked at once: the mapping keeps them, and nothing is left
+    behind if the process dies); the OS pages them in and out, so the driver's
+    resident memory does not grow with the number of clients.
+    """
+
+    def __init__(self, process: template.PersonalizedProcess, client_ids: Sequence[str], *,
+                 spill_dir: Optional[str] = None, spill_bytes: Optional[int] = None,
+                 clients_per_call: Optional[int] = None):
+        """Builds every client's initial state.
+
+        Args:
+          process: the algorithm.
+          client_ids: every client id.
+          spill_dir: where the memory-mapped files go once the store is
+            large; None: always on the heap.
+          spill_bytes: size of the numeric leaves above which they spill
+            (default `SPILL_BYTES`).
+          clients_per_call: clients per `evaluate`/`personalize` call
+            (default `CLIENTS_PER_CALL`).
+        """
+        spill_bytes = SPILL_BYTES if spill_bytes is None else spill_bytes
+        clients_per_call = CLIENTS_PER_CALL if clients_per_call is None else clients_per_call
+        if clients_per_call < 1:
+            raise ValueError(f'clients_per_call must be >= 1, got {clients_per_call}')
+        self._clients_per_call = clients_per_call
+        self._ids = list(client_ids)
+        self._rows = {c: i for i, c in enumerate(self._ids)}
+        self._template = process.initial_client_state(self._ids[0])
+        count = len(self._ids)
+        like = [np.asarray(leaf) for leaf in device_state.flatten(self._template)]
+        numeric_bytes = sum(leaf.nbytes * count for leaf in like if leaf.dtype.kind not in 'SUO')
+        self.spilled = spill_dir is not None and numeric_bytes > spill_bytes
+        self._leaves = []
+        if self.spilled:
+            os.makedirs(spill_dir, exist_ok=True)
+        for leaf in like:
+            if leaf.dtype.kind in 'SUO':
+                self._leaves.append([None] * count)  # client ids and other strings: small
+            elif self.spilled:
+                with tempfile.NamedTemporaryFile(dir=spill_dir, prefix='client_store_', suffix='.bin') as f:
+                    self._leaves.append(np.memmap(f.name, dtype=leaf.dtype, mode='w+', shape=(count, *leaf.shape)))
+            else:
+                self._leaves.append(np.empty((count, *leaf.shape), leaf.dtype))
+        for client_id in self._ids:
+            self._write(self._rows[client_id], process.initial_client_state(client_id))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the numeric leaves (on the heap, or mapped)."""
+        return sum(leaf.nbytes for leaf in self._leaves if isinstance(leaf, np.ndarray))
+
+    def _write(self, row: int, state) -> None:
+        for leaf, value in zip(self._leaves, device_state.flatten(state)):
+            leaf[row] = value
+
+    def _read(self, row: int):
+        values = (leaf[row] if isinstance(leaf, list) else _value(leaf[row]) for leaf in self._leaves)
+        return device_state.fill(self._template, values)
 
     def get(self, client_ids: Sequence[str]) -> list:
-        return [self._states[c] for c in client_ids]
-
-    def restore(self, states: Mapping) -> None:
-        """Puts back every client's state from a checkpoint."""
-        self.put(list(states), list(states.values()))
+        return [self._read(self._rows[c]) for c in client_ids]
 
     def put(self, client_ids: Sequence[str], states: Sequence) -> None:
         for client_id, state in zip(client_ids, states):
@@ -71,17 +138,29 @@ class ClientStateStore:
                 returned_id = returned_id.decode()
             if returned_id != client_id:
                 raise RuntimeError(f'client state of {returned_id!r} returned in the slot of {client_id!r}')
-            self._states[client_id] = state
+            self._write(self._rows[client_id], state)
 
     def all(self) -> list:
-        return list(self._states.values())
+        return self.get(self._ids)
 
     def ids(self) -> list[str]:
-        return list(self._states)
+        return list(self._ids)
 
-    def states(self) -> dict:
-        """Client id -> client state, for every client."""
-        return dict(self._states)
+    def states(self) -> 'StateView':
+        """Client id -> client state, for every client (read as looked up)."""
+        return StateView(self._ids, self.get)
+
+    def stacked(self) -> list:
+        """The leaves, one `[num_clients, ...]` array each (for checkpoints)."""
+        return [np.array(leaf) if isinstance(leaf, list) else leaf for leaf in self._leaves]
+
+    def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
+        """Puts back every client's state from a checkpoint, leaf by leaf."""
+        for i, leaf in enumerate(self._leaves):
+            if isinstance(leaf, list):
+                leaf[:] = checkpoint.client_leaf(i).tolist()
+            else:
+                checkpoint.read_client_leaf(i, leaf)
 
     def initialize(self, process: template.PersonalizedProcess):
         return process.initialize()
@@ -92,11 +171,44 @@ class ClientStateStore:
         self.put(client_ids, output.client_states)
         return output.state, output.metrics
 
+    def _chunks(self) -> list:
+        step = self._clients_per_call
+        return [self._ids[i:i + step] for i in range(0, len(self._ids), step)]
+
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
-        self.put(self.ids(), process.personalize(state, self.all()))
+        for chunk in self._chunks():
+            self.put(chunk, process.personalize(state, self.get(chunk)))
 
     def evaluate(self, process: template.PersonalizedProcess, state) -> list:
-        return process.evaluate(state, self.all())
+        results = []
+        for chunk in self._chunks():
+            results.extend(process.evaluate(state, self.get(chunk)))
+        return results
+
+
+def _value(leaf):
+    """A stored row as a fresh array (numpy scalar for rank 0)."""
+    leaf = np.array(leaf)
+    return leaf[()] if leaf.ndim == 0 else leaf
+
+
+class StateView(Mapping):
+    """Read-only client id -> client state, built on lookup (no copy of the store)."""
+
+    def __init__(self, client_ids: Sequence[str], get: Callable[[Sequence[str]], list]):
+        self._ids, self._get = list(client_ids), get
+        self._known = frozenset(self._ids)
+
+    def __getitem__(self, client_id):
+        if client_id not in self._known:
+            raise KeyError(client_id)
+        return self._get([client_id])[0]
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self):
+        return len(self._ids)
 
 
 class DeviceStateStore:
@@ -126,10 +238,14 @@ class DeviceStateStore:
     def get(self, client_ids: Sequence[str]) -> list:
         return [self._inputs[c] for c in client_ids]
 
-    def restore(self, states: Mapping) -> None:
+    def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
         """Writes every client's state from a checkpoint back to its state file."""
-        for client_id, state in states.items():
+        for client_id, state in checkpoint.client_states(self._process.initial_client_state(self.ids()[0])).items():
             device_state.save(self._inputs[client_id]['state_file'], state)
+
+    def stacked(self) -> list:
+        """The states read from the files, stacked leaf by leaf (for checkpoints)."""
+        return checkpoints_lib.stack_states(self.states())[1]
 
     def all(self) -> list:
         return list(self._inputs.values())
@@ -167,14 +283,15 @@ class RunResult:
 
     Attributes:
       state: final server state.
-      client_states: client id -> final client state.
+      client_states: client id -> final client state (a read-only
+        mapping; a `StateView` reads each state from the store on lookup).
       rounds: one metrics dict per round.
       clients: one dict per client: its final evaluation, flattened.
       summary: model name -> metric summary of per-client test accuracy.
     """
 
     state: object
-    client_states: dict
+    client_states: Mapping
     rounds: list
     clients: list
     summary: dict
@@ -252,6 +369,7 @@ def run(
     checkpoints: Optional[checkpoints_lib.RunCheckpoints] = None,
     checkpoint_every: int = 0,
     on_resume: Optional[Callable[[int, list], None]] = None,
+    spill_dir: Optional[str] = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -278,25 +396,27 @@ def run(
       checkpoint_every: write a checkpoint after every this many rounds
         (0: never); never after the last round, whose results follow at once.
       on_resume: called with the round resumed after and the restored rows.
+      spill_dir: where the driver's client-state store is memory-mapped
+        once it exceeds `SPILL_BYTES` (None: it stays on the heap).
 
     Returns:
       A `RunResult`.
     """
     rng = np.random.default_rng([seed, 0x5A3D])
     if device_state_dir is None:
-        store = ClientStateStore(process, client_ids)
+        store = ClientStateStore(process, client_ids, spill_dir=spill_dir)
     else:
         store = DeviceStateStore(process, client_ids, device_state_dir)
     state = store.initialize(process)
     rows, started, first_round = [], time.monotonic(), 1
     if checkpoints is not None:
-        restored = checkpoints.load_latest(state, process.initial_client_state(client_ids[0]))
+        restored = checkpoints.load_latest(state)
         if restored is not None:
-            if restored.round_num >= rounds or list(restored.client_states) != list(client_ids):
+            if restored.round_num >= rounds or restored.client_ids != list(client_ids):
                 raise ValueError(f'the checkpoint of round {restored.round_num} in {checkpoints.directory} '
                                  f'does not belong to this run')
             state, rows, first_round = restored.server_state, list(restored.rows), restored.round_num + 1
-            store.restore(restored.client_states)
+            store.restore(restored)
             rng.bit_generator.state = restored.rng_state
             log(f'resuming after round {restored.round_num} (checkpoint in {checkpoints.directory})')
             if on_resume is not None:
@@ -319,7 +439,7 @@ def run(
         if on_round is not None:
             on_round(row)
         if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and round_num < rounds:
-            checkpoints.save(round_num, state, store.states(), rng.bit_generator.state, rows)
+            checkpoints.save(round_num, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
         log(progress_line(f'round {round_num}/{rounds}', round_num - first_round + 1, rounds - first_round + 1, row,
                           summaries if evaluate_now else {}, started))
     return RunResult(
