@@ -67,19 +67,9 @@ def run(
     num_clients = len(client_ids)
     store = training_loop.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     state = process.initialize()
-    rows, started, summaries, first_interval = [], time.monotonic(), {}, 1
-    if checkpoints is not None:
-        restored = checkpoints.load_latest(state)
-        if restored is not None:
-            if restored.round_num >= intervals or restored.client_ids != list(client_ids):
-                raise ValueError(f'the checkpoint of interval {restored.round_num} in {checkpoints.directory} '
-                                 f'does not belong to this run')
-            state, rows, first_interval = restored.server_state, list(restored.rows), restored.round_num + 1
-            store.restore(restored)
-            rng.bit_generator.state = restored.rng_state
-            log(f'resuming after interval {restored.round_num} (checkpoint in {checkpoints.directory})')
-            if on_resume is not None:
-                on_resume(restored.round_num, rows)
+    started, summaries = time.monotonic(), {}
+    state, rows, first_interval = training_loop.resume(
+        checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume)
     for interval in range(first_interval, intervals + 1):
         interval_start = time.monotonic()
         first_slot = (interval - 1) * exchange_interval

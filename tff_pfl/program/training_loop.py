@@ -355,6 +355,42 @@ def _format_eta(seconds: float) -> str:
     return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
 
+def resume(checkpoints: Optional[checkpoints_lib.RunCheckpoints], state, store, rng: np.random.Generator,
+           client_ids: Sequence[str], last: int, unit: str, log: Callable[[str], None],
+           on_resume: Optional[Callable[[int, list], None]]) -> tuple:
+    """Continues from the newest checkpoint, if there is one.
+
+    Args:
+      checkpoints: the run's checkpoints (None: none).
+      state: the initial server state (for its structure).
+      store: the client-state store; its states are overwritten.
+      rng: the run's generator; its state is overwritten.
+      client_ids: every client id of this run.
+      last: the run's last round (or interval).
+      unit: 'round' or 'interval', for the messages.
+      log, on_resume: as in `run`.
+
+    Returns:
+      `(server state, metrics rows so far, first round to run)`.
+
+    Raises:
+      ValueError: if the checkpoint belongs to another run.
+    """
+    restored = checkpoints.load_latest(state) if checkpoints is not None else None
+    if restored is None:
+        return state, [], 1
+    if restored.round_num >= last or restored.client_ids != list(client_ids):
+        raise ValueError(f'the checkpoint of {unit} {restored.round_num} in {checkpoints.directory} '
+                         f'does not belong to this run')
+    store.restore(restored)
+    rng.bit_generator.state = restored.rng_state
+    rows = list(restored.rows)
+    log(f'resuming after {unit} {restored.round_num} (checkpoint in {checkpoints.directory})')
+    if on_resume is not None:
+        on_resume(restored.round_num, rows)
+    return restored.server_state, rows, restored.round_num + 1
+
+
 def run(
     process: template.PersonalizedProcess,
     client_ids: Sequence[str],
@@ -408,19 +444,8 @@ def run(
     else:
         store = DeviceStateStore(process, client_ids, device_state_dir)
     state = store.initialize(process)
-    rows, started, first_round = [], time.monotonic(), 1
-    if checkpoints is not None:
-        restored = checkpoints.load_latest(state)
-        if restored is not None:
-            if restored.round_num >= rounds or restored.client_ids != list(client_ids):
-                raise ValueError(f'the checkpoint of round {restored.round_num} in {checkpoints.directory} '
-                                 f'does not belong to this run')
-            state, rows, first_round = restored.server_state, list(restored.rows), restored.round_num + 1
-            store.restore(restored)
-            rng.bit_generator.state = restored.rng_state
-            log(f'resuming after round {restored.round_num} (checkpoint in {checkpoints.directory})')
-            if on_resume is not None:
-                on_resume(restored.round_num, rows)
+    started = time.monotonic()
+    state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, 'round', log, on_resume)
     for round_num in range(first_round, rounds + 1):
         round_start = time.monotonic()
         sampled = sample_clients(rng, client_ids, client_fraction)
