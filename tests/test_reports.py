@@ -237,20 +237,20 @@ def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_re
 
     path, logdir = str(tmp_path / 'metrics.csv'), str(tmp_path / 'tb')
     release = reports.RoundRelease(path, logdir)
-    release({'round': 1, 'loss': 2.0 / 3.0, 'name': 'x'})
-    assert read_csv(path) == [['round', 'loss', 'name'], ['1', '0.666667', 'x']]  # readable after each round
+    release({'round': 1, 'name': 'x', 'loss': 2.0 / 3.0})  # columns keep the row's order, not sorted
+    assert read_csv(path) == [['round', 'name', 'loss'], ['1', 'x', '0.666667']]  # readable after each round
     release({'round': 2, 'loss': np.float32(0.5), 'name': 'y'})
     release({'round': 3, 'loss': 0.25, 'name': 'z', 'acc': 0.75})  # a new column
     release.close()
     release.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match='closed'):
         release({'round': 4, 'loss': 0.1})
-    assert read_csv(path) == [['round', 'loss', 'name', 'acc'], ['1', '0.666667', 'x', ''], ['2', '0.5', 'y', ''],
-                              ['3', '0.25', 'z', '0.75']]
+    assert read_csv(path) == [['round', 'name', 'loss', 'acc'], ['1', 'x', '0.666667', ''], ['2', 'y', '0.5', ''],
+                              ['3', 'z', '0.25', '0.75']]
     resumed = reports.RoundRelease(path, logdir)
     resumed({'round': 2, 'loss': 0.125, 'name': 'again'})  # a resumed run releases round 2 again
     resumed.close()
-    assert read_csv(path) == [['round', 'loss', 'name', 'acc'], ['1', '0.666667', 'x', ''], ['2', '0.125', 'again', '']]
+    assert read_csv(path) == [['round', 'name', 'loss', 'acc'], ['1', 'x', '0.666667', ''], ['2', 'again', '0.125', '']]
     found = []
     for name in sorted(os.listdir(logdir)):
         for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):

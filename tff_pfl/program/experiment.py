@@ -417,7 +417,9 @@ def run_experiment(
     if on_process is not None:
         on_process(process)
     metrics_path = os.path.join(out, 'metrics.csv')
-    # Rounds are released through TFF's release managers as they finish.
+    # Rounds are released through TFF's release managers as they finish; the
+    # CSV manager rewrites the file whenever a row brings new columns
+    # (evaluated rounds), so every row has every column.
     on_round = reports.RoundRelease(metrics_path, os.path.join(out, 'tensorboard'))
 
     def on_resume(round_num, rows):
@@ -459,9 +461,6 @@ def run_experiment(
                 )
     finally:
         on_round.close()
-    # metrics.csv was appended row by row; rewrite it whole so every row has
-    # every column (evaluation columns appear only on evaluated rounds).
-    reports.write_csv(metrics_path, result.rounds)
     _write_results(out, config, spec, result, process)
     return result
 

@@ -12,8 +12,10 @@ TensorFlow Federated is imported only when a `RoundRelease` is created, so
 that importing this module stays fast.
 """
 
+import collections
 from collections.abc import Mapping, Sequence
 import csv
+import keyword
 import numbers
 import os
 from typing import Any, Optional
@@ -533,6 +535,17 @@ def format_table(
     return '\n'.join(lines)
 
 
+def _in_order(values: Mapping[str, Any]):
+    """`values` as a structure TFF flattens in its own order (the CSV's column order).
+
+    TFF's release managers flatten mappings in sorted key order; a namedtuple
+    keeps its fields' order. Names that cannot be fields keep the sorted order.
+    """
+    if all(k.isidentifier() and not keyword.iskeyword(k) and not k.startswith('_') for k in values):
+        return collections.namedtuple('Row', list(values))(*values.values())
+    return dict(values)
+
+
 class RoundRelease:
     """Releases each round's metrics row through TFF's release managers.
 
@@ -582,7 +595,7 @@ class RoundRelease:
         if self._loop.is_closed():
             raise RuntimeError('RoundRelease is closed')
         key = int(row['round'])
-        cells = {k: _csv_cell(v) for k, v in row.items() if k != 'round'}
+        cells = _in_order({k: _csv_cell(v) for k, v in row.items() if k != 'round'})
         numbers_only = {k: v for k, v in row.items()
                         if k != 'round' and v is not None and not isinstance(v, (str, bytes))}
 
