@@ -74,10 +74,12 @@ class Export:
 
     @property
     def algorithm(self) -> str:
+        """The exported algorithm's registry name (e.g. `fedavg`)."""
         return self.manifest['algorithm']
 
     @property
     def client_ids(self) -> list:
+        """Every client id of the export, in partition order."""
         return list(self.manifest['client_ids'])
 
     def _load(self, entry) -> tff.Computation:
@@ -117,11 +119,27 @@ class Export:
         raise AttributeError(name)
 
     def device_inputs(self, state_dir: str, client_ids: Optional[Sequence[str]] = None) -> list:
-        """`<client_id, state_file>` of each client (default: all of the export's)."""
+        """`<client_id, state_file>` of each client (default: all of the export's).
+
+        Args:
+          state_dir: the directory that holds the devices' state files.
+          client_ids: the clients; None or empty: all of the export's.
+
+        Returns:
+          One `device_state.device_input` per client, in order.
+        """
         return [device_state.device_input(c, state_dir) for c in (client_ids or self.client_ids)]
 
     def load_client_state(self, device) -> object:
-        """The client state in a device's state file (the initial one if it has none yet)."""
+        """The client state in a device's state file (the initial one if it has none yet).
+
+        Args:
+          device: one of `device_inputs`.
+
+        Returns:
+          The client state, structured like the export's
+          `initial_client_state`.
+        """
         initial = self.computations['initial_client_state'](device['client_id'])
         if not os.path.exists(device['state_file']):
             return initial
@@ -151,7 +169,19 @@ class Export:
         return state, metrics
 
     def run_phase_map_reduce(self, form, state, devices: Sequence):
-        """One phase through one MapReduceForm: prepare, work, zero/accumulate/merge/report, update."""
+        """One phase through one MapReduceForm: prepare, work, zero/accumulate/merge/report, update.
+
+        Args:
+          form: the phase's `MapReduceForm` (from `map_reduce_forms`).
+          state: the server state before the phase.
+          devices: the round's `device_inputs`.
+
+        Returns:
+          `(new server state, phase metrics)`.
+
+        Raises:
+          ExportError: if the phase has secure-aggregation parts.
+        """
         broadcast = form.prepare(state)
         accumulator = form.zero()
         for device in devices:
@@ -164,7 +194,19 @@ class Export:
         return _state_and_metrics(result)
 
     def run_round_distribute_aggregate(self, state, devices: Sequence):
-        """One round through the DistributeAggregateForms' five stages; see `run_round_map_reduce`."""
+        """One round through the DistributeAggregateForms' five stages; see `run_round_map_reduce`.
+
+        Args:
+          state: the server state (from `initialize()` or a previous round).
+          devices: the round's `device_inputs`.
+
+        Returns:
+          `(new server state, round metrics)`, the metrics of every phase in
+          one `OrderedDict`.
+
+        Raises:
+          ExportError: if the export has no DistributeAggregateForm.
+        """
         metrics = collections.OrderedDict()
         for phase, form in self._require(self.distribute_aggregate_forms, 'distribute_aggregate_form').items():
             broadcast_input, intermediate = _parts(form.server_prepare(state))
@@ -204,7 +246,17 @@ def _state_and_metrics(result):
 
 
 def main(argv=None) -> int:
-    """The command line; returns the exit code."""
+    """The command line; returns the exit code.
+
+    Without `--workers`, the process first re-executes itself in a private
+    network namespace where the kernel allows it (`runtime.isolate_network`).
+
+    Args:
+      argv: the arguments, without the program name; None: `sys.argv[1:]`.
+
+    Returns:
+      0 on success, 2 if the export cannot be loaded or run.
+    """
     import argparse
     import sys
     import time

@@ -35,7 +35,16 @@ from tff_pfl.data import client_data
 
 
 def mix(alpha, local, global_weights) -> list:
-    """alpha * local + (1 - alpha) * global, tensor by tensor (TF code)."""
+    """alpha * local + (1 - alpha) * global, tensor by tensor (TF code).
+
+    Args:
+      alpha: the client's mixing weight, a float32 scalar in [0, 1].
+      local: the client's local weights v, a list of tensors.
+      global_weights: the global weights w, tensors matching `local`.
+
+    Returns:
+      The list of mixed weights.
+    """
     return [alpha * v + (1.0 - alpha) * w for v, w in zip(local, global_weights)]
 
 

@@ -42,7 +42,19 @@ from tff_pfl.data import client_data
 
 
 def average_prototypes(previous: tf.Tensor, weighted_sums: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
-    """Per-architecture weighted means `[A, D]`; rows without weight keep `previous`."""
+    """Per-architecture weighted means `[A, D]`; rows without weight keep `previous`.
+
+    Args:
+      previous: float32 `[A, D]`, last round's packed prototype of each of
+        the A architectures.
+      weighted_sums: float32 `[A, D]`, the sum over clients of example count
+        times packed trained weights, in their architecture's row.
+      weights: float32 `[A]`, the total example count of each architecture's
+        clients.
+
+    Returns:
+      float32 `[A, D]`, the new packed prototypes.
+    """
     has_clients = weights[:, tf.newaxis] > 0
     return tf.where(has_clients, weighted_sums / tf.maximum(weights[:, tf.newaxis], 1e-12), previous)
 

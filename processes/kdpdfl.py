@@ -65,6 +65,13 @@ def draw_neighbours(
     (the paper: about 5). With more than `max_neighbours` reachable, the
     strongest links are kept (Fig. 4's cap).
 
+    Args:
+      rng: the driver's NumPy generator (draws the link gains).
+      num_clients: M, the number of clients.
+      star: the star's client index.
+      mean_reachable: the expected number of reachable peers.
+      max_neighbours: optional cap on the number of neighbours.
+
     Returns:
       Sorted client indices, possibly empty.
     """
@@ -97,6 +104,12 @@ def collaboration_gradient(row: tf.Tensor) -> tf.Tensor:
 
     g is 0 when the client's collaboration weights sum to 1 and 1/2 when
     they are all zero, i.e. when it would train only locally.
+
+    Args:
+      row: `[M]` the star's connectivity vector w_i.
+
+    Returns:
+      `[M]`, the gradient (the same value in every entry).
     """
     return -(1.0 - tf.reduce_sum(row)) * tf.ones_like(row)
 
@@ -132,7 +145,16 @@ def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2):
 
 
 def confidence(num_train, num_neighbours, c_base):
-    """Eq. 4: c_i = min(|X_i| / c_base, 1 / (|N_i| + 1))."""
+    """Eq. 4: c_i = min(|X_i| / c_base, 1 / (|N_i| + 1)).
+
+    Args:
+      num_train: |X_i|, the star's number of training examples.
+      num_neighbours: |N_i|, the number of neighbours that sent a model.
+      c_base: the example count at which |X_i| / c_base reaches 1.
+
+    Returns:
+      c_i, a float32 scalar.
+    """
     return tf.minimum(tf.cast(num_train, tf.float32) / c_base, 1.0 / (tf.cast(num_neighbours, tf.float32) + 1.0))
 
 

@@ -53,6 +53,12 @@ def mixing_weights(coefficients: tf.Tensor) -> tf.Tensor:
 
     A row that has fallen to all zeros gives the client its own weight only
     (the identity row): a client that trusts nobody keeps its own knowledge.
+
+    Args:
+      coefficients: c, `[N, N]`, non-negative.
+
+    Returns:
+      `[N, N]`, the row-normalised c.
     """
     totals = tf.reduce_sum(coefficients, axis=1, keepdims=True)
     own = tf.eye(tf.shape(coefficients)[0], dtype=coefficients.dtype)
@@ -64,6 +70,14 @@ def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
 
     Rows of c are normalised by `mixing_weights`, so that every target is a
     probability distribution.
+
+    Args:
+      coefficients: c, `[N, N]`.
+      predictions: the clients' soft predictions s_m on the public batch,
+        `[N, P, C]`.
+
+    Returns:
+      `[N, P, C]`, row n being client n's target sum_m c[n, m] s_m.
     """
     return tf.einsum('nm,mpc->npc', mixing_weights(coefficients), predictions)
 
@@ -73,6 +87,16 @@ def paper_objective(coefficients, predictions, weights, rho, imitation):
 
     KL(mix_n || s_n) with the row-normalised mixture of `mix`, averaged over
     the public batch; probabilities are clipped at 1e-8 inside the logarithm.
+
+    Args:
+      coefficients: c, `[N, N]`.
+      predictions: the clients' soft predictions, `[N, P, C]`.
+      weights: D_n, `[N]`.
+      rho: the regulariser's weight.
+      imitation: lambda.
+
+    Returns:
+      The objective, a float32 scalar.
     """
     num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     targets = mix(coefficients, predictions)
@@ -83,7 +107,19 @@ def paper_objective(coefficients, predictions, weights, rho, imitation):
 
 
 def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation):
-    """One gradient step of Eq. 7, then c is clipped at 0 (see `mix`)."""
+    """One gradient step of Eq. 7, then c is clipped at 0 (see `mix`).
+
+    Args:
+      coefficients: c, `[N, N]`.
+      predictions: the clients' soft predictions, `[N, P, C]`.
+      weights: D_n, `[N]`.
+      learning_rate: eta_3.
+      rho: the regulariser's weight.
+      imitation: lambda.
+
+    Returns:
+      The new c, `[N, N]`.
+    """
     with tf.GradientTape() as tape:
         tape.watch(coefficients)
         loss = paper_objective(coefficients, predictions, weights, rho, imitation)
@@ -96,6 +132,17 @@ def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sh
     Per row n: the objective MSE(s_n, sum_m c[n, m] s_m) + penalty MSE(c[n],
     1/N), one gradient step, then the row is renormalised as softmax(sharpness
     * c[n]).
+
+    Args:
+      coefficients: c, `[N, N]`; mixed with as is (not through
+        `mixing_weights`).
+      predictions: the clients' soft predictions, `[N, P, C]`.
+      learning_rate: the step size.
+      penalty: the weight of the pull towards 1/N.
+      sharpness: the softmax's scale.
+
+    Returns:
+      The new c, `[N, N]`, each row summing to 1.
     """
     num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     with tf.GradientTape() as tape:
@@ -115,6 +162,13 @@ def similarity_coefficients(predictions: tf.Tensor, top_k=None) -> tf.Tensor:
     public batch (non-negative for probabilities). With `top_k`, each row
     keeps its K largest entries (the client itself, similarity 1, is always
     among them) and zeroes the rest. Rows are normalised by `mix`.
+
+    Args:
+      predictions: the clients' soft predictions, `[N, P, C]`.
+      top_k: optional K (None keeps every entry).
+
+    Returns:
+      c, `[N, N]`, non-negative.
     """
     num_clients = tf.shape(predictions)[0]
     flat = tf.math.l2_normalize(tf.reshape(predictions, [num_clients, -1]), axis=1)
@@ -325,7 +379,15 @@ def build_ktpfl_process(
 
 
 def parameter_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """Appendix C's L_dis on parameter vectors: 1/2 ||a - b||^2 over the last axis."""
+    """Appendix C's L_dis on parameter vectors: 1/2 ||a - b||^2 over the last axis.
+
+    Args:
+      a: parameter vectors, `[..., D]`.
+      b: parameter vectors, broadcastable against `a`.
+
+    Returns:
+      The distances, `[...]`.
+    """
     return 0.5 * tf.reduce_sum(tf.square(a - b), axis=-1)
 
 
@@ -341,6 +403,9 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation):
       weights: D_n, `[N]`.
       rho: the regulariser's weight.
       imitation: lambda.
+
+    Returns:
+      The objective, a float32 scalar.
     """
     num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     mixed = tf.matmul(mixing_weights(coefficients), params)
@@ -350,7 +415,19 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation):
 
 
 def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation):
-    """One gradient step of Eq. 11, then c is clipped at 0."""
+    """One gradient step of Eq. 11, then c is clipped at 0.
+
+    Args:
+      coefficients: c, `[N, N]`.
+      params: the clients' parameter vectors, `[N, D]`.
+      weights: D_n, `[N]`.
+      learning_rate: eta_3.
+      rho: the regulariser's weight.
+      imitation: lambda.
+
+    Returns:
+      The new c, `[N, N]`.
+    """
     with tf.GradientTape() as tape:
         tape.watch(coefficients)
         loss = homogeneous_objective(coefficients, params, weights, rho, imitation)

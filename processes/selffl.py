@@ -101,13 +101,30 @@ def local_steps(eta, sigma_m_sq, others_precision, l_max: int, *, quadratic: boo
 
 
 def initialization(global_weights, personal_weights, own_precision, others_precision):
-    """theta_m^INIT of Eq. 10 (TF code)."""
+    """theta_m^INIT of Eq. 10 (TF code).
+
+    Args:
+      global_weights: theta^{t-1}, a list of tensors.
+      personal_weights: theta_m^{t-1}, tensors matching `global_weights`.
+      own_precision: p_m, a float32 scalar.
+      others_precision: S_-m (> 0), a float32 scalar.
+
+    Returns:
+      The list of theta^{t-1} - (p_m / S_-m)(theta_m^{t-1} - theta^{t-1}).
+    """
     shift = own_precision / others_precision
     return [g - shift * (p - g) for g, p in zip(global_weights, personal_weights)]
 
 
 def welford_update(count, mean, m2, weights):
     """Adds one observation to an online variance summed over entries (TF code).
+
+    Args:
+      count: the number of observations so far (float32 scalar).
+      mean: their running mean, a list of tensors.
+      m2: the sum of squared deviations from the mean, summed over entries
+        (float32 scalar).
+      weights: the new observation, tensors matching `mean`.
 
     Returns:
       `(count, mean, m2)`; the empirical variance is m2 / (count - 1).

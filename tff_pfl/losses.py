@@ -18,7 +18,15 @@ def _expand(value, logits):
 
 
 def hard_cross_entropy(student_logits, labels):
-    """Mean cross-entropy of the student's softmax with integer labels."""
+    """Mean cross-entropy of the student's softmax with integer labels.
+
+    Args:
+      student_logits: `[..., B, C]`.
+      labels: int labels `[B]`.
+
+    Returns:
+      The batch-mean loss, `[...]`.
+    """
     labels = tf.broadcast_to(labels, tf.shape(student_logits)[:-1])
     return tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=student_logits), axis=-1
@@ -26,7 +34,16 @@ def hard_cross_entropy(student_logits, labels):
 
 
 def soft_kl(teacher_logits, student_logits, temperature):
-    """Mean KL(softmax(teacher / T) || softmax(student / T)), without the T^2 factor."""
+    """Mean KL(softmax(teacher / T) || softmax(student / T)), without the T^2 factor.
+
+    Args:
+      teacher_logits: `[B, C]`.
+      student_logits: `[..., B, C]`.
+      temperature: T, broadcast to `[...]`.
+
+    Returns:
+      The batch-mean divergence, `[...]`.
+    """
     t = _expand(temperature, student_logits)
     teacher_log_p = tf.nn.log_softmax(teacher_logits / t, axis=-1)
     student_log_p = tf.nn.log_softmax(student_logits / t, axis=-1)
@@ -38,6 +55,14 @@ def soft_cross_entropy(teacher_logits, student_logits, temperature):
 
     Equals `soft_kl` plus the teacher's entropy, which does not depend on the
     student: the two have the same gradient with respect to the student.
+
+    Args:
+      teacher_logits: `[B, C]`.
+      student_logits: `[..., B, C]`.
+      temperature: T, broadcast to `[...]`.
+
+    Returns:
+      The batch-mean loss, `[...]`.
     """
     t = _expand(temperature, student_logits)
     teacher_p = tf.nn.softmax(teacher_logits / t, axis=-1)

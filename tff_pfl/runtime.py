@@ -59,6 +59,15 @@ class NoRuntimeContext(tff.framework.SyncContext):
     """
 
     def invoke(self, comp, arg):
+        """Fails: no runtime is open to run `comp`.
+
+        Args:
+            comp: the computation being invoked (ignored).
+            arg: its argument (ignored).
+
+        Raises:
+            RuntimeError: always, naming `local_runtime` as the fix.
+        """
         del comp, arg
         raise RuntimeError(
             'no TFF runtime is running: wrap the calls in `with tff_pfl.runtime.local_runtime():`'
@@ -69,7 +78,12 @@ tff.framework.set_default_context(NoRuntimeContext())
 
 
 def worker_binary_path() -> str:
-    """Returns the path of the `worker_binary` shipped inside the TFF wheel."""
+    """Returns the path of the `worker_binary` shipped inside the TFF wheel.
+
+    Returns:
+        `<tensorflow_federated package>/data/worker_binary` (not checked to
+        exist).
+    """
     package_dir = os.path.dirname(tff.__file__)
     return os.path.join(package_dir, 'data', 'worker_binary')
 
@@ -151,6 +165,12 @@ def _execution_context(stub, asynchronous: bool = False):
 def parse_worker_address(address: str) -> tuple[str, int]:
     """`host:port` -> `(host, port)`.
 
+    Args:
+        address: `host:port`; the port follows the last `:`.
+
+    Returns:
+        `(host, port)`, the port as an `int`.
+
     Raises:
         ValueError: with a one-line message if `address` is not `host:port`
             with a port in 1..65535.
@@ -163,6 +183,10 @@ def parse_worker_address(address: str) -> tuple[str, int]:
 
 def check_worker(address: str, timeout: float = 10.0) -> None:
     """Raises `RuntimeStartError` unless a TFF worker answers at `address`.
+
+    Args:
+        address: `host:port` of the worker.
+        timeout: seconds to wait for it to answer.
 
     Raises:
         ValueError: if `address` is not `host:port`.
@@ -179,6 +203,9 @@ def runtime_for(workers=(), **local_kwargs):
     Args:
         workers: `()` for a local worker, else `host:port` of each worker.
         **local_kwargs: `LocalRuntime` arguments, used without `workers`.
+
+    Yields:
+        The open `RemoteRuntime` or `LocalRuntime`; closed on exit.
     """
     if workers:
         with RemoteRuntime(workers) as remote:
@@ -247,7 +274,12 @@ class RemoteRuntime:
 
 
 def end_process(process: subprocess.Popen, timeout: float = 5.0) -> None:
-    """Ends a process we started (SIGTERM, then SIGKILL after `timeout` s) and reaps it."""
+    """Ends a process we started (SIGTERM, then SIGKILL after `timeout` s) and reaps it.
+
+    Args:
+        process: the child process; nothing is sent if it already exited.
+        timeout: seconds between SIGTERM and SIGKILL.
+    """
     if process.poll() is None:
         process.terminate()
         try:
@@ -342,7 +374,14 @@ class LocalRuntime:
 
 @contextlib.contextmanager
 def local_runtime(**kwargs) -> Iterator[LocalRuntime]:
-    """Context manager form of `LocalRuntime(**kwargs)`."""
+    """Context manager form of `LocalRuntime(**kwargs)`.
+
+    Args:
+        **kwargs: `LocalRuntime` arguments.
+
+    Yields:
+        The started `LocalRuntime`; closed on exit.
+    """
     runtime = LocalRuntime(**kwargs)
     try:
         yield runtime
@@ -365,7 +404,11 @@ _ISOLATED_ENV = 'TFF_PFL_NETWORK_NAMESPACE'
 
 
 def network_isolated() -> bool:
-    """True in a process that `isolate_network` re-executed in a private network namespace."""
+    """True in a process that `isolate_network` re-executed in a private network namespace.
+
+    Returns:
+        Whether `TFF_PFL_NETWORK_NAMESPACE` is `1` in the environment.
+    """
     return os.environ.get(_ISOLATED_ENV) == '1'
 
 

@@ -84,6 +84,14 @@ def _log(line: str) -> None:
 
 
 def main(argv) -> None:
+    """Runs the suite's missing runs (or only its report) and writes the report.
+
+    Exits with 2 and one line on stderr on bad input, 130 on Ctrl-C.
+
+    Args:
+      argv: what absl leaves of the command line after the flags; must hold
+        only the program name.
+    """
     if len(argv) > 1:
         _fail(f'unexpected arguments: {" ".join(argv[1:])}')
     if not _SUITE.value:

@@ -27,6 +27,14 @@ _PROG = 'tff-pfl-export'
 
 
 def main(argv) -> None:
+    """Exports the configured algorithm's round and prints what was written.
+
+    Exits with 2 and one line on stderr on bad input, 130 on Ctrl-C.
+
+    Args:
+      argv: what absl leaves of the command line after the flags; must hold
+        only the program name.
+    """
     if len(argv) > 1:
         common.fail(_PROG, f'unexpected arguments: {" ".join(argv[1:])}')
     if not flags.FLAGS['output_dir'].value:

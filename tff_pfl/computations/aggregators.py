@@ -61,6 +61,21 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         self._ddof = ddof
 
     def create(self, value_type, weight_type) -> tff.templates.AggregationProcess:
+        """Creates the precision-weighted mean `AggregationProcess`.
+
+        Args:
+          value_type: the `tff.Type` of the values to average (a tensor or a
+            structure of float32 tensors).
+          weight_type: the `tff.Type` of each client's sigma_m^2; a scalar
+            `tff.TensorType`.
+
+        Returns:
+          A `tff.templates.AggregationProcess` whose state, result and
+          measurements are described in the class docstring.
+
+        Raises:
+          TypeError: if `weight_type` is not a scalar tensor type.
+        """
         if not (isinstance(weight_type, tff.TensorType) and weight_type.shape == ()):
             raise TypeError(f'the weight (sigma_m^2) must be a scalar, got {weight_type}')
         num_clients, fixed, ddof = self._num_clients, self._fixed, self._ddof

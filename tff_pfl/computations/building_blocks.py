@@ -62,7 +62,14 @@ def participated(client_state, round_num, **updates) -> collections.OrderedDict:
 
 
 def training_metric_sums(stats: local_training.Stats) -> collections.OrderedDict:
-    """A client's training metrics as sums, ready for one `federated_sum` (TF code)."""
+    """A client's training metrics as sums, ready for one `federated_sum` (TF code).
+
+    Args:
+      stats: the `local_training.Stats` of the client's local training.
+
+    Returns:
+      `<loss_sum, num_correct, num_examples, num_clients=1.0>`, all float32.
+    """
     return collections.OrderedDict(
         loss_sum=stats.loss_sum,
         num_correct=stats.num_correct,
@@ -234,6 +241,11 @@ def build_client_evaluation(
     spec: client_data.ClientDataSpec, model_fn: ModelFn, split: str = 'test'
 ) -> tff.Computation:
     """A client's loss and accuracy of `weights` on its own `split`.
+
+    Args:
+      spec: the partition on disk.
+      model_fn: builds a fresh Keras model.
+      split: which split to evaluate on.
 
     Returns:
       A `tff.tensorflow.computation` `(weights, client_id) -> <loss, accuracy,

@@ -34,6 +34,14 @@ _GLOB_CHARACTERS = frozenset('*?[]\\')
 def device_input(client_id: str, state_dir: str) -> collections.OrderedDict:
     """The device input of `client_id` whose state lives in `state_dir`.
 
+    Args:
+      client_id: the client's id.
+      state_dir: the directory of the device's state file.
+
+    Returns:
+      A `DEVICE_INPUT_TYPE` value, `<client_id, state_file>` with
+      `state_file = state_dir/<client_id>.state`.
+
     Raises:
       ValueError: if the path has a glob character (`*?[]\\`): the device's
         existence check is a `tf.io.matching_files` pattern.
@@ -47,14 +55,30 @@ def device_input(client_id: str, state_dir: str) -> collections.OrderedDict:
 
 
 def flatten(value) -> list:
-    """The leaves of a (nested) client or server state, in TFF's structure order."""
+    """The leaves of a (nested) client or server state, in TFF's structure order.
+
+    Args:
+      value: a nest of mappings, lists, tuples and `tff.structure.Struct`s,
+        or a single leaf.
+
+    Returns:
+      The list of leaves (`[value]` for a leaf).
+    """
     if isinstance(value, (Mapping, list, tuple, tff.structure.Struct)):
         return tff.structure.flatten(tff.structure.from_container(value, recursive=True))
     return [value]
 
 
 def fill(template, leaves):
-    """`template`'s containers (Python) with the next values of the iterator `leaves`; inverse of `flatten`."""
+    """`template`'s containers (Python) with the next values of the iterator `leaves`; inverse of `flatten`.
+
+    Args:
+      template: a nest of mappings, lists and tuples, or a single leaf.
+      leaves: an iterator over the new leaves, consumed in `flatten` order.
+
+    Returns:
+      `template`'s structure (mappings as `OrderedDict`s) holding the leaves.
+    """
     if isinstance(template, Mapping):
         return collections.OrderedDict((k, fill(v, leaves)) for k, v in template.items())
     if isinstance(template, (list, tuple)):
@@ -106,12 +130,29 @@ def read(device, initial_client_state: tff.Computation):
 
 
 def write(device, client_state) -> tf.Operation:
-    """TF code: the op that writes `client_state` to the device's state file."""
+    """TF code: the op that writes `client_state` to the device's state file.
+
+    Args:
+      device: `DEVICE_INPUT_TYPE` value.
+      client_state: the client state `C` to write.
+
+    Returns:
+      The `tf.io.write_file` op.
+    """
     return tf.io.write_file(device['state_file'], _serialize(client_state))
 
 
 def after(op: tf.Operation, value):
-    """TF code: `value` (any structure of tensors), computed only after `op` ran."""
+    """TF code: `value` (any structure of tensors), computed only after `op` ran.
+
+    Args:
+      op: the op to wait for.
+      value: a structure of tensors.
+
+    Returns:
+      `value`'s tensors, behind a control dependency on `op`, as a
+      `tff.structure.Struct`.
+    """
     flat = flatten(value)
     with tf.control_dependencies([op]):
         flat = [tf.identity(t) for t in flat]
@@ -147,6 +188,12 @@ def stateful_update(update: tff.Computation, initial_client_state: tff.Computati
                     leading_types: Sequence[tff.Type]):
     """Like `stateful` for a step that returns only the new client state.
 
+    Args:
+      update: `(*leading, client_state) -> C`, a `tff.tensorflow.computation`.
+      initial_client_state: `tf.string -> C`.
+      leading_types: the types of `update`'s arguments before the client
+        state.
+
     Returns:
       `(*leading, D) -> tf.bool` (True once the state is written).
     """
@@ -166,6 +213,15 @@ def reading(fn: tff.Computation, initial_client_state: tff.Computation, leading_
     the workers' CLIENTS-placed results in the order the workers finish, not
     in the order of the clients, so the driver puts them back in order by id
     (`in_client_order`).
+
+    Args:
+      fn: `(*leading, client_state) -> E`, a `tff.tensorflow.computation`; the
+        state it reads is not written back.
+      initial_client_state: `tf.string -> C`.
+      leading_types: the types of `fn`'s arguments before the client state.
+
+    Returns:
+      A `tff.tensorflow.computation` `(*leading, D) -> <client_id, result=E>`.
     """
 
     def body(leading, device):
@@ -177,6 +233,14 @@ def reading(fn: tff.Computation, initial_client_state: tff.Computation, leading_
 
 def in_client_order(results: Sequence, client_ids: Sequence[str]) -> list:
     """The `result`s of a `reading` computation, in the order of `client_ids`.
+
+    Args:
+      results: the computation's per-client `<client_id, result>` values, in
+        any order.
+      client_ids: the clients, in the order wanted.
+
+    Returns:
+      The list of the `result`s, one per client of `client_ids`.
 
     Raises:
       RuntimeError: if the results do not name exactly `client_ids`.
@@ -239,8 +303,10 @@ def build_device_process(
         returns the state type its `prepare` takes).
       evaluate_input: `S -> V`, what evaluation sends to every client.
       evaluate_client: `(V, C) -> E`.
-      personalize_input, personalize_client: optional, `S -> P` and
-        `(P, C) -> C`, a clients-only personalization stage.
+      personalize_input: optional, `S -> P`, what personalization sends to
+        every client.
+      personalize_client: optional, `(P, C) -> C`, the clients-only
+        personalization stage (requires `personalize_input`).
 
     Returns:
       A `template.DeviceProcess`. Its client computations are, per phase,
@@ -327,6 +393,11 @@ def field_and_round(server_state_type: tff.Type, field: str, fn: tff.Computation
 def run_round(device_process, state, devices: Sequence):
     """One round of a `template.DeviceProcess`: its phases in order.
 
+    Args:
+      device_process: the `template.DeviceProcess`.
+      state: the server state `S` before the round.
+      devices: the participating clients' device inputs (`device_input`).
+
     Returns:
       `(new server state, metrics)`, the metrics of every phase in one
       `OrderedDict`.
@@ -369,7 +440,14 @@ def load(state_file: str, template):
 
 
 def save(state_file: str, state) -> None:
-    """Writes `state` to `state_file` in the devices' format (Python; e.g. to restore a checkpoint)."""
+    """Writes `state` to `state_file` in the devices' format (Python; e.g. to restore a checkpoint).
+
+    The file is written under a temporary name and then renamed into place.
+
+    Args:
+      state_file: the path to write.
+      state: a client state (a nest of tensors or numpy values).
+    """
     leaves = [tf.io.serialize_tensor(tf.convert_to_tensor(leaf)) for leaf in flatten(state)]
     blob = tf.io.serialize_tensor(tf.stack(leaves)).numpy()
     temporary = f'{state_file}.tmp'

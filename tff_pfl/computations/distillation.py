@@ -35,6 +35,13 @@ def grid_candidates(temperatures: Sequence[float], imitations: Sequence[float]) 
     accuracy the earlier candidate wins, i.e. the one that imitates the
     teacher least.
 
+    Args:
+      temperatures: the grid's temperatures T (> 0).
+      imitations: the grid's imitation weights lambda, in [0, 1].
+
+    Returns:
+      The list of `(T, lambda)` pairs, in the order above.
+
     Raises:
       ValueError: on an empty grid, T <= 0 or lambda outside [0, 1].
     """
@@ -143,6 +150,17 @@ def distill_sequential(layers, teacher_weights, train, val, *, temperatures, imi
     Each candidate is a one-model `distill_grid`; control dependencies chain
     them so they run strictly in sequence.
 
+    Args:
+      layers: as in `distill_grid`.
+      teacher_weights: as in `distill_grid`.
+      train: as in `distill_grid`.
+      val: as in `distill_grid`.
+      temperatures: float32 [G], as in `distill_grid`; G must be static.
+      imitations: float32 [G], as in `distill_grid`.
+      config: as in `distill_grid`.
+      seed: as in `distill_grid` (every candidate gets the same batch order).
+      soft: as in `distill_grid`.
+
     Returns:
       A `GridResult` like `distill_grid`'s.
     """
@@ -163,7 +181,14 @@ def distill_sequential(layers, teacher_weights, train, val, *, temperatures, imi
 
 
 def candidate_arrays(candidates):
-    """(T, lambda) pairs -> float32 arrays `(temperatures, imitations)`."""
+    """(T, lambda) pairs -> float32 arrays `(temperatures, imitations)`.
+
+    Args:
+      candidates: a sequence of `(T, lambda)` pairs (e.g. `grid_candidates`).
+
+    Returns:
+      `(temperatures, imitations)`, two float32 arrays of shape [G].
+    """
     array = np.asarray(candidates, np.float32).reshape(-1, 2)
     return array[:, 0], array[:, 1]
 

@@ -37,12 +37,27 @@ class Architectures:
         self.max_size = max(self.sizes)
 
     def pack(self, weights) -> tf.Tensor:
-        """Weights -> float32 [max_size] (zero-padded)."""
+        """Weights -> float32 [max_size] (zero-padded).
+
+        Args:
+          weights: one architecture's trainable weights, in Keras order.
+
+        Returns:
+          The weights flattened, concatenated and zero-padded to `max_size`.
+        """
         flat = tf.concat([tf.reshape(w, [-1]) for w in weights], axis=0)
         return tf.pad(flat, [[0, self.max_size - tf.shape(flat)[0]]])
 
     def unpack(self, index: int, packed: tf.Tensor) -> list:
-        """float32 [max_size] -> the weights of architecture `index`."""
+        """float32 [max_size] -> the weights of architecture `index`.
+
+        Args:
+          index: the architecture's index (a Python int).
+          packed: a vector made by `pack` for that architecture.
+
+        Returns:
+          The list of the architecture's weight tensors, in Keras order.
+        """
         weights, offset = [], 0
         for shape in self.shapes[index]:
             size = int(np.prod(shape))
@@ -57,6 +72,11 @@ class Architectures:
         a branch); the branch of `arch_id` loads `packed` into its model and
         returns `work(model)`, whose structure must not depend on the
         architecture.
+
+        Args:
+          arch_id: int32 scalar, the client's architecture index.
+          packed: float32 [max_size], the client's packed weights.
+          work: `model -> nest of tensors` (TF code), run on the loaded model.
 
         Returns:
           What `work` returns.
@@ -76,7 +96,15 @@ class Architectures:
         return tf.switch_case(arch_id, [branch(i) for i in range(len(built))])
 
     def initial_packed(self, seed: int) -> tf.Tensor:
-        """[num_architectures, max_size]: each architecture's seeded initial weights."""
+        """[num_architectures, max_size]: each architecture's seeded initial weights.
+
+        Args:
+          seed: the run seed; architecture `i` is built under `seed + i`.
+
+        Returns:
+          A float32 tensor whose row `i` is `pack` of architecture `i`'s
+          initial weights.
+        """
         from tff_pfl import models
 
         rows = []

@@ -75,23 +75,54 @@ def initial_weights(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[t
 
     The same on the server and on every client for a given seed, so a
     client can build the common initial model itself instead of receiving it.
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+      seed: the run seed (a Python int), as for `models.seeded`.
+
+    Returns:
+      The list of the new model's trainable weights, as tensors.
     """
     with models.seeded(seed):
         return get_weights(model_fn())
 
 
 def get_weights(model: tf.keras.Model) -> list[tf.Tensor]:
-    """Current trainable weights as tensors (a snapshot, not variables)."""
+    """Current trainable weights as tensors (a snapshot, not variables).
+
+    Args:
+      model: the Keras model.
+
+    Returns:
+      A list of tensors, one per trainable variable, in Keras order.
+    """
     return [tf.identity(v) for v in model.trainable_weights]
 
 
 def assign_weights(model: tf.keras.Model, weights: Sequence[tf.Tensor]) -> list:
-    """Assigns `weights` to the model's trainable variables; returns the ops."""
+    """Assigns `weights` to the model's trainable variables; returns the ops.
+
+    Args:
+      model: the Keras model whose variables are assigned.
+      weights: one tensor per trainable variable, in Keras order.
+
+    Returns:
+      The list of the variables' `assign` results, one per variable.
+    """
     return [v.assign(w) for v, w in zip(model.trainable_weights, weights)]
 
 
 def supervised_loss(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
-    """Mean sparse softmax cross-entropy of the model's logits; the default loss."""
+    """Mean sparse softmax cross-entropy of the model's logits; the default loss.
+
+    Args:
+      model: the Keras model (called in training mode).
+      x: a batch of features `[B, ...]`.
+      y: the batch's int32 labels `[B]`.
+
+    Returns:
+      `(loss, logits)`: the scalar mean loss and the `[B, num_classes]` logits.
+    """
     logits = model(x, training=True)
     loss = tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
@@ -105,6 +136,11 @@ def _correct(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
 
 def epoch_permutations(seed: tf.Tensor, epochs, num_examples) -> tf.Tensor:
     """One permutation of range(num_examples) per epoch, from a stateless seed.
+
+    Args:
+      seed: int64 tensor of shape [2].
+      epochs: number of permutations (int or scalar tensor; at least 1 is drawn).
+      num_examples: the number of examples (int or scalar tensor).
 
     Returns:
       int32 tensor [max(epochs, 1), num_examples]: the example order of each
@@ -176,7 +212,9 @@ def sgd_steps(
         list of `batches_per_step` `(x, y, n)` tuples; it updates model
         variables in place and returns its loop values and the stats of the
         examples it reports on.
-      epochs, batch_size, seed: as in `batch_stream`.
+      epochs: number of distinct epoch permutations, as in `batch_stream`.
+      batch_size: examples per batch, as in `batch_stream`.
+      seed: int64 tensor of shape [2], as in `batch_stream`.
       carry: a nest of tensors threaded through the steps.
       max_steps: optional cap on the number of steps.
       batches_per_step: batches each step consumes.
@@ -220,12 +258,34 @@ def sgd_steps(
 
 
 def batch_stats(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor, n: tf.Tensor) -> Stats:
-    """`Stats` of one batch from its mean loss and logits (TF code)."""
+    """`Stats` of one batch from its mean loss and logits (TF code).
+
+    Args:
+      loss: the batch's scalar mean loss.
+      logits: the batch's logits `[n, num_classes]`.
+      y: the batch's int32 labels `[n]`.
+      n: the batch size, a float32 scalar.
+
+    Returns:
+      `Stats(loss * n, number of correct predictions, n)`.
+    """
     return Stats(loss * n, _correct(logits, y), n)
 
 
 def sgd_step(model: tf.keras.Model, x, y, n, learning_rate, loss_fn: LossFn = supervised_loss) -> Stats:
-    """One SGD step on `model`'s variables for `loss_fn`; the batch's stats before it (TF code)."""
+    """One SGD step on `model`'s variables for `loss_fn`; the batch's stats before it (TF code).
+
+    Args:
+      model: the Keras model; its trainable variables are updated in place.
+      x: the batch's features.
+      y: the batch's int32 labels.
+      n: the batch size, a float32 scalar.
+      learning_rate: SGD step size.
+      loss_fn: `(model, x_batch, y_batch) -> (mean loss, logits)`.
+
+    Returns:
+      The batch's `Stats`, computed with the weights before the step.
+    """
     with tf.GradientTape() as tape:
         loss, logits = loss_fn(model, x, y)
     grads = tape.gradient(loss, model.trainable_variables)
@@ -327,9 +387,11 @@ def finetune_on_validation(
 
     Args:
       model: the Keras model, holding the starting weights.
-      train_split, val_split: the client's splits.
+      train_split: the client's training split.
+      val_split: the client's validation split.
       max_epochs: the largest number of epochs tried (a Python int >= 0).
-      batch_size, learning_rate: SGD settings.
+      batch_size: SGD examples per step.
+      learning_rate: SGD step size.
       seed: int64 tensor of shape [2].
 
     Returns:
@@ -369,6 +431,16 @@ def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt
 
     Deterministic for a given run seed, independent of which other clients
     were sampled or in which order the runtime schedules them.
+
+    Args:
+      base_seed: the run seed (a Python int).
+      round_num: the round number (scalar tensor).
+      client_id: the client's id (tf.string scalar).
+      salt: a Python int that tells apart several seeds of one client in
+        one round.
+
+    Returns:
+      An int64 tensor of shape [2], for stateless random ops.
     """
     client_hash = tf.strings.to_hash_bucket_fast(client_id, np.iinfo(np.int32).max)
     round_part = tf.cast(round_num, tf.int64) * 1009 + salt
@@ -382,7 +454,15 @@ class TrainingConfig(
     optional cap on the number of steps (e.g. "20 local steps")."""
 
     def validate(self) -> 'TrainingConfig':
-        """Returns self, or raises ValueError naming the bad field."""
+        """Returns self, or raises ValueError naming the bad field.
+
+        Returns:
+          This `TrainingConfig`, unchanged.
+
+        Raises:
+          ValueError: if `epochs`, `batch_size` or `max_steps` (when set) is not
+            a positive integer, or `learning_rate` is not positive.
+        """
         if int(self.epochs) != self.epochs or self.epochs < 1:
             raise ValueError(f'local epochs must be a positive integer, got {self.epochs}')
         if int(self.batch_size) != self.batch_size or self.batch_size < 1:

@@ -46,7 +46,16 @@ DeviceProcess = collections.namedtuple(
 
 
 def client_metrics(stats) -> collections.OrderedDict:
-    """Per-client means from `local_training.Stats` sums (TF code)."""
+    """Per-client means from `local_training.Stats` sums (TF code).
+
+    Args:
+      stats: a `local_training.Stats` of the summed `loss_sum`, `num_correct`
+        and `num_examples` of one client.
+
+    Returns:
+      An `OrderedDict` of `loss` and `accuracy` (means over the examples; 0 for
+      a client without examples) and `num_examples`.
+    """
     denominator = tf.maximum(stats.num_examples, 1.0)
     return collections.OrderedDict(
         loss=stats.loss_sum / denominator,
@@ -100,20 +109,25 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
 
     @property
     def client_state_type(self) -> tff.Type:
+        """The `tff.Type` C of one client's state."""
         return self._client_state_type
 
     @property
     def initial_client_state(self) -> tff.Computation:
+        """The `tf.string -> C` computation of a client's first state."""
         return self._initial_client_state
 
     @property
     def evaluate(self) -> tff.Computation:
+        """The `(S@SERVER, {C}@CLIENTS) -> {E}@CLIENTS` evaluation."""
         return self._evaluate
 
     @property
     def personalize(self) -> Optional[tff.Computation]:
+        """The clients-only personalization stage, or None."""
         return self._personalize
 
     @property
     def device(self) -> Optional[DeviceProcess]:
+        """The same algorithm with device-held client states, or None."""
         return self._device

@@ -64,20 +64,42 @@ class ClientDataSpec:
 
     @property
     def num_clients(self) -> int:
+        """The number of clients."""
         return len(self.client_ids)
 
     def sizes(self, split: str) -> dict[str, int]:
-        """Returns client id -> number of examples in `split`."""
+        """Returns client id -> number of examples in `split`.
+
+        Args:
+          split: one of `SPLITS`.
+
+        Returns:
+          A dict from client id to the client's number of examples in `split`.
+        """
         return dict(zip(self.client_ids, self.split_sizes[split]))
 
 
 def client_id_for(index: int) -> str:
-    """The id of the client at position `index` of a partition."""
+    """The id of the client at position `index` of a partition.
+
+    Args:
+      index: the client's position (>= 0).
+
+    Returns:
+      The id, e.g. `client_00007`.
+    """
     return f'client_{index:05d}'
 
 
 def client_index(client_id: tf.Tensor) -> tf.Tensor:
-    """`client_00007` -> 7 as int32 (TF code; the inverse of `client_id_for`)."""
+    """`client_00007` -> 7 as int32 (TF code; the inverse of `client_id_for`).
+
+    Args:
+      client_id: a scalar `tf.string` id made by `client_id_for`.
+
+    Returns:
+      The client's position, an int32 scalar.
+    """
     return tf.strings.to_number(tf.strings.split(client_id, '_')[-1], tf.int32)
 
 
@@ -195,6 +217,11 @@ def load_client_data_spec(root: str) -> ClientDataSpec:
 def read_split_numpy(spec: ClientDataSpec, client_id: str, split: str):
     """Reads one client's split in plain numpy (for reports and tests).
 
+    Args:
+      spec: the partition on disk.
+      client_id: the client's id.
+      split: one of `SPLITS`.
+
     Returns:
       A tuple `(x, y)`: float32 features (decoded) and int32 labels.
     """
@@ -223,24 +250,55 @@ class ClientSplit:
 
     @property
     def num_examples(self) -> tf.Tensor:
+        """The number of examples, an int32 scalar tensor."""
         return tf.shape(self.labels)[0]
 
     def decode(self, features: tf.Tensor) -> tf.Tensor:
-        """Stored features (any subset) -> float32 model inputs."""
+        """Stored features (any subset) -> float32 model inputs.
+
+        Args:
+          features: features in this split's stored form.
+
+        Returns:
+          The features as float32 (uint8 codes divided by 255).
+        """
         if self.encoding == UINT8_OVER_255:
             return tf.cast(features, tf.float32) / 255.0
         return features
 
     def gather(self, indices: tf.Tensor):
-        """`(x, y)` of the examples at `indices`, x decoded to float32."""
+        """`(x, y)` of the examples at `indices`, x decoded to float32.
+
+        Args:
+          indices: int tensor `[k]` of example positions.
+
+        Returns:
+          `(x, y)`: float32 features `[k, *feature_shape]` and int32 labels `[k]`.
+        """
         return self.decode(tf.gather(self.features, indices)), tf.gather(self.labels, indices)
 
     def slice(self, start, stop):
-        """`(x, y)` of examples `start:stop`, x decoded to float32."""
+        """`(x, y)` of examples `start:stop`, x decoded to float32.
+
+        Args:
+          start: the first example (int or scalar tensor).
+          stop: one past the last example (int or scalar tensor).
+
+        Returns:
+          `(x, y)`: float32 features and int32 labels of those examples.
+        """
         return self.decode(self.features[start:stop]), self.labels[start:stop]
 
     def with_tensors(self, features: tf.Tensor, labels: tf.Tensor) -> 'ClientSplit':
-        """The same encoding over other tensors (e.g. inside a tf.function)."""
+        """The same encoding over other tensors (e.g. inside a tf.function).
+
+        Args:
+          features: features `[n, *feature_shape]` in this split's stored form.
+          labels: int32 labels `[n]`.
+
+        Returns:
+          A new `ClientSplit` of `features` and `labels` with this encoding.
+        """
         return ClientSplit(features, labels, self.encoding)
 
 
@@ -269,6 +327,12 @@ def read_split(spec: ClientDataSpec, client_id: tf.Tensor, split: str) -> Client
 def read_public(spec: ClientDataSpec) -> ClientSplit:
     """The public dataset as a `ClientSplit` (labels are zeros); TF graph code.
 
+    Args:
+      spec: the partition on disk, with public data.
+
+    Returns:
+      A `ClientSplit` of the `spec.public_size` public examples.
+
     Raises:
       ValueError: if the partition has no public data.
     """
@@ -287,6 +351,13 @@ def read_public_batch(spec: ClientDataSpec, size: int, seed: int, round_num: tf.
     stateless permutation seeded with `(seed, round_num)`: every client (and
     the server) that asks in the same round gets the same batch, and the
     batch changes every round.
+
+    Args:
+      spec: the partition on disk, with public data.
+      size: the number of examples to draw; at most `spec.public_size` are
+        returned.
+      seed: the run seed.
+      round_num: the round number, an integer scalar tensor.
 
     Returns:
       float32 `[size, *feature_shape]`.

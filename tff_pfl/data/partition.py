@@ -695,6 +695,18 @@ def kdpdfl_dirichlet(
     The splits come out of the partition itself (`--split_fractions` does
     not apply).
 
+    Args:
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed.
+      alpha: Concentration of the Dirichlet prior over each client's labels.
+      min_train: Smallest training split.
+      max_train: Largest training split (inclusive).
+      val_examples: Size of every client's validation split.
+      test_examples: Size of every client's test split.
+      max_labels: Number of classes each p_k keeps, or `None` to keep all.
+      num_classes: The number of classes, or `None` for max label + 1.
+
     Returns:
       One dict per client with sorted int64 index arrays `train`, `val`,
       `test`.

@@ -103,7 +103,18 @@ def _image_input(input_shape):
 
 def alexnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     """A small AlexNet-style CNN: three 3x3 conv layers (32, 64, 64), two
-    max-pools, a 128-unit dense layer, logits. (KT-pFL's heterogeneous set.)"""
+    max-pools, a 128-unit dense layer, logits. (KT-pFL's heterogeneous set.)
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
     inputs = _image_input(input_shape)
     h = tf.keras.layers.Conv2D(32, 3, padding='same', activation='relu')(inputs)
     h = tf.keras.layers.MaxPool2D(2)(h)
@@ -139,7 +150,18 @@ def resnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model
     channels, the second strided with a 1x1 projection shortcut), logits from
     the flattened 7x7 map (with global average pooling instead, it reached
     0.68-0.9 test accuracy, unstably, where LeNet reaches 0.95). Group normalisation after every convolution
-    instead of batch normalisation (see `_conv_norm`)."""
+    instead of batch normalisation (see `_conv_norm`).
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
     inputs = _image_input(input_shape)
     h = _conv_norm(inputs, 16, 3, strides=2)
     for filters, stride in ((16, 1), (32, 2)):
@@ -184,7 +206,18 @@ def shufflenet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.M
     strided and a plain shuffle unit at 48 channels (channel split, 1x1 -
     depthwise 3x3 - 1x1 branch, concatenation, channel shuffle), logits from
     the flattened 7x7 map (see `resnet_small`). Group normalisation after every convolution
-    (see `_conv_norm`)."""
+    (see `_conv_norm`).
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
     inputs = _image_input(input_shape)
     h = _conv_norm(inputs, 24, 3, strides=2)
     h = _shuffle_unit(h, 48, 2)
@@ -209,6 +242,14 @@ def gaussian_mean(input_shape: Sequence[int], num_classes: int) -> tf.keras.Mode
     A single scalar, initialised to 0; the model outputs it for every example
     so a loss can compare it with scalar samples. Not a classifier:
     `num_classes` is ignored.
+
+    Args:
+      input_shape: shape of one example (the samples are scalars, e.g. (1,)).
+      num_classes: ignored.
+
+    Returns:
+      An un-compiled `tf.keras.Model` with one trainable scalar, whose
+      output is `[B, 1]`.
     """
     del num_classes
     return tf.keras.Sequential(
@@ -226,6 +267,12 @@ def seeded(seed: int):
     processes. This sets Keras's, Python's, NumPy's and TF's seeds for the
     block (`tf.keras.utils.set_random_seed`) and puts the Python and NumPy
     generators back afterwards, so callers' random streams are untouched.
+
+    Args:
+      seed: the seed (a Python int).
+
+    Yields:
+      None; a context manager for the block.
     """
     python_state, numpy_state = random.getstate(), np.random.get_state()
     try:
@@ -249,12 +296,22 @@ _REGISTRY: dict[str, ModelBuilder] = {
 
 
 def names() -> list[str]:
-    """Names of the registered models."""
+    """Names of the registered models.
+
+    Returns:
+      The sorted list of registered names.
+    """
     return sorted(_REGISTRY)
 
 
 def get(name: str) -> ModelBuilder:
     """Returns the builder registered as `name`.
+
+    Args:
+      name: a registered model name (see `names()`).
+
+    Returns:
+      The `ModelBuilder`, `(input_shape, num_classes) -> tf.keras.Model`.
 
     Raises:
       ValueError: for an unknown name.

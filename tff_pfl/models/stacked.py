@@ -19,6 +19,13 @@ Layer = collections.namedtuple('Layer', ['kind', 'config', 'num_weights'])
 def plan(model: tf.keras.Model) -> list:
     """The layer plan of a Sequential Keras model.
 
+    Args:
+      model: a Sequential Keras model of supported layers.
+
+    Returns:
+      A list of `Layer(kind, config, num_weights)`, one per layer but the
+      input layer, in order.
+
     Raises:
       ValueError: for a layer kind `forward` does not implement.
     """

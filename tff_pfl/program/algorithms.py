@@ -425,15 +425,44 @@ _ALGORITHMS = {
 
 
 def names() -> list[str]:
-    """Names accepted by `--algorithm`."""
+    """Names accepted by `--algorithm`.
+
+    Returns:
+      The registered algorithm names, sorted.
+    """
     return sorted(_ALGORITHMS)
 
 
 def get(name: str) -> Algorithm:
-    """The registry entry of `name` (validated by `ExperimentConfig`)."""
+    """The registry entry of `name` (validated by `ExperimentConfig`).
+
+    Args:
+      name: a registered algorithm name (one of `names()`).
+
+    Returns:
+      The `Algorithm` registered as `name`.
+
+    Raises:
+      KeyError: for an unknown name.
+    """
     return _ALGORITHMS[name]
 
 
 def build(config, spec, model_fn):
-    """Builds the process of `config.algorithm` for the partition `spec`."""
+    """Builds the process of `config.algorithm` for the partition `spec`.
+
+    Args:
+      config: the run's `ExperimentConfig`; `config.algorithm` picks the
+        builder, the other fields set its hyperparameters.
+      spec: the `client_data.ClientDataSpec` of the partitioned client data.
+      model_fn: no-argument callable returning a fresh `tf.keras.Model` for
+        the data's feature shape and classes (ignored by the algorithms
+        whose clients each have their own architecture).
+
+    Returns:
+      The algorithm's `PersonalizedProcess`.
+
+    Raises:
+      KeyError: for an unknown `config.algorithm`.
+    """
     return _ALGORITHMS[config.algorithm].build(config, spec, model_fn)

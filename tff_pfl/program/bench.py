@@ -144,10 +144,18 @@ class Run:
 
     @property
     def label(self) -> str:
+        """`<partition>/<algorithm>/seed<k>`, with the entries' labels."""
         return f'{self.partition.name}/{self.algorithm.name}/seed{self.seed}'
 
     def directory(self, output_dir: str) -> str:
-        """`<output_dir>/runs/<partition>/<algorithm>/seed<k>`."""
+        """`<output_dir>/runs/<partition>/<algorithm>/seed<k>`.
+
+        Args:
+          output_dir: the suite's output directory.
+
+        Returns:
+          The run's directory, with the entries' slugs.
+        """
         return os.path.join(output_dir, 'runs', self.partition.slug, self.algorithm.slug, f'seed{self.seed}')
 
 
@@ -201,7 +209,11 @@ class Suite:
             output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed, **values)
 
     def runs(self) -> list[Run]:
-        """Every run, partition-major, then seed, then algorithm."""
+        """Every run, partition-major, then seed, then algorithm.
+
+        Returns:
+          A `Run` per (partition, seed, algorithm) of the suite.
+        """
         return [Run(p, a, s) for p in self.partitions for s in self.seeds for a in self.algorithms]
 
     def select(
@@ -246,7 +258,15 @@ def _check_selection(what: str, selected, known) -> None:
 
 
 def slug(label: str) -> str:
-    """A label as a directory name: `Per-FedAvg` -> `per-fedavg`."""
+    """A label as a directory name: `Per-FedAvg` -> `per-fedavg`.
+
+    Args:
+      label: a partition or algorithm label.
+
+    Returns:
+      `label` lower-cased, each run of characters other than `a-z0-9_.`
+      replaced by `-`, without leading or trailing `-` and `.`.
+    """
     return re.sub(r'[^a-z0-9_.]+', '-', label.lower()).strip('-.')
 
 
@@ -738,7 +758,16 @@ def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool) -> list
 
 
 def rounds_to_target(curve: Sequence[Mapping], target: Optional[float]) -> Optional[int]:
-    """The first round of `curve` whose accuracy is >= `target`; None if none is."""
+    """The first round of `curve` whose accuracy is >= `target`; None if none is.
+
+    Args:
+      curve: `[{'round': r, 'accuracy': a}, ...]` in round order, as
+        `model_curve` returns.
+      target: accuracy as a fraction, or None.
+
+    Returns:
+      The round number, or None when `target` is None or never reached.
+    """
     if target is None:
         return None
     for point in curve:

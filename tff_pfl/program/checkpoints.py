@@ -48,7 +48,16 @@ _READ_BYTES = 16 * 2**20
 
 
 def stack_states(client_states: Mapping) -> tuple:
-    """`(client ids, leaves)`: every client's state stacked leaf by leaf, one `[num_clients, ...]` array per leaf."""
+    """`(client ids, leaves)`: every client's state stacked leaf by leaf, one `[num_clients, ...]` array per leaf.
+
+    Args:
+      client_states: client id -> client state (nested structures of arrays,
+        all of the same structure).
+
+    Returns:
+      A tuple `(ids, leaves)`: the client ids in `client_states` order, and
+      one `[num_clients, ...]` array per leaf, in TFF's structure order.
+    """
     ids = list(client_states)
     per_client = [device_state.flatten(client_states[c]) for c in ids]
     leaves = [np.stack([np.asarray(leaves[i]) for leaves in per_client]) for i in range(len(per_client[0]))]
@@ -69,12 +78,25 @@ class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_stat
     """
 
     def client_leaf(self, index: int) -> np.ndarray:
-        """Client leaf `index`, `[num_clients, ...]`, read whole."""
+        """Client leaf `index`, `[num_clients, ...]`, read whole.
+
+        Args:
+          index: the leaf's position in the client state's flattened
+            structure.
+
+        Returns:
+          The leaf of every client, stacked in `client_ids` order.
+        """
         with np.load(self.path, allow_pickle=False) as archive:
             return archive[f'client_{index:04d}']
 
     def read_client_leaf(self, index: int, out: np.ndarray) -> None:
         """Reads client leaf `index` into `out` (same shape and dtype) piece by piece.
+
+        Args:
+          index: the leaf's position in the client state's flattened
+            structure.
+          out: the `[num_clients, ...]` array to fill (may be memory-mapped).
 
         Raises:
           ValueError: if the stored leaf's shape or dtype differs from `out`'s.
@@ -99,6 +121,10 @@ class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_stat
 
         Args:
           client_template: one client state of the run's process.
+
+        Returns:
+          Client id -> client state of `client_template`'s structure, in
+          `client_ids` order.
         """
         num_client = len(device_state.flatten(client_template))
         with np.load(self.path, allow_pickle=False) as archive:
@@ -118,7 +144,11 @@ class RunCheckpoints:
         return os.path.join(self.directory, f'round_{round_num}.npz')
 
     def rounds(self) -> list[int]:
-        """The rounds that have a complete checkpoint, oldest first."""
+        """The rounds that have a complete checkpoint, oldest first.
+
+        Returns:
+          The round numbers; empty if the directory does not exist.
+        """
         if not os.path.isdir(self.directory):
             return []
         return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m)
@@ -164,6 +194,11 @@ class RunCheckpoints:
             os.remove(self._path(old))
 
     def latest_round(self) -> Optional[int]:
+        """The newest round that has a complete checkpoint, or None if none has.
+
+        Returns:
+          The round number, or None.
+        """
         rounds = self.rounds()
         return rounds[-1] if rounds else None
 
@@ -172,6 +207,9 @@ class RunCheckpoints:
 
         Args:
           server_template: a server state of the run's process (for its structure).
+
+        Returns:
+          The newest `Checkpoint`, or None.
         """
         round_num = self.latest_round()
         if round_num is None:

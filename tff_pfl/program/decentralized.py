@@ -52,12 +52,18 @@ def run(
         the end); the last interval is always evaluated.
       on_round: called with each interval's metrics row.
       log: receives one progress line per interval.
-      checkpoints, checkpoint_every, on_resume, spill_dir: as in
-        `training_loop.run`, counting intervals; the checkpoint also keeps
-        the star and neighbour generator's state.
+      checkpoints: as in `training_loop.run`, counting intervals; the
+        checkpoint also keeps the star and neighbour generator's state.
+      checkpoint_every: as in `training_loop.run`, counting intervals.
+      on_resume: as in `training_loop.run`, with the interval resumed after.
+      spill_dir: as in `training_loop.run`.
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
+
+    Raises:
+      ValueError: if `exchange_interval` < 2, or the newest checkpoint in
+        `checkpoints` belongs to another run.
     """
     from processes import kdpdfl
 

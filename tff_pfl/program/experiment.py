@@ -125,7 +125,13 @@ class ExperimentConfig:
     apfl_alpha_learning_rate: float = 0.01
 
     def model_name(self) -> str:
-        """The model to use: the explicit one, else the dataset's default."""
+        """The model to use: the explicit one, else the dataset's default.
+
+        Returns:
+          A `tff_pfl.models` registry name: `model` if set; else
+          `mnist_dnn` for `.npz` data, the `DEFAULT_MODELS` entry of the
+          dataset, or `persfl_cnn`.
+        """
         if self.model:
             return self.model
         base = self.dataset.split(':', 1)[-1] if self.dataset.startswith('tfds:') else self.dataset
@@ -135,7 +141,12 @@ class ExperimentConfig:
         return DEFAULT_MODELS.get(base, 'persfl_cnn')
 
     def partition_params(self) -> dict:
-        """Keyword arguments of the chosen partitioner."""
+        """Keyword arguments of the chosen partitioner.
+
+        Returns:
+          Parameter name -> value for `partition`; values may be None (unset
+          flags); empty for a partition without parameters.
+        """
         params = {
             'ds1': {'k': self.classes_per_client, 'examples_per_client': self.examples_per_client},
             'ds2': {'alpha': self.dirichlet_alpha},
@@ -155,7 +166,14 @@ class ExperimentConfig:
         return params.get(self.partition, {})
 
     def validate(self) -> 'ExperimentConfig':
-        """Returns self, or raises ConfigError on the first bad value."""
+        """Returns self, or raises ConfigError on the first bad value.
+
+        Returns:
+          This configuration.
+
+        Raises:
+          ConfigError: on the first value that cannot run.
+        """
         checks = [
             (self.algorithm in algorithms.names(), f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}'),
             (self.model_name() in models.names(), f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}'),
@@ -257,6 +275,12 @@ class ExperimentConfig:
 
 def prepare_output_dir(path: str, overwrite: bool) -> None:
     """Checks that `path` may be written: empty or absent (or `overwrite`), in a writable parent.
+
+    Creates the parent directory if needed.
+
+    Args:
+      path: the run's output directory.
+      overwrite: whether a non-empty `path` may be replaced.
 
     Raises:
       ConfigError: otherwise; nothing is written.
@@ -514,6 +538,12 @@ def client_table(result: training_loop.RunResult) -> tuple[list, list]:
 
     Columns: client id, test examples, each model's test accuracy, then any
     algorithm columns (e.g. PersFL's teacher round, T and lambda).
+
+    Args:
+      result: a finished run's `RunResult`.
+
+    Returns:
+      `(rows, columns)`: one dict per client, and the column names in order.
     """
     names = list(result.summary)
     columns = ['client_id', 'test_examples'] + [f'{name}_accuracy' for name in names]
@@ -530,7 +560,16 @@ def client_table(result: training_loop.RunResult) -> tuple[list, list]:
 
 
 def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
-    """Rows and columns of the across-client summary (accuracy in %)."""
+    """Rows and columns of the across-client summary (accuracy in %).
+
+    Args:
+      result: a finished run's `RunResult`.
+
+    Returns:
+      `(rows, columns)`: one dict per evaluated model (`model`, `mean`,
+      `weighted_mean`, `std`, `worst_10`, `best_10`, `top_10_by_samples`),
+      and those column names.
+    """
     columns = ['model', 'mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples']
     rows = []
     for name, summary in result.summary.items():
@@ -539,7 +578,18 @@ def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
 
 
 def render_report(config, spec, result, extra_plots=()) -> str:
-    """The markdown report of a run."""
+    """The markdown report of a run.
+
+    Args:
+      config: the run's `ExperimentConfig`.
+      spec: the run's `client_data.ClientDataSpec`.
+      result: the run's `RunResult`.
+      extra_plots: `(title, file name)` pairs of the algorithm's own plots,
+        relative to the output directory.
+
+    Returns:
+      The `report.md` text, ending with a newline.
+    """
     client_rows, client_columns = client_table(result)
     summary_rows, summary_columns = summary_table(result)
     last = result.rounds[-1]

@@ -79,7 +79,18 @@ def _write_computation(out: str, relative: str, comp: tff.Computation) -> collec
 
 
 def exported_computations(process) -> collections.OrderedDict:
-    """Name -> computation of what `export` serializes under `computations/`."""
+    """Name -> computation of what `export` serializes under `computations/`.
+
+    Args:
+      process: a `PersonalizedProcess`; its device-state form, if it has one,
+        gives the round's phases, `evaluate`, `personalize` and the client
+        computations.
+
+    Returns:
+      `initialize` and `initial_client_state`, then the round (`next`, or
+      one computation per device phase), `evaluate`, `personalize` where
+      there is one, and any client computations of the device form.
+    """
     device = process.device
     comps = collections.OrderedDict(
         initialize=device.initialize if device is not None else process.initialize,

@@ -406,7 +406,8 @@ def plot_heatmap(
         100 rows).
       col_labels: Optional x tick labels, one per column (not drawn beyond
         100 columns).
-      xlabel, ylabel: Optional axis labels.
+      xlabel: Optional x-axis label.
+      ylabel: Optional y-axis label.
 
     Raises:
       ValueError: If `matrix` is not 2-D or the labels do not match its

@@ -40,7 +40,16 @@ def sample_clients(rng: np.random.Generator, client_ids: Sequence[str], fraction
 
 
 def flatten(nested: Mapping, prefix: str = '') -> collections.OrderedDict:
-    """`{'a': {'b': 1}}` -> `{'a_b': 1}`, values as Python scalars."""
+    """`{'a': {'b': 1}}` -> `{'a_b': 1}`, values as Python scalars.
+
+    Args:
+      nested: a (nested) mapping of metrics; values are array-likes.
+      prefix: prepended to every flattened key.
+
+    Returns:
+      Flat key -> value, in `nested`'s order: rank-0 values as Python
+      scalars, others as (nested) lists.
+    """
     flat = collections.OrderedDict()
     for key, value in nested.items():
         name = f'{prefix}{key}'
@@ -129,9 +138,27 @@ class ClientStateStore:
         return device_state.fill(self._template, values)
 
     def get(self, client_ids: Sequence[str]) -> list:
+        """The states of `client_ids`, read from the store.
+
+        Args:
+          client_ids: ids of clients of the store.
+
+        Returns:
+          One client state per id, in `client_ids` order (numeric leaves
+          copied out of the store).
+        """
         return [self._read(self._rows[c]) for c in client_ids]
 
     def put(self, client_ids: Sequence[str], states: Sequence) -> None:
+        """Stores `states` as the new states of `client_ids`.
+
+        Args:
+          client_ids: ids of clients of the store.
+          states: one client state per id, in `client_ids` order.
+
+        Raises:
+          RuntimeError: if a state's `client_id` is not the id of its slot.
+        """
         for client_id, state in zip(client_ids, states):
             returned_id = state['client_id']
             if isinstance(returned_id, bytes):
@@ -141,21 +168,50 @@ class ClientStateStore:
             self._write(self._rows[client_id], state)
 
     def all(self) -> list:
+        """The state of every client, in the store's client order.
+
+        Returns:
+          One client state per client.
+        """
         return self.get(self._ids)
 
     def ids(self) -> list[str]:
+        """Every client id, in the store's order.
+
+        Returns:
+          A new list of the ids.
+        """
         return list(self._ids)
 
     def states(self) -> 'StateView':
-        """Client id -> client state, for every client (read as looked up)."""
+        """Client id -> client state, for every client (read as looked up).
+
+        Returns:
+          A `StateView` over the store.
+        """
         return StateView(self._ids, self.get)
 
     def stacked(self) -> list:
-        """The leaves, one `[num_clients, ...]` array each (for checkpoints)."""
+        """The leaves, one `[num_clients, ...]` array each (for checkpoints).
+
+        Returns:
+          One array per leaf in TFF's structure order: the store's own
+          (possibly memory-mapped) arrays for numeric leaves, new arrays for
+          string leaves.
+        """
         return [np.array(leaf) if isinstance(leaf, list) else leaf for leaf in self._leaves]
 
     def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
-        """Puts back every client's state from a checkpoint, leaf by leaf."""
+        """Puts back every client's state from a checkpoint, leaf by leaf.
+
+        Args:
+          checkpoint: a checkpoint of this run, with the store's clients in
+            the same order.
+
+        Raises:
+          ValueError: if a stored numeric leaf's shape or dtype differs from
+            the store's.
+        """
         for i, leaf in enumerate(self._leaves):
             if isinstance(leaf, list):
                 leaf[:] = checkpoint.client_leaf(i).tolist()
@@ -163,10 +219,27 @@ class ClientStateStore:
                 checkpoint.read_client_leaf(i, leaf)
 
     def initialize(self, process: template.PersonalizedProcess):
+        """The initial server state of `process`.
+
+        Args:
+          process: the algorithm.
+
+        Returns:
+          The result of `process.initialize()`.
+        """
         return process.initialize()
 
     def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
-        """One `next` over `client_ids`; stores their new states and returns `(state, metrics)`."""
+        """One `next` over `client_ids`; stores their new states and returns `(state, metrics)`.
+
+        Args:
+          process: the algorithm.
+          state: the server state before the round.
+          client_ids: the round's clients.
+
+        Returns:
+          `(new server state, round metrics)`.
+        """
         output = process.next(state, self.get(client_ids))
         self.put(client_ids, output.client_states)
         return output.state, output.metrics
@@ -176,10 +249,27 @@ class ClientStateStore:
         return [self._ids[i:i + step] for i in range(0, len(self._ids), step)]
 
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
+        """Runs `process.personalize` on every client and stores the new states.
+
+        Clients go in chunks of `clients_per_call` per call.
+
+        Args:
+          process: the algorithm; it has a `personalize` stage.
+          state: the server state.
+        """
         for chunk in self._chunks():
             self.put(chunk, process.personalize(state, self.get(chunk)))
 
     def evaluate(self, process: template.PersonalizedProcess, state) -> list:
+        """Runs `process.evaluate` on every client, `clients_per_call` per call.
+
+        Args:
+          process: the algorithm.
+          state: the server state.
+
+        Returns:
+          One evaluation result per client, in the store's client order.
+        """
         results = []
         for chunk in self._chunks():
             results.extend(process.evaluate(state, self.get(chunk)))
@@ -236,25 +326,55 @@ class DeviceStateStore:
             (c, device_state.device_input(c, state_dir)) for c in client_ids)
 
     def get(self, client_ids: Sequence[str]) -> list:
+        """The device inputs of `client_ids` (their ids and state files).
+
+        Args:
+          client_ids: ids of clients of the store.
+
+        Returns:
+          One `device_state.device_input` per id, in `client_ids` order.
+        """
         return [self._inputs[c] for c in client_ids]
 
     def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
-        """Writes every client's state from a checkpoint back to its state file."""
+        """Writes every client's state from a checkpoint back to its state file.
+
+        Args:
+          checkpoint: a checkpoint of this run.
+        """
         for client_id, state in checkpoint.client_states(self._process.initial_client_state(self.ids()[0])).items():
             device_state.save(self._inputs[client_id]['state_file'], state)
 
     def stacked(self) -> list:
-        """The states read from the files, stacked leaf by leaf (for checkpoints)."""
+        """The states read from the files, stacked leaf by leaf (for checkpoints).
+
+        Returns:
+          One `[num_clients, ...]` array per leaf, in TFF's structure order.
+        """
         return checkpoints_lib.stack_states(self.states())[1]
 
     def all(self) -> list:
+        """The device input of every client, in the store's client order.
+
+        Returns:
+          One `device_state.device_input` per client.
+        """
         return list(self._inputs.values())
 
     def ids(self) -> list[str]:
+        """Every client id, in the store's order.
+
+        Returns:
+          A new list of the ids.
+        """
         return list(self._inputs)
 
     def states(self) -> dict:
-        """Client id -> client state, read from the state files (initial state where none yet)."""
+        """Client id -> client state, read from the state files (initial state where none yet).
+
+        Returns:
+          A dict of every client's state, in the store's client order.
+        """
         states = {}
         for client_id, device in self._inputs.items():
             initial = self._process.initial_client_state(client_id)
@@ -265,15 +385,53 @@ class DeviceStateStore:
         return states
 
     def initialize(self, process: template.PersonalizedProcess):
+        """The initial server state of `process`'s device form.
+
+        Args:
+          process: the algorithm; it has a `device` form.
+
+        Returns:
+          The result of `process.device.initialize()`.
+        """
         return process.device.initialize()
 
     def run_round(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str]):
+        """One round of `process.device` over `client_ids`; the devices write their new states.
+
+        Args:
+          process: the algorithm; it has a `device` form.
+          state: the server state before the round.
+          client_ids: the round's clients.
+
+        Returns:
+          `(new server state, metrics)`, the metrics of every phase in one
+          `OrderedDict`.
+        """
         return device_state.run_round(process.device, state, self.get(client_ids))
 
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
+        """Runs `process.device.personalize` on every client; the devices write their new states.
+
+        Args:
+          process: the algorithm; it has a `device` form.
+          state: the server state.
+        """
         process.device.personalize(state, self.all())
 
     def evaluate(self, process: template.PersonalizedProcess, state) -> list:
+        """Runs `process.device.evaluate` on every client.
+
+        Args:
+          process: the algorithm; it has a `device` form.
+          state: the server state.
+
+        Returns:
+          One evaluation result per client, in the store's client order.
+
+        Raises:
+          RuntimeError: if the devices' results do not name exactly the
+            store's clients.
+        """
         return device_state.in_client_order(process.device.evaluate(state, self.all()), self.ids())
 
 
@@ -300,6 +458,11 @@ class RunResult:
 def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mapping]):
     """Per-client rows and across-client summaries of an `evaluate` result.
 
+    Args:
+      client_ids: the evaluated clients, in the order of `evaluations`.
+      evaluations: one (nested) evaluation mapping per client; every entry
+        that holds an `accuracy` is a model, with its `num_examples`.
+
     Returns:
       `(rows, summaries)`: one flat dict per client (`client_id` first), and
       model name (e.g. 'global_model') -> `metrics.summarize` of its test
@@ -321,6 +484,13 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
 def evaluate_all(process, state, store, row: dict):
     """Evaluates every client; adds the across-client summaries to `row`.
 
+    Args:
+      process: the algorithm.
+      state: the server state.
+      store: the run's `ClientStateStore` or `DeviceStateStore`.
+      row: the current metrics row; gets a
+        `test_<model>_accuracy_<statistic>` entry per model and statistic.
+
     Returns:
       `summarize_evaluation`'s `(client rows, summaries)`.
     """
@@ -336,10 +506,14 @@ def progress_line(label: str, done: int, total: int, row: Mapping, summaries: Ma
 
     Args:
       label: e.g. `round 3/100`.
-      done: steps finished; total: steps in the run (for the ETA).
+      done: steps finished.
+      total: steps in the run (for the ETA).
       row: this step's metrics row (`train_loss`, `train_accuracy`, `round_seconds`).
       summaries: model name -> accuracy summary, empty when not evaluated.
       started: `time.monotonic()` at the start of the run.
+
+    Returns:
+      The line, without a trailing newline.
     """
     eta = (time.monotonic() - started) / done * (total - done)
     line = f'{label}  train_loss {row.get("train_loss", float("nan")):.4f}  '
@@ -368,7 +542,8 @@ def resume(checkpoints: Optional[checkpoints_lib.RunCheckpoints], state, store, 
       client_ids: every client id of this run.
       last: the run's last round (or interval).
       unit: 'round' or 'interval', for the messages.
-      log, on_resume: as in `run`.
+      log: as in `run`.
+      on_resume: as in `run`.
 
     Returns:
       `(server state, metrics rows so far, first round to run)`.

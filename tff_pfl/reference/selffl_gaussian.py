@@ -19,6 +19,15 @@ import numpy as np
 def generate(num_clients: int, seed: int, *, min_size=5, max_size=200, sigma0_sq=1.0, noise_var=1.0, theta0=0.0):
     """Draws the clients' samples.
 
+    Args:
+      num_clients: M, the number of clients.
+      seed: seed of the NumPy generator.
+      min_size: the smallest N_m.
+      max_size: the largest N_m (inclusive).
+      sigma0_sq: sigma_0^2, the variance of the clients' theta_m.
+      noise_var: s^2, the variance of the samples around theta_m.
+      theta0: theta_0, the mean of the theta_m.
+
     Returns:
       A list of 1-D float arrays, one per client, sizes uniform in
       [min_size, max_size].
@@ -31,6 +40,11 @@ def generate(num_clients: int, seed: int, *, min_size=5, max_size=200, sigma0_sq
 
 def closed_forms(samples, sigma0_sq=1.0, noise_var=1.0):
     """theta_m^(FL) for every client (Eq. 3) and theta^(G) (Eq. 2).
+
+    Args:
+      samples: the clients' 1-D sample arrays (as from `generate`).
+      sigma0_sq: sigma_0^2.
+      noise_var: s^2.
 
     Returns:
       `(theta_fl [M], theta_g, z [M])`.
@@ -45,7 +59,18 @@ def closed_forms(samples, sigma0_sq=1.0, noise_var=1.0):
 
 
 def local_steps(eta, sigma_m_sq, others, l_max):
-    """Eq. 8 with the project's rule where it is undefined (see processes.selffl)."""
+    """Eq. 8 with the project's rule where it is undefined (see processes.selffl).
+
+    Args:
+      eta: the gradient step size.
+      sigma_m_sq: the client's sigma_m^2.
+      others: S_-m, the total precision of the other clients.
+      l_max: the cap on the number of steps.
+
+    Returns:
+      `(steps, rho)`: the number of steps, an int in [1, l_max], and the
+      contraction rho = S_-m / (1/sigma_m^2 + S_-m).
+    """
     rho = others / (1.0 / sigma_m_sq + others)
     kappa = eta / sigma_m_sq
     if 0.0 < kappa < 1.0:
@@ -62,6 +87,19 @@ def iterate(samples, rounds, *, eta, l_max=40, default_steps=20, sigma0_sq=1.0, 
     `default_steps` plain gradient steps from the global model (0). From round
     2: Eq. 10 initialisation, Eq. 8 steps with the step size that contracts
     exactly by rho, Eq. 11 aggregation; activity rate 1.
+
+    Args:
+      samples: the clients' 1-D sample arrays (as from `generate`).
+      rounds: the number of rounds.
+      eta: the gradient step size.
+      l_max: the cap on the local steps.
+      default_steps: the local steps of round 1.
+      sigma0_sq: sigma_0^2 (known).
+      noise_var: s^2 (known).
+
+    Returns:
+      `(personal, global)`: float64 arrays of the clients' theta_m
+      `[rounds, M]` and the global theta `[rounds]` after each round.
     """
     n = np.array([len(s) for s in samples], float)
     z = np.array([s.mean() for s in samples])
@@ -99,6 +137,12 @@ def write_client_files(root: str, samples, seed: int, noise_var=1.0):
     Each client's training split holds its samples; its validation and test
     splits one extra draw each from N(its sample mean, s^2) (they are not used
     by the iteration).
+
+    Args:
+      root: the directory to write the client files to.
+      samples: the clients' 1-D sample arrays (as from `generate`).
+      seed: seed of the validation and test draws.
+      noise_var: s^2, the variance of the validation and test draws.
 
     Returns:
       The `client_data.ClientDataSpec`.
