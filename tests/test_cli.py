@@ -48,17 +48,14 @@ def test_run_writes_the_output_directory(tiny_npz, tmp_path):
     assert 'round 3/3' in result.stdout and 'ETA' in result.stdout
 
 
+# Through the binary: a flag absl rejects, a value our validation rejects
+# (before the re-execution in a network namespace), and a data error (after it).
 @pytest.mark.parametrize(
     'flags, message',
     [
         (['--rounds=0'], 'rounds must be >= 1'),
-        (['--client_fraction=1.5'], 'client_fraction must be in (0, 1]'),
-        (['--rounds=abc'], 'rounds'),
         (['--no_such_flag=1'], 'no_such_flag'),
-        (['--algorithm=persfl', '--temperatures=1,hot'], 'temperatures must be numbers'),
-        (['--teacher=best'], 'teacher'),
         (['--dataset=npz:/nonexistent/mnist.npz'], '/nonexistent/mnist.npz'),
-        (['--dataset=tfds:mnist', '--partition=ds1', '--classes_per_client=11', '--data_dir=/nonexistent'], 'mnist'),
     ],
 )
 def test_bad_input_one_line_exit_2(flags, message, tmp_path):
@@ -67,6 +64,47 @@ def test_bad_input_one_line_exit_2(flags, message, tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('tff-pfl-train: error: '), result.stderr[-2000:]
+    assert message in lines[0]
+    assert not out.exists() and not [p for p in os.listdir(tmp_path) if 'staging' in p]
+
+
+@pytest.fixture
+def train_in_process(capsys):
+    """Runs the binary's flag parsing and `main` in this process (no start-up cost)."""
+    from absl import flags as absl_flags
+    from tff_pfl.cli import common
+    from tff_pfl.cli import train
+
+    def run(*argv):
+        absl_flags.FLAGS.unparse_flags()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            rest = common.flags_parser('tff-pfl-train')(['tff-pfl-train', *argv, '--noisolate_network'])
+            train.main(rest)
+        return exited.value.code, capsys.readouterr().err
+
+    yield run
+    absl_flags.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--client_fraction=1.5'], 'client_fraction must be in (0, 1]'),
+        (['--rounds=abc'], 'rounds'),
+        (['--algorithm=persfl', '--temperatures=1,hot'], 'temperatures must be numbers'),
+        (['--teacher=best'], 'teacher'),
+        (['--dataset=tfds:mnist', '--partition=ds1', '--classes_per_client=11', '--data_dir=/nonexistent'], 'mnist'),
+        (['--algorithm=nope'], 'unknown algorithm'),
+        (['extra_argument'], 'unexpected arguments: extra_argument'),
+    ],
+)
+def test_bad_input_one_line_exit_2_in_process(flags, message, tmp_path, train_in_process):
+    out = tmp_path / 'run'
+    code, stderr = train_in_process(*flags, f'--output_dir={out}')
+    assert code == 2, stderr[-2000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('tff-pfl-train: error: '), stderr[-2000:]
     assert message in lines[0]
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if 'staging' in p]
 

@@ -173,6 +173,12 @@ def config_from_flags() -> experiment.ExperimentConfig:
 
     Every `ExperimentConfig` field has a flag of the same name; list flags
     become tuples of floats.
+
+    Returns:
+      The validated `experiment.ExperimentConfig`.
+
+    Raises:
+      experiment.ConfigError: a flag value the configuration refuses.
     """
     values = {}
     for field in dataclasses.fields(experiment.ExperimentConfig):
@@ -191,6 +197,15 @@ def config_from_flags() -> experiment.ExperimentConfig:
 
 
 def main(argv) -> None:
+    """Validates the flags, then runs the experiment and prints its tables.
+
+    Exits with 2 and one line on stderr on bad input, 130 on Ctrl-C, and 0
+    (without running) when the output directory holds this run, finished.
+
+    Args:
+      argv: what absl leaves of the command line after the flags; must hold
+        only the program name.
+    """
     if len(argv) > 1:
         _fail(f'unexpected arguments: {" ".join(argv[1:])}')
     from tff_pfl import runtime
@@ -199,11 +214,14 @@ def main(argv) -> None:
     from tff_pfl.program import reports
 
     logging.set_verbosity(logging.WARNING)
+    try:
+        config = config_from_flags()
+    except experiment.ConfigError as e:
+        _fail(str(e))  # before re-executing in a namespace: bad flags cost one start-up, not two
     if _ISOLATE_NETWORK.value and not flags.FLAGS['workers'].value and not _DOWNLOAD.value:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.train', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     try:
-        config = config_from_flags()
         result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
     except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
         _fail(str(e))
