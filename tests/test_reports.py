@@ -3,12 +3,16 @@
 import csv
 import os
 import struct
+import subprocess
+import sys
 
 from matplotlib import pyplot as plt
 import numpy as np
 import pytest
 
 from tff_pfl.program import reports
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PNG_MAGIC = b'\x89PNG\r\n\x1a\n'
 
@@ -258,3 +262,14 @@ def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_re
                 found.append((event.step, value.tag, round(float(tf.make_ndarray(value.tensor)), 6)))
     assert sorted(found) == [(1, 'loss', 0.666667), (2, 'loss', 0.125), (2, 'loss', 0.5), (3, 'acc', 0.75),
                              (3, 'loss', 0.25)]
+
+
+def test_importing_and_plotting_leave_pyplot_and_its_backend_alone(tmp_path):
+    # A notebook's inline backend must survive `import reports` and a plot.
+    code = ('import sys; from tff_pfl.program import reports; '
+            f'reports.plot_curves([{{"round": 1, "a": 0.5}}], "round", ["a"], {str(tmp_path / "c.png")!r}, "t", "y"); '
+            'assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"; print("ok")')
+    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    assert result.stdout.strip() == 'ok', result.stderr[-2000:]
+    assert (tmp_path / 'c.png').stat().st_size > 0

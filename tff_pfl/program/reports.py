@@ -4,9 +4,10 @@ Files are written atomically where a reader may see them mid-run (a temporary
 `path + '.tmp'` is written and then moved over `path` with `os.replace`), so
 a crashed or concurrent run never leaves a half-written CSV or text file.
 
-Plots use matplotlib's non-interactive Agg backend, selected here before
-`pyplot` is imported, and every figure is closed after saving so memory stays
-flat over many rounds.
+Plots are drawn on `matplotlib.figure.Figure` objects, never through
+`pyplot`: nothing global changes (a notebook keeps its own backend and its
+inline plots), and no figure stays registered, so memory stays flat over
+many rounds.
 
 TensorFlow Federated is imported only when a `RoundRelease` is created, so
 that importing this module stays fast.
@@ -21,10 +22,7 @@ import os
 from typing import Any, Optional
 
 import matplotlib
-
-matplotlib.use('Agg')
-
-from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+from matplotlib.figure import Figure
 import numpy as np
 
 _DPI = 120
@@ -115,13 +113,10 @@ def write_csv(path: str, rows: Sequence[Mapping[str, object]]) -> None:
             os.remove(tmp_path)
 
 
-def _save_and_close(fig: Any, path: str) -> None:
-    """Saves `fig` as a PNG at `path` and closes it."""
-    try:
-        _make_parent_dir(path)
-        fig.savefig(path, dpi=_DPI, format='png', bbox_inches='tight')
-    finally:
-        plt.close(fig)
+def _save(fig: Figure, path: str) -> None:
+    """Saves `fig` as a PNG at `path`."""
+    _make_parent_dir(path)
+    fig.savefig(path, dpi=_DPI, format='png', bbox_inches='tight')
 
 
 def plot_curves(
@@ -145,30 +140,27 @@ def plot_curves(
       title: The figure title.
       ylabel: The y axis label.
     """
-    fig, ax = plt.subplots(figsize=(8, 5))
-    try:
-        plotted = False
-        for key in y_keys:
-            points = [
-                (row[x_key], row[key])
-                for row in rows
-                if row.get(x_key) is not None and row.get(key) is not None
-            ]
-            if not points:
-                continue
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker='.' if len(xs) < 50 else None, label=key)
-            plotted = True
-        if plotted:
-            ax.legend()
-        ax.set_title(title)
-        ax.set_xlabel(x_key)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    plotted = False
+    for key in y_keys:
+        points = [
+            (row[x_key], row[key])
+            for row in rows
+            if row.get(x_key) is not None and row.get(key) is not None
+        ]
+        if not points:
+            continue
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker='.' if len(xs) < 50 else None, label=key)
+        plotted = True
+    if plotted:
+        ax.legend()
+    ax.set_title(title)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    _save(fig, path)
 
 
 def plot_client_bars(
@@ -218,60 +210,54 @@ def plot_client_bars(
         longest = max([len(label) for label in labels] + [0])
         per_client = max(per_client, 0.1 * longest)
     fig_width = max(6.0, per_client * num_clients + 2.0)
-    fig, ax = plt.subplots(figsize=(fig_width, 5))
-    try:
-        for i, (name, values) in enumerate(series.items()):
-            color = f'C{i % 10}'
-            values = np.asarray(values, dtype=np.float64)
-            offsets = positions - 0.4 + width * (i + 0.5)
-            ax.bar(offsets, values, width=width, color=color, label=name)
-            if values.size:
-                mean = float(np.nanmean(values))
-                ax.axhline(
-                    mean,
-                    color=color,
-                    linestyle='--',
-                    linewidth=1,
-                    label=f'{name} mean ({mean:.4g})',
-                )
-        ax.set_xticks(positions)
-        if rotate:
-            ax.set_xticklabels(labels, rotation=90, fontsize='small')
-        else:
-            ax.set_xticklabels(labels)
-        if series:
-            ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
-        ax.set_title(title)
-        ax.set_xlabel('client')
-        ax.set_ylabel(ylabel)
-        ax.grid(True, axis='y', alpha=0.3)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+    fig = Figure(figsize=(fig_width, 5))
+    ax = fig.subplots()
+    for i, (name, values) in enumerate(series.items()):
+        color = f'C{i % 10}'
+        values = np.asarray(values, dtype=np.float64)
+        offsets = positions - 0.4 + width * (i + 0.5)
+        ax.bar(offsets, values, width=width, color=color, label=name)
+        if values.size:
+            mean = float(np.nanmean(values))
+            ax.axhline(
+                mean,
+                color=color,
+                linestyle='--',
+                linewidth=1,
+                label=f'{name} mean ({mean:.4g})',
+            )
+    ax.set_xticks(positions)
+    if rotate:
+        ax.set_xticklabels(labels, rotation=90, fontsize='small')
+    else:
+        ax.set_xticklabels(labels)
+    if series:
+        ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title)
+    ax.set_xlabel('client')
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis='y', alpha=0.3)
+    _save(fig, path)
 
 
 def _plot_sorted_client_values(series, path, title, ylabel) -> None:
     """`plot_client_bars` for many clients: each series sorted, as a line."""
-    fig, ax = plt.subplots(figsize=(9, 5))
-    try:
-        for i, (name, values) in enumerate(series.items()):
-            color = f'C{i % 10}'
-            values = np.sort(np.asarray(values, dtype=np.float64))
-            ax.plot(np.arange(1, values.size + 1), values, color=color, label=name)
-            if values.size:
-                mean = float(np.nanmean(values))
-                ax.axhline(mean, color=color, linestyle='--', linewidth=1, label=f'{name} mean ({mean:.4g})')
-        if series:
-            ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
-        ax.set_title(title)
-        ax.set_xlabel('client, ranked by its value (each series sorted on its own)')
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+    fig = Figure(figsize=(9, 5))
+    ax = fig.subplots()
+    for i, (name, values) in enumerate(series.items()):
+        color = f'C{i % 10}'
+        values = np.sort(np.asarray(values, dtype=np.float64))
+        ax.plot(np.arange(1, values.size + 1), values, color=color, label=name)
+        if values.size:
+            mean = float(np.nanmean(values))
+            ax.axhline(mean, color=color, linestyle='--', linewidth=1, label=f'{name} mean ({mean:.4g})')
+    if series:
+        ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title)
+    ax.set_xlabel('client, ranked by its value (each series sorted on its own)')
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    _save(fig, path)
 
 
 def plot_bars(
@@ -301,30 +287,27 @@ def plot_bars(
     if errors is not None and len(errors) != len(labels):
         raise ValueError(f'{len(errors)} errors for {len(labels)} labels')
     positions = np.arange(len(labels))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2.0), 5))
-    try:
-        yerr = None
-        if errors is not None:
-            yerr = np.asarray([np.nan if e is None else e for e in errors], dtype=np.float64)
-        ax.bar(
-            positions,
-            np.asarray(values, dtype=np.float64),
-            yerr=yerr,
-            capsize=4,
-            color=[f'C{i % 10}' for i in range(len(labels))],
-        )
-        ax.set_xticks(positions)
-        ax.set_xticklabels(
-            [str(label) for label in labels],
-            rotation=90 if len(labels) > _ROTATE_TICKS_ABOVE else 0,
-        )
-        ax.set_title(title)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, axis='y', alpha=0.3)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+    fig = Figure(figsize=(max(6.0, 0.9 * len(labels) + 2.0), 5))
+    ax = fig.subplots()
+    yerr = None
+    if errors is not None:
+        yerr = np.asarray([np.nan if e is None else e for e in errors], dtype=np.float64)
+    ax.bar(
+        positions,
+        np.asarray(values, dtype=np.float64),
+        yerr=yerr,
+        capsize=4,
+        color=[f'C{i % 10}' for i in range(len(labels))],
+    )
+    ax.set_xticks(positions)
+    ax.set_xticklabels(
+        [str(label) for label in labels],
+        rotation=90 if len(labels) > _ROTATE_TICKS_ABOVE else 0,
+    )
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis='y', alpha=0.3)
+    _save(fig, path)
 
 
 def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
@@ -345,46 +328,43 @@ def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
             f'histogram must be [clients, classes], got shape {histogram.shape}'
         )
     num_clients, num_classes = histogram.shape
-    cmap = plt.get_cmap('tab10' if num_classes <= 10 else 'tab20')
+    cmap = matplotlib.colormaps['tab10' if num_classes <= 10 else 'tab20']
     if num_clients > _MANY_CLIENTS:
         plot_heatmap(histogram, path, f'{title} (colour: examples)',
                      col_labels=[str(c) for c in range(num_classes)], xlabel='class', ylabel='client')
         return
     positions = np.arange(num_clients)
-    fig, ax = plt.subplots(figsize=(8, max(3.0, 0.25 * num_clients + 1.5)))
-    try:
-        left = np.zeros(num_clients, dtype=np.float64)
-        for c in range(num_classes):
-            counts = histogram[:, c].astype(np.float64)
-            ax.barh(
-                positions,
-                counts,
-                left=left,
-                color=cmap(c % cmap.N),
-                label=str(c),
-                height=0.8,
-            )
-            left += counts
-        ax.set_yticks(positions)
-        ax.set_yticklabels(
-            [str(i) for i in range(num_clients)],
-            fontsize='small' if num_clients > _ROTATE_TICKS_ABOVE else None,
+    fig = Figure(figsize=(8, max(3.0, 0.25 * num_clients + 1.5)))
+    ax = fig.subplots()
+    left = np.zeros(num_clients, dtype=np.float64)
+    for c in range(num_classes):
+        counts = histogram[:, c].astype(np.float64)
+        ax.barh(
+            positions,
+            counts,
+            left=left,
+            color=cmap(c % cmap.N),
+            label=str(c),
+            height=0.8,
         )
-        ax.invert_yaxis()
-        if num_classes:
-            ax.legend(
-                title='class',
-                loc='center left',
-                bbox_to_anchor=(1.0, 0.5),
-                ncol=1 if num_classes <= 20 else 2,
-            )
-        ax.set_title(title)
-        ax.set_xlabel('examples')
-        ax.set_ylabel('client')
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+        left += counts
+    ax.set_yticks(positions)
+    ax.set_yticklabels(
+        [str(i) for i in range(num_clients)],
+        fontsize='small' if num_clients > _ROTATE_TICKS_ABOVE else None,
+    )
+    ax.invert_yaxis()
+    if num_classes:
+        ax.legend(
+            title='class',
+            loc='center left',
+            bbox_to_anchor=(1.0, 0.5),
+            ncol=1 if num_classes <= 20 else 2,
+        )
+    ax.set_title(title)
+    ax.set_xlabel('examples')
+    ax.set_ylabel('client')
+    _save(fig, path)
 
 
 def plot_heatmap(
@@ -423,28 +403,25 @@ def plot_heatmap(
         raise ValueError(
             f'{len(col_labels)} column labels for {num_cols} columns'
         )
-    fig, ax = plt.subplots(figsize=(7, 6))
-    try:
-        image = ax.imshow(matrix, aspect='auto', interpolation='nearest')
-        fig.colorbar(image, ax=ax)
-        if row_labels is not None and num_rows <= _MANY_CLIENTS:
-            ax.set_yticks(np.arange(num_rows))
-            ax.set_yticklabels([str(label) for label in row_labels])
-        if col_labels is not None and num_cols <= _MANY_CLIENTS:
-            ax.set_xticks(np.arange(num_cols))
-            ax.set_xticklabels(
-                [str(label) for label in col_labels],
-                rotation=90 if num_cols > _ROTATE_TICKS_ABOVE else 0,
-            )
-        if xlabel:
-            ax.set_xlabel(xlabel)
-        if ylabel:
-            ax.set_ylabel(ylabel)
-        ax.set_title(title)
-    except BaseException:
-        plt.close(fig)
-        raise
-    _save_and_close(fig, path)
+    fig = Figure(figsize=(7, 6))
+    ax = fig.subplots()
+    image = ax.imshow(matrix, aspect='auto', interpolation='nearest')
+    fig.colorbar(image, ax=ax)
+    if row_labels is not None and num_rows <= _MANY_CLIENTS:
+        ax.set_yticks(np.arange(num_rows))
+        ax.set_yticklabels([str(label) for label in row_labels])
+    if col_labels is not None and num_cols <= _MANY_CLIENTS:
+        ax.set_xticks(np.arange(num_cols))
+        ax.set_xticklabels(
+            [str(label) for label in col_labels],
+            rotation=90 if num_cols > _ROTATE_TICKS_ABOVE else 0,
+        )
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    _save(fig, path)
 
 
 def _markdown_cell(value: Any, float_format: str) -> str:
