@@ -1,0 +1,138 @@
+"""The documentation stays true to the tree: links resolve, commands use real flags.
+
+Reads README.md, docs/, deploy/README.md, benchmarks/results/ and the
+notebooks' markdown; a renamed file, a removed flag or an algorithm without a
+page fails here.
+"""
+
+import json
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from tff_pfl.program import algorithms
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MARKDOWN = sorted(
+    [REPO / 'README.md', REPO / 'deploy' / 'README.md']
+    + list((REPO / 'docs').rglob('*.md'))
+    + list((REPO / 'benchmarks' / 'results').rglob('*.md')))
+NOTEBOOKS = sorted((REPO / 'notebooks').glob('*.ipynb'))
+_LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
+
+
+def _text(path):
+    if path.suffix == '.ipynb':
+        cells = json.loads(path.read_text())['cells']
+        return '\n'.join(''.join(c['source']) for c in cells if c['cell_type'] == 'markdown')
+    return path.read_text()
+
+
+def _headings(path):
+    anchors = set()
+    for line in _text(path).splitlines():
+        match = re.match(r'^#+\s+(.*)$', line)
+        if match:
+            title = match.group(1).strip().lower()
+            anchors.add(re.sub(r'\s', '-', re.sub(r'[^\w\s-]', '', title)))
+    return anchors
+
+
+@pytest.mark.parametrize('path', MARKDOWN + NOTEBOOKS, ids=lambda p: str(p.relative_to(REPO)))
+def test_relative_links_resolve(path):
+    broken = []
+    for target in _LINK.findall(_text(path)):
+        if re.match(r'^[a-z]+:', target):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition('#')
+        resolved = (path.parent / file_part).resolve() if file_part else path
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == '.md' and anchor not in _headings(resolved):
+            broken.append(target)
+    assert not broken, f'{path.relative_to(REPO)}: broken links {broken}'
+
+
+def _defined_flags(*modules):
+    names = set()
+    for module in modules:
+        source = (REPO / module).read_text()
+        for kind, name in re.findall(r"DEFINE_(\w+)\(\s*'(\w+)'", source):
+            names.add(name)
+            if kind == 'bool':
+                names.add('no' + name)
+    return names | {'help', 'helpfull', 'helpshort'}
+
+
+def test_commands_in_the_documentation_use_flags_that_exist():
+    binaries = {
+        'tff-pfl-train': _defined_flags('tff_pfl/cli/train.py'),
+        'tff-pfl-export': _defined_flags('tff_pfl/cli/train.py', 'tff_pfl/cli/export.py'),
+        'tff-pfl-bench': _defined_flags('tff_pfl/cli/bench.py'),
+    }
+    unknown, checked = [], 0
+    for path in MARKDOWN + NOTEBOOKS:
+        text = _text(path).replace('\\\n', ' ')
+        for line in text.splitlines():
+            for binary, known in binaries.items():
+                match = re.search(re.escape(binary) + r'\s(.*)', line)
+                if not match:
+                    continue
+                command = re.split(r'[`|]|&&', match.group(1))[0]
+                for flag in re.findall(r'(?<!\S)--(\w+)', command):
+                    checked += 1
+                    if flag not in known:
+                        unknown.append(f'{path.relative_to(REPO)}: {binary} --{flag}')
+    assert not unknown, '\n'.join(unknown)
+    assert checked > 100  # the commands were found
+
+
+def _train_commands():
+    for path in MARKDOWN + NOTEBOOKS:
+        text = _text(path).replace('\\\n', ' ')
+        for line in text.splitlines():
+            match = re.search(r'tff-pfl-train\s(.*)', line)
+            if match:
+                command = re.split(r'[`|]|&&', match.group(1))[0]
+                args = [a for a in shlex.split(command)
+                        if re.fullmatch(r'--\w+(=\S*)?', a) and not a.startswith('--help')]
+                if args:
+                    yield path, args
+
+
+def test_documented_training_commands_are_valid_configurations():
+    from absl import flags
+    from tff_pfl.cli import train
+    from tff_pfl.program import experiment
+
+    refused = []
+    commands = list(_train_commands())
+    try:
+        for path, args in commands:
+            flags.FLAGS.unparse_flags()
+            flags.FLAGS(['tff-pfl-train', *args])
+            try:
+                train.config_from_flags()
+            except experiment.ConfigError as e:
+                refused.append(f'{path.relative_to(REPO)}: {" ".join(args)}: {e}')
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert not refused, '\n'.join(refused)
+    assert commands
+
+
+def test_every_algorithm_has_a_page():
+    pages = '\n'.join(p.read_text() for p in (REPO / 'docs' / 'algorithms').glob('*.md'))
+    missing = [name for name in algorithms.names() if not re.search(rf'[`=]{name}\b', pages)]
+    assert not missing, f'algorithms without a docs/algorithms page: {missing}'
+
+
+def test_the_checks_catch_a_broken_link_and_an_unknown_flag(tmp_path):
+    page = tmp_path / 'page.md'
+    page.write_text('# Title\n[a](missing.md) [b](#title) [c](#nope)\n')
+    assert _LINK.findall(page.read_text()) == ['missing.md', '#title', '#nope']
+    assert _headings(page) == {'title'}
+    assert 'rounds' in _defined_flags('tff_pfl/cli/train.py')
+    assert 'noisolate_network' in _defined_flags('tff_pfl/cli/train.py')
