@@ -107,22 +107,29 @@ def main(argv) -> None:
     from tff_pfl.program import experiment
 
     logging.set_verbosity(logging.WARNING)
+    errors = (bench.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
+    # The suite and the selection are checked before re-executing in a network
+    # namespace: a bad suite costs one start-up, not two.
+    try:
+        suite = bench.parse_suite(text, _SUITE.value)
+        suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
+        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench.slug(suite.name))
+        if _REPORT_ONLY.value:
+            bench.check_report_dir(suite, output_dir)
+    except errors as e:
+        _fail(str(e))
     if _ISOLATE_NETWORK.value:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.bench', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     try:
-        suite = bench.parse_suite(text, _SUITE.value)
-        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench.slug(suite.name))
         if _REPORT_ONLY.value:
-            suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
-            bench.check_report_dir(suite, output_dir)
             bench.write_report(suite, output_dir, log=_log)
         else:
             command = ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
             bench.run_suite(
                 suite, output_dir, seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value,
                 overwrite=_OVERWRITE.value, command=command, log=_log)
-    except (bench.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+    except errors as e:
         _fail(str(e))
     except KeyboardInterrupt:
         print(f'{_PROG}: interrupted', file=sys.stderr)
