@@ -300,4 +300,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
+    if os.environ.get('BUILD_WORKING_DIRECTORY'):  # `bazel run`: paths relative to the user's directory
+        os.chdir(os.environ['BUILD_WORKING_DIRECTORY'])
     raise SystemExit(main())

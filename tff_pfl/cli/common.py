@@ -1,5 +1,6 @@
 """What the project's absl binaries share: one-line errors with exit code 2."""
 
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -16,6 +17,18 @@ def fail(prog: str, message) -> NoReturn:
     """
     print(f'{prog}: error: {" ".join(str(message).split())}', file=sys.stderr)
     sys.exit(2)
+
+
+def use_invocation_directory() -> None:
+    """Under `bazel run`, makes relative paths relative to where it was run.
+
+    `bazel run` starts a binary in its runfiles tree and names the user's
+    directory in `BUILD_WORKING_DIRECTORY`; `--output_dir=runs/x` then means
+    what it means without Bazel. Elsewhere this does nothing.
+    """
+    directory = os.environ.get('BUILD_WORKING_DIRECTORY')
+    if directory:
+        os.chdir(directory)
 
 
 def flags_parser(prog: str) -> Callable[[list], list]:

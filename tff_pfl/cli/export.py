@@ -60,6 +60,7 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
+    common.use_invocation_directory()
     app.run(main, flags_parser=common.flags_parser(_PROG))
 
 

@@ -245,6 +245,7 @@ def main(argv) -> None:
 
 def run() -> None:
     """Console-script entry point."""
+    common.use_invocation_directory()
     app.run(main, flags_parser=common.flags_parser(_PROG))
 
 
