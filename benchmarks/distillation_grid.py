@@ -14,18 +14,14 @@ import json
 import statistics
 import time
 
-from absl import app
-from absl import flags
 import numpy as np
 import tensorflow as tf
+from absl import app, flags
 
 from processes import persfl
 from tff_pfl import models
-from tff_pfl.computations import distillation
-from tff_pfl.computations import local_training
-from tff_pfl.data import client_data
-from tff_pfl.data import partition
-from tff_pfl.data import sources
+from tff_pfl.computations import distillation, local_training
+from tff_pfl.data import client_data, partition, sources
 from tff_pfl.models import stacked
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
@@ -46,19 +42,25 @@ def main(argv):
     train, val = as_split('train'), as_split('val')
     model = models.mnist_dnn((28, 28, 1), 10)
     teacher_stats = local_training.train(
-        model, train, epochs=1, batch_size=32, learning_rate=0.05, seed=tf.constant([1, 2], tf.int64))
+        model, train, epochs=1, batch_size=32, learning_rate=0.05, seed=tf.constant([1, 2], tf.int64)
+    )
     teacher = [tf.constant(w) for w in model.get_weights()]
     candidates = distillation.grid_candidates(persfl.DEFAULT_TEMPERATURES, persfl.DEFAULT_IMITATIONS)
     temperatures, imitations = distillation.candidate_arrays(candidates)
     kwargs = dict(
-        temperatures=tf.constant(temperatures), imitations=tf.constant(imitations),
-        config=local_training.TrainingConfig(_EPOCHS.value, 32, 0.01), seed=tf.constant([3, 4], tf.int64))
+        temperatures=tf.constant(temperatures),
+        imitations=tf.constant(imitations),
+        config=local_training.TrainingConfig(_EPOCHS.value, 32, 0.01),
+        seed=tf.constant([3, 4], tf.int64),
+    )
     layers = stacked.plan(model)
     sides = {
         'grid (all candidates stacked, one loop)': tf.function(
-            lambda: distillation.distill_grid(layers, teacher, train, val, **kwargs)),
+            lambda: distillation.distill_grid(layers, teacher, train, val, **kwargs)
+        ),
         'sequential (one loop per candidate)': tf.function(
-            lambda: distillation.distill_sequential(layers, teacher, train, val, **kwargs)),
+            lambda: distillation.distill_sequential(layers, teacher, train, val, **kwargs)
+        ),
     }
     results = {name: fn() for name, fn in sides.items()}  # trace + warm up
     times = {name: [] for name in sides}
@@ -74,26 +76,35 @@ def main(argv):
     grid, seq = results[names[0]], results[names[1]]
     max_diff = max(float(tf.reduce_max(tf.abs(a - b))) for a, b in zip(grid.weights, seq.weights))
     result = {
-        'candidates': len(candidates), 'epochs': _EPOCHS.value, 'train_examples': int(train.num_examples),
+        'candidates': len(candidates),
+        'epochs': _EPOCHS.value,
+        'train_examples': int(train.num_examples),
         'teacher_train_accuracy': float(teacher_stats.num_correct / teacher_stats.num_examples),
-        'median_seconds': medians, 'speedup': medians[names[1]] / medians[names[0]],
-        'same_choice': int(grid.best) == int(seq.best), 'chosen': candidates[int(grid.best)],
+        'median_seconds': medians,
+        'speedup': medians[names[1]] / medians[names[0]],
+        'same_choice': int(grid.best) == int(seq.best),
+        'chosen': candidates[int(grid.best)],
         'max_weight_difference': max_diff,
         'val_accuracy': np.asarray(grid.val_accuracy).tolist(),
     }
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(result, f, indent=1)
     lines = [
-        '# PersFL distillation grid: vectorized vs sequential', '',
+        '# PersFL distillation grid: vectorized vs sequential',
+        '',
         f'One MNIST client ({result["train_examples"]} training examples), MNIST DNN, {len(candidates)} distinct '
-        f'(T, lambda) candidates of the paper\'s 7 x 5 grid, {_EPOCHS.value} epoch(s), batch 32; '
+        f"(T, lambda) candidates of the paper's 7 x 5 grid, {_EPOCHS.value} epoch(s), batch 32; "
         f'{_REPEATS.value} alternating repeats, 2 CPU cores.',
-        f'Command: `uv run python benchmarks/distillation_grid.py --epochs={_EPOCHS.value} --repeats={_REPEATS.value}`', '',
-        '| side | median s | speed-up |', '|---|---|---|',
+        f'Command: `uv run python benchmarks/distillation_grid.py --epochs={_EPOCHS.value} --repeats={_REPEATS.value}`',
+        '',
+        '| side | median s | speed-up |',
+        '|---|---|---|',
         f'| {names[1]} | {medians[names[1]]:.2f} | 1.00 |',
-        f'| {names[0]} | {medians[names[0]]:.2f} | {result["speedup"]:.2f} |', '',
+        f'| {names[0]} | {medians[names[0]]:.2f} | {result["speedup"]:.2f} |',
+        '',
         f'Same chosen candidate: {result["same_choice"]} (T={result["chosen"][0]:g}, lambda={result["chosen"][1]:g}); '
-        f'largest weight difference between the two sides: {max_diff:.2e}.', '',
+        f'largest weight difference between the two sides: {max_diff:.2e}.',
+        '',
     ]
     with open(_OUT.value + '.md', 'w') as f:
         f.write('\n'.join(lines))

@@ -22,23 +22,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 
-from absl import app
-from absl import flags
 import numpy as np
 import psutil
 import tensorflow as tf
+from absl import app, flags
 
 from processes import fedavg
-from tff_pfl import models
-from tff_pfl import runtime
+from tff_pfl import models, runtime
 from tff_pfl.computations import local_training
-from tff_pfl.data import client_data
-from tff_pfl.data import partition
-from tff_pfl.data import sources
+from tff_pfl.data import client_data, partition, sources
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 30, 'Timed rounds per side (after 3 warm-up rounds).')
@@ -60,7 +55,7 @@ def build_floor(client_arrays, seed=0):
         steps = (n + BATCH - 1) // BATCH
 
         def body(step, w1, b1, w2, b2):
-            idx = order[step * BATCH: tf.minimum((step + 1) * BATCH, n)]
+            idx = order[step * BATCH : tf.minimum((step + 1) * BATCH, n)]
             xb, yb = tf.gather(x, idx), tf.gather(y, idx)
             with tf.GradientTape() as tape:
                 tape.watch([w1, b1, w2, b2])
@@ -74,8 +69,7 @@ def build_floor(client_arrays, seed=0):
     @tf.function
     def round_fn(weights, round_num):
         trained = [
-            client_epoch(weights, xs[c], ys[c], tf.stack([tf.cast(round_num, tf.int64), c]))
-            for c in range(len(xs))
+            client_epoch(weights, xs[c], ys[c], tf.stack([tf.cast(round_num, tf.int64), c])) for c in range(len(xs))
         ]
         share = counts / tf.reduce_sum(counts)
         return [sum(share[c] * trained[c][i] for c in range(len(xs))) for i in range(4)]
@@ -95,14 +89,19 @@ def main(argv):
 
     floor = build_floor(arrays)
     rng = np.random.default_rng(0)
-    floor_weights = [tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    floor_weights = [
+        tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]
+    ]
 
     model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, 10)
     process = fedavg.build_fedavg_process(
-        spec, model_fn, local_config=local_training.TrainingConfig(1, BATCH, LR), seed=0)
-    result = {'workload': f'{NUM_CLIENTS} clients x {TRAIN_PER_CLIENT} x 784, MLP 784-100-10, batch {BATCH}, 1 epoch',
-              'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores',
-              'rounds_timed': _ROUNDS.value}
+        spec, model_fn, local_config=local_training.TrainingConfig(1, BATCH, LR), seed=0
+    )
+    result = {
+        'workload': f'{NUM_CLIENTS} clients x {TRAIN_PER_CLIENT} x 784, MLP 784-100-10, batch {BATCH}, 1 epoch',
+        'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores',
+        'rounds_timed': _ROUNDS.value,
+    }
     with runtime.local_runtime(max_concurrent_computation_calls=2) as rt:
         state = process.initialize()
         client_states = [process.initial_client_state(c) for c in spec.client_ids]
@@ -138,27 +137,38 @@ def main(argv):
             out = process.next(state, client_states)
             state, client_states = out.state, out.client_states
             if r % 10 == 0 or r == _MEMORY_ROUNDS.value - 1:
-                memory.append({'round': r, 'worker_rss_mb': worker.memory_info().rss / 2**20,
-                               'driver_rss_mb': driver.memory_info().rss / 2**20})
+                memory.append(
+                    {
+                        'round': r,
+                        'worker_rss_mb': worker.memory_info().rss / 2**20,
+                        'driver_rss_mb': driver.memory_info().rss / 2**20,
+                    }
+                )
                 print(memory[-1], flush=True)
         result['memory'] = memory
 
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(result, f, indent=1)
     lines = [
-        '# FedAvg round time vs the plain-TF floor', '',
+        '# FedAvg round time vs the plain-TF floor',
+        '',
         f'Workload: {result["workload"]}; {result["machine"]}; {_ROUNDS.value} alternating timed rounds per side.',
-        f'Command: `uv run python benchmarks/fedavg_speed.py --rounds={_ROUNDS.value} --memory_rounds={_MEMORY_ROUNDS.value}`', '',
-        '| side | median s/round | ratio to floor |', '|---|---|---|',
+        'Command: `uv run python benchmarks/fedavg_speed.py '
+        f'--rounds={_ROUNDS.value} --memory_rounds={_MEMORY_ROUNDS.value}`',
+        '',
+        '| side | median s/round | ratio to floor |',
+        '|---|---|---|',
         f'| plain TF, all clients in one tf.function (floor) | {medians["floor"]:.4f} | 1.00 |',
         f'| project FedAvg `next` | {medians["next"]:.4f} | {result["ratio_to_floor"]["next"]:.2f} |',
         f'| project FedAvg `next` + `evaluate` (every client, test split) | {medians["next_and_evaluate"]:.4f} | '
-        f'{result["ratio_to_floor"]["next_and_evaluate"]:.2f} |', '',
+        f'{result["ratio_to_floor"]["next_and_evaluate"]:.2f} |',
+        '',
         'The floor is functional TF (no Keras), all clients fused into one graph; the project round',
-        'also reads every client\'s files, builds its Keras model, aggregates through',
+        "also reads every client's files, builds its Keras model, aggregates through",
         '`tff.aggregators.MeanFactory`, applies a `tff.learning` server optimizer and returns client',
         'states and metrics. `evaluate` of every client costs about one extra forward pass over each',
-        'test split plus one more file read; the binary evaluates every `--eval_every` rounds (10).', '',
+        'test split plus one more file read; the binary evaluates every `--eval_every` rounds (10).',
+        '',
     ]
     if memory:
         lines += ['## Resident memory over rounds (MB)', '', '| round | TFF worker | driver |', '|---|---|---|']

@@ -24,11 +24,15 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+from absl import (
+    app,  # noqa: E402
+    flags,  # noqa: E402
+)
 
-from tff_pfl.program import experiment  # noqa: E402
-from tff_pfl.program import reports  # noqa: E402
+from tff_pfl.program import (
+    experiment,  # noqa: E402
+    reports,  # noqa: E402
+)
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _CLIENTS = flags.DEFINE_list('num_clients', ['10', '20', '40'], 'M values of the table.')
@@ -63,11 +67,26 @@ PAPER_EMNIST = {  # Table I, EMNIST, T_ex = 5: mean +- std for M = 10, 20, 40
 def _run(name, **overrides):
     intervals = _SLOTS.value // _T_EX.value
     settings = dict(
-        dataset=f'npz:{_MNIST.value}', partition='kd_dirichlet', dirichlet_alpha=0.1,
-        kd_split_sizes=(15, 100, 20, 100), model='lenet', rounds=intervals, exchange_interval=_T_EX.value,
-        eval_every=max(1, intervals // 25), local_epochs=1, batch_size=10, client_learning_rate=_LR.value,
-        kd_mean_neighbours=5.0, kd_max_neighbours=5, kd_mu1=_MU1.value, kd_mu2=_MU2.value, kd_c_base=100.0,
-        kd_distance_batch=32, finetune_from_slot=_FINETUNE_FROM.value, seed=_SEED.value)
+        dataset=f'npz:{_MNIST.value}',
+        partition='kd_dirichlet',
+        dirichlet_alpha=0.1,
+        kd_split_sizes=(15, 100, 20, 100),
+        model='lenet',
+        rounds=intervals,
+        exchange_interval=_T_EX.value,
+        eval_every=max(1, intervals // 25),
+        local_epochs=1,
+        batch_size=10,
+        client_learning_rate=_LR.value,
+        kd_mean_neighbours=5.0,
+        kd_max_neighbours=5,
+        kd_mu1=_MU1.value,
+        kd_mu2=_MU2.value,
+        kd_c_base=100.0,
+        kd_distance_batch=32,
+        finetune_from_slot=_FINETUNE_FROM.value,
+        seed=_SEED.value,
+    )
     settings.update(overrides)
     config = experiment.ExperimentConfig(output_dir=os.path.join(_RUNS_DIR.value, name), **settings)
     start = time.monotonic()
@@ -98,28 +117,50 @@ def main(argv):
                         curve[label] = 100 * row['test_personalized_model_accuracy_mean']
         for m, points in output['curves'].items():
             rows = [points[s] for s in sorted(points)]
-            reports.plot_curves(rows, 'slot', list(METHODS), f'{_OUT.value}_M{m}.png',
-                                f'MNIST, M = {m}, T_ex = {_T_EX.value}', 'mean per-client test accuracy (%)')
+            reports.plot_curves(
+                rows,
+                'slot',
+                list(METHODS),
+                f'{_OUT.value}_M{m}.png',
+                f'MNIST, M = {m}, T_ex = {_T_EX.value}',
+                'mean per-client test accuracy (%)',
+            )
     if 'neighbours' in _PARTS.value:
         for cap in (int(v) for v in _CAPS.value):
             for label, algorithm in (('KD-PDFL', 'kdpdfl'), ('FedAvg', 'kdpdfl_fedavg')):
-                result, seconds, _ = _run(f'caps/{algorithm}_K{cap}', algorithm=algorithm, num_clients=20,
-                                          kd_mean_neighbours=19.0, kd_max_neighbours=cap)
+                result, seconds, _ = _run(
+                    f'caps/{algorithm}_K{cap}',
+                    algorithm=algorithm,
+                    num_clients=20,
+                    kd_mean_neighbours=19.0,
+                    kd_max_neighbours=cap,
+                )
                 s = result.summary['personalized_model']
                 output['neighbours'].setdefault(label, {})[cap] = dict(mean=s['mean'], std=s['std'])
                 output['seconds'][f'caps/{algorithm}_K{cap}'] = seconds
-        rows = [{'neighbours': cap, **{label: 100 * output['neighbours'][label][cap]['mean']
-                                       for label in output['neighbours']}}
-                for cap in (int(v) for v in _CAPS.value)]
-        reports.plot_curves(rows, 'neighbours', list(output['neighbours']), f'{_OUT.value}_neighbours.png',
-                            'M = 20: accuracy against the neighbours per exchange', 'mean per-client test accuracy (%)')
+        rows = [
+            {
+                'neighbours': cap,
+                **{label: 100 * output['neighbours'][label][cap]['mean'] for label in output['neighbours']},
+            }
+            for cap in (int(v) for v in _CAPS.value)
+        ]
+        reports.plot_curves(
+            rows,
+            'neighbours',
+            list(output['neighbours']),
+            f'{_OUT.value}_neighbours.png',
+            'M = 20: accuracy against the neighbours per exchange',
+            'mean per-client test accuracy (%)',
+        )
     if 'mu_grid' in _PARTS.value:
         grid = [float(v) for v in _MU_GRID.value]
         fig, axes = plt.subplots(len(grid), len(grid), figsize=(3.2 * len(grid), 3.0 * len(grid)), squeeze=False)
         for a, mu1 in enumerate(grid):
             for b, mu2 in enumerate(grid):
-                result, seconds, _ = _run(f'mu/mu1_{mu1:g}_mu2_{mu2:g}', algorithm='kdpdfl', num_clients=10,
-                                          kd_mu1=mu1, kd_mu2=mu2)
+                result, seconds, _ = _run(
+                    f'mu/mu1_{mu1:g}_mu2_{mu2:g}', algorithm='kdpdfl', num_clients=10, kd_mu1=mu1, kd_mu2=mu2
+                )
                 graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
                 s = result.summary['personalized_model']
                 output['mu_grid'][f'{mu1:g},{mu2:g}'] = dict(mean=s['mean'], std=s['std'], W=graph.tolist())
@@ -130,7 +171,7 @@ def main(argv):
                 ax.set_xticks([])
                 ax.set_yticks([])
                 fig.colorbar(image, ax=ax, fraction=0.046)
-        fig.suptitle('Collaboration graph W (row i: client i\'s weights), M = 10')
+        fig.suptitle("Collaboration graph W (row i: client i's weights), M = 10")
         fig.tight_layout()
         fig.savefig(f'{_OUT.value}_W.png', dpi=100)
         plt.close(fig)
@@ -141,18 +182,25 @@ def main(argv):
         json.dump(output, f, indent=1, default=str)
 
     base = os.path.basename(_OUT.value)
-    lines = [f'# KD-PDFL and baselines: MNIST, Dirichlet(0.1) labels, T_ex = {_T_EX.value}, {_SLOTS.value} slots', '',
-             f'Command: `uv run python benchmarks/kdpdfl_mnist.py --slots={_SLOTS.value} '
-             f'--learning_rate={_LR.value} --seed={_SEED.value}` ({total:.0f} minutes on 2 CPU cores).', '',
-             'Each client: Dirichlet(0.1) label mix (at most 4 labels), 15-100 training, 20 validation and 100 test '
-             'examples from its own mix; LeNet-style CNN, one local epoch (batch 10, lr '
-             f'{_LR.value}) per slot; about 5 reachable neighbours per star, at most 5; mu_1 = {_MU1.value:g}, '
-             f'mu_2 = {_MU2.value:g}, c_base = 100, distances on 32 of the star\'s training examples; FedAvg+ '
-             f'fine-tunes from slot {_FINETUNE_FROM.value}. Per-client test accuracy, mean ± std over clients.', '']
+    lines = [
+        f'# KD-PDFL and baselines: MNIST, Dirichlet(0.1) labels, T_ex = {_T_EX.value}, {_SLOTS.value} slots',
+        '',
+        f'Command: `uv run python benchmarks/kdpdfl_mnist.py --slots={_SLOTS.value} '
+        f'--learning_rate={_LR.value} --seed={_SEED.value}` ({total:.0f} minutes on 2 CPU cores).',
+        '',
+        'Each client: Dirichlet(0.1) label mix (at most 4 labels), 15-100 training, 20 validation and 100 test '
+        'examples from its own mix; LeNet-style CNN, one local epoch (batch 10, lr '
+        f'{_LR.value}) per slot; about 5 reachable neighbours per star, at most 5; mu_1 = {_MU1.value:g}, '
+        f"mu_2 = {_MU2.value:g}, c_base = 100, distances on 32 of the star's training examples; FedAvg+ "
+        f'fine-tunes from slot {_FINETUNE_FROM.value}. Per-client test accuracy, mean ± std over clients.',
+        '',
+    ]
     if output['table']:
         ms = sorted({m for by_m in output['table'].values() for m in by_m})
-        lines += ['| method | ' + ' | '.join(f'M={m}' for m in ms) + ' | paper EMNIST M=10 / 20 / 40 |',
-                  '|---|' + '---|' * len(ms) + '---|']
+        lines += [
+            '| method | ' + ' | '.join(f'M={m}' for m in ms) + ' | paper EMNIST M=10 / 20 / 40 |',
+            '|---|' + '---|' * len(ms) + '---|',
+        ]
         for label, by_m in output['table'].items():
             cells = [f'{by_m[m]["mean"]:.3f}±{by_m[m]["std"]:.3f}' for m in ms]
             paper = ' / '.join(PAPER_EMNIST[label]) if label in PAPER_EMNIST else ''
@@ -160,16 +208,28 @@ def main(argv):
         lines += ['', '## Accuracy against the slot (Fig. 3)', '']
         lines += [f'![M={m}]({base}_M{m}.png)' for m in output['curves']]
     if output['neighbours']:
-        lines += ['', '## Accuracy against the number of neighbours (Fig. 4, M = 20)', '',
-                  '| neighbours per exchange | ' + ' | '.join(output['neighbours']) + ' |',
-                  '|---|' + '---|' * len(output['neighbours'])]
+        lines += [
+            '',
+            '## Accuracy against the number of neighbours (Fig. 4, M = 20)',
+            '',
+            '| neighbours per exchange | ' + ' | '.join(output['neighbours']) + ' |',
+            '|---|' + '---|' * len(output['neighbours']),
+        ]
         for cap in (int(v) for v in _CAPS.value):
-            lines.append(f'| {cap} | ' + ' | '.join(
-                f'{output["neighbours"][label][cap]["mean"]:.3f}' for label in output['neighbours']) + ' |')
+            lines.append(
+                f'| {cap} | '
+                + ' | '.join(f'{output["neighbours"][label][cap]["mean"]:.3f}' for label in output['neighbours'])
+                + ' |'
+            )
         lines += ['', f'![neighbours]({base}_neighbours.png)']
     if output['mu_grid']:
-        lines += ['', '## Collaboration graph for a grid of (mu_1, mu_2) (Fig. 5, M = 10)', '',
-                  '| mu_1, mu_2 | accuracy | mean w_ij | zero weights |', '|---|---|---|---|']
+        lines += [
+            '',
+            '## Collaboration graph for a grid of (mu_1, mu_2) (Fig. 5, M = 10)',
+            '',
+            '| mu_1, mu_2 | accuracy | mean w_ij | zero weights |',
+            '|---|---|---|---|',
+        ]
         for key, r in output['mu_grid'].items():
             graph = np.asarray(r['W'])
             off = graph[~np.eye(len(graph), dtype=bool)]

@@ -22,16 +22,15 @@ import shutil
 import time
 
 import numpy as np
-from absl import app
-from absl import flags
+from absl import app, flags
 
-from tff_pfl.program import experiment
-from tff_pfl.program import reports
+from tff_pfl.program import experiment, reports
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _CASES = flags.DEFINE_list('cases', ['kt_case1', 'kt_case2'], 'Partitions to run.')
 _METHODS = flags.DEFINE_list(
-    'methods', ['fedmd', 'pfeddf', 'sim_pfl', 'topk_pfl', 'ktpfl', 'ktpfl_released'], 'Methods to run.')
+    'methods', ['fedmd', 'pfeddf', 'sim_pfl', 'topk_pfl', 'ktpfl', 'ktpfl_released'], 'Methods to run.'
+)
 _ROUNDS = flags.DEFINE_integer('rounds', 30, 'Rounds.')
 _LOCAL_EPOCHS = flags.DEFINE_integer('local_epochs', 2, 'E (the paper: 20).')
 _CASE1_COUNTS = flags.DEFINE_list('case1_counts', ['150', '50'], 'Case 1 per-class counts (the paper: 450,150).')
@@ -55,9 +54,12 @@ METHODS = {
     'ktpfl_released': ('ktpfl', dict(kt_c_update='released'), [('KT-pFL (released code)', 'personalized_model')]),
 }
 PAPER_TABLE_1 = {  # EMNIST / Fashion-MNIST, non-IID 1 and 2 (the paper has no MNIST column)
-    'FedMD': (71.37, 70.15, 68.02, 66.10), 'FedDF': (71.92, 72.79, 70.32, 70.83),
-    'pFedDF': (78.59, 75.72, 72.69, 73.45), 'Sim-pFL': (82.72, 74.42, 72.82, 72.71),
-    'TopK-pFL': (83.00, 73.91, 72.24, 73.39), 'KT-pFL': (84.65, 76.30, 75.48, 75.60),
+    'FedMD': (71.37, 70.15, 68.02, 66.10),
+    'FedDF': (71.92, 72.79, 70.32, 70.83),
+    'pFedDF': (78.59, 75.72, 72.69, 73.45),
+    'Sim-pFL': (82.72, 74.42, 72.82, 72.71),
+    'TopK-pFL': (83.00, 73.91, 72.24, 73.39),
+    'KT-pFL': (84.65, 76.30, 75.48, 75.60),
 }
 
 
@@ -101,13 +103,27 @@ def main(argv):
         return
     counts = tuple(int(c) for c in _CASE1_COUNTS.value)
     common = dict(
-        dataset=f'npz:{_MNIST.value}', num_clients=20, rounds=_ROUNDS.value, eval_every=_EVAL_EVERY.value,
-        local_epochs=_LOCAL_EPOCHS.value, batch_size=128, client_learning_rate=_LR.value,
+        dataset=f'npz:{_MNIST.value}',
+        num_clients=20,
+        rounds=_ROUNDS.value,
+        eval_every=_EVAL_EVERY.value,
+        local_epochs=_LOCAL_EPOCHS.value,
+        batch_size=128,
+        client_learning_rate=_LR.value,
         architectures=('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small'),
-        public_examples=_PUBLIC_EXAMPLES.value, public_batch=_PUBLIC_BATCH.value, distill_epochs=1,
-        distill_batch_size=256, distill_learning_rate=_LR.value, kt_temperature=10.0,
-        kt_coefficient_learning_rate=0.1, kt_rho=0.7, finetune_epochs=_LOCAL_EPOCHS.value,
-        kt_case1_counts=counts, examples_per_class=_CASE2_PER_CLASS.value, seed=_SEED.value)
+        public_examples=_PUBLIC_EXAMPLES.value,
+        public_batch=_PUBLIC_BATCH.value,
+        distill_epochs=1,
+        distill_batch_size=256,
+        distill_learning_rate=_LR.value,
+        kt_temperature=10.0,
+        kt_coefficient_learning_rate=0.1,
+        kt_rho=0.7,
+        finetune_epochs=_LOCAL_EPOCHS.value,
+        kt_case1_counts=counts,
+        examples_per_class=_CASE2_PER_CLASS.value,
+        seed=_SEED.value,
+    )
     results, curves, communication = {}, {}, {}
     started = time.monotonic()
     for case in _CASES.value:
@@ -115,15 +131,19 @@ def main(argv):
             algorithm, extra, reported = METHODS[method]
             out_dir = os.path.join(_RUNS_DIR.value, case, method)
             config = experiment.ExperimentConfig(
-                output_dir=out_dir, algorithm=algorithm, partition=case, **common, **extra)
+                output_dir=out_dir, algorithm=algorithm, partition=case, **common, **extra
+            )
             start = time.monotonic()
             result = experiment.run_experiment(config, overwrite=True, log=lambda line: None)
             seconds = time.monotonic() - start
             for label, model in reported:
                 summary = result.summary[model]
                 results.setdefault(label, {})[case] = dict(
-                    mean=100 * summary['mean'], std=100 * summary['std'], worst_10=100 * summary['worst_10'],
-                    minutes=seconds / 60)
+                    mean=100 * summary['mean'],
+                    std=100 * summary['std'],
+                    worst_10=100 * summary['worst_10'],
+                    minutes=seconds / 60,
+                )
                 for row in result.rounds:
                     key = f'test_{model}_accuracy_mean'
                     if key in row:
@@ -134,35 +154,60 @@ def main(argv):
             if method == 'ktpfl':
                 shutil.copyfile(os.path.join(out_dir, 'knowledge_coefficients.png'), f'{_OUT.value}_{case}_c.png')
                 shutil.copyfile(os.path.join(out_dir, 'knowledge_coefficients.csv'), f'{_OUT.value}_{case}_c.csv')
-            print(case, method, f'{seconds / 60:.1f} min',
-                  {label: round(results[label][case]['mean'], 2) for label, _ in reported}, flush=True)
+            print(
+                case,
+                method,
+                f'{seconds / 60:.1f} min',
+                {label: round(results[label][case]['mean'], 2) for label, _ in reported},
+                flush=True,
+            )
     total_minutes = (time.monotonic() - started) / 60
 
     for case, points in curves.items():
         rows = [points[r] for r in sorted(points)]
         series = [label for label in results if label in rows[-1]]
-        reports.plot_curves(rows, 'round', series, f'{_OUT.value}_{case}.png',
-                            f'MNIST {case}: 20 heterogeneous clients', 'mean per-client test accuracy (%)')
+        reports.plot_curves(
+            rows,
+            'round',
+            series,
+            f'{_OUT.value}_{case}.png',
+            f'MNIST {case}: 20 heterogeneous clients',
+            'mean per-client test accuracy (%)',
+        )
 
     # Fig. 5: megabytes per client over the run, soft predictions vs parameters.
     rounds = _ROUNDS.value
     kt = communication.get('ktpfl') or next(v for k, v in communication.items() if k != 'pfeddf')
     soft_mb = (kt['soft_prediction_bytes_up_per_client'] + kt['soft_target_bytes_down_per_client']) * rounds / 1e6
     param_mb = 2 * kt['parameter_bytes_per_client_mean'] * rounds / 1e6
-    figure = {'KT-pFL: soft predictions up + targets down': soft_mb,
-              'parameter exchange (mean of the four models), up + down': param_mb}
+    figure = {
+        'KT-pFL: soft predictions up + targets down': soft_mb,
+        'parameter exchange (mean of the four models), up + down': param_mb,
+    }
     if 'pfeddf' in communication:
         d = communication['pfeddf']
         figure['FedDF: parameters up + down, logits up'] = (
-            d['parameter_bytes_up_per_client'] + d['parameter_bytes_down_per_client']
-            + d['logit_bytes_up_per_client']) * rounds / 1e6
-    reports.plot_client_bars(list(figure), {'MB per client': list(figure.values())},
-                             f'{_OUT.value}_communication.png',
-                             f'Traffic per client over {rounds} rounds (P = {_PUBLIC_BATCH.value})', 'MB')
+            (d['parameter_bytes_up_per_client'] + d['parameter_bytes_down_per_client'] + d['logit_bytes_up_per_client'])
+            * rounds
+            / 1e6
+        )
+    reports.plot_client_bars(
+        list(figure),
+        {'MB per client': list(figure.values())},
+        f'{_OUT.value}_communication.png',
+        f'Traffic per client over {rounds} rounds (P = {_PUBLIC_BATCH.value})',
+        'MB',
+    )
 
     settings = dict(common, cases=_CASES.value, methods=_METHODS.value, rounds=rounds)
-    data = {'settings': settings, 'results': results, 'communication': communication,
-            'communication_mb_per_client': figure, 'curves': curves, 'total_minutes': total_minutes}
+    data = {
+        'settings': settings,
+        'results': results,
+        'communication': communication,
+        'communication_mb_per_client': figure,
+        'curves': curves,
+        'total_minutes': total_minutes,
+    }
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(data, f, indent=1, default=str)
     _write_report(data)
@@ -173,14 +218,18 @@ def _write_report(data):
     rounds, total_minutes = settings['rounds'], data['total_minutes']
     counts = tuple(int(c) for c in settings['kt_case1_counts'])
     cases = list(settings['cases'])
-    command = ('uv run python benchmarks/ktpfl_mnist.py'
-               f' --rounds={rounds} --local_epochs={settings["local_epochs"]}'
-               f' --case1_counts={",".join(map(str, counts))} --case2_per_class={settings["examples_per_class"]}'
-               f' --public_batch={settings["public_batch"]} --learning_rate={settings["client_learning_rate"]}'
-               f' --seed={settings["seed"]}')
+    command = (
+        'uv run python benchmarks/ktpfl_mnist.py'
+        f' --rounds={rounds} --local_epochs={settings["local_epochs"]}'
+        f' --case1_counts={",".join(map(str, counts))} --case2_per_class={settings["examples_per_class"]}'
+        f' --public_batch={settings["public_batch"]} --learning_rate={settings["client_learning_rate"]}'
+        f' --seed={settings["seed"]}'
+    )
     lines = [
-        f'# KT-pFL and baselines: MNIST, 20 heterogeneous clients, {rounds} rounds', '',
-        f'Command: `{command}` ({total_minutes:.0f} minutes on 2 CPU cores).', '',
+        f'# KT-pFL and baselines: MNIST, 20 heterogeneous clients, {rounds} rounds',
+        '',
+        f'Command: `{command}` ({total_minutes:.0f} minutes on 2 CPU cores).',
+        '',
         'Four architectures in turn (lenet, alexnet_small, resnet_small, shufflenet_small), five clients each. '
         f'Case 1: clients 0-9 hold {counts[0]} examples of each digit 0-4 and {counts[1]} of each digit 5-9, '
         f'clients 10-19 the reverse; case 2: two random digits per client, {settings["examples_per_class"]} examples '
@@ -188,9 +237,11 @@ def _write_report(data):
         f'{settings["public_examples"]} MNIST examples, held by no client, are the unlabeled public data; '
         f'{settings["public_batch"]} are drawn per round. E = {settings["local_epochs"]}, R = 1, batch 128 (private) '
         f'and 256 (public), eta_1 = eta_2 = {settings["client_learning_rate"]}, T = 10, eta_3 = 0.1, rho = 0.7; '
-        f'pFedDF fine-tunes {settings["finetune_epochs"]} epochs.', '',
-        'Mean (std) of the per-client test accuracy (%) after the last round; the paper\'s Table 1 '
-        '(EMNIST and Fashion-MNIST, its own full-size settings) for comparison.', '',
+        f'pFedDF fine-tunes {settings["finetune_epochs"]} epochs.',
+        '',
+        "Mean (std) of the per-client test accuracy (%) after the last round; the paper's Table 1 "
+        '(EMNIST and Fashion-MNIST, its own full-size settings) for comparison.',
+        '',
         '| method | ' + ' | '.join(cases) + ' | paper EMNIST 1 / 2 | paper FMNIST 1 / 2 |',
         '|---|' + '---|' * len(cases) + '---|---|',
     ]
@@ -202,10 +253,16 @@ def _write_report(data):
     base = os.path.basename(_OUT.value)
     lines += ['', '## Learning curves', '']
     lines += [f'![{case}]({base}_{case}.png)' for case in data['curves']]
-    lines += ['', '## Learned knowledge coefficients (KT-pFL)', '',
-              'Mean learned c[n, m] over client pairs n != m, by the number of dominant classes (more examples than '
-              'the client\'s mean per class) the two clients share (from the run\'s partition.csv; 1/N = 0.05).', '',
-              '| case | shared dominant classes | mean c[n, m] | pairs |', '|---|---|---|---|']
+    lines += [
+        '',
+        '## Learned knowledge coefficients (KT-pFL)',
+        '',
+        'Mean learned c[n, m] over client pairs n != m, by the number of dominant classes (more examples than '
+        "the client's mean per class) the two clients share (from the run's partition.csv; 1/N = 0.05).",
+        '',
+        '| case | shared dominant classes | mean c[n, m] | pairs |',
+        '|---|---|---|---|',
+    ]
     for case in cases:
         run_dir = os.path.join(_RUNS_DIR.value, case, 'ktpfl')
         if os.path.exists(os.path.join(run_dir, 'knowledge_coefficients.csv')):

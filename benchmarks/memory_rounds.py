@@ -13,9 +13,8 @@ import os
 import re
 import tempfile
 
-from absl import app
-from absl import flags
 import psutil
+from absl import app, flags
 
 from tff_pfl.program import experiment
 
@@ -42,20 +41,32 @@ def main(argv):
     for algorithm, extra in JOBS.items():
         samples = []
 
-        def log(line):
+        def log(line, samples=samples, algorithm=algorithm):
             match = re.match(r'round (\d+)/', line)
             if match and int(match.group(1)) % 10 == 0:
                 driver, worker = _rss_mb()
-                samples.append({'round': int(match.group(1)), 'driver_mb': round(driver, 1),
-                                'worker_mb': round(worker, 1)})
+                samples.append(
+                    {'round': int(match.group(1)), 'driver_mb': round(driver, 1), 'worker_mb': round(worker, 1)}
+                )
                 print(f'{algorithm} {line.split("  ")[0]}: driver {driver:.0f} MB, worker {worker:.0f} MB', flush=True)
 
         with tempfile.TemporaryDirectory() as tmp:
             config = experiment.ExperimentConfig(
-                output_dir=os.path.join(tmp, algorithm), algorithm=algorithm, dataset=f'npz:{_MNIST.value}',
-                partition='ds1', classes_per_client=4, num_clients=10, model='mnist_dnn',
-                split_fractions=(0.6, 0.2, 0.2), batch_size=32, client_learning_rate=0.05, rounds=_ROUNDS.value,
-                eval_every=10, checkpoint_every=10, **extra)
+                output_dir=os.path.join(tmp, algorithm),
+                algorithm=algorithm,
+                dataset=f'npz:{_MNIST.value}',
+                partition='ds1',
+                classes_per_client=4,
+                num_clients=10,
+                model='mnist_dnn',
+                split_fractions=(0.6, 0.2, 0.2),
+                batch_size=32,
+                client_learning_rate=0.05,
+                rounds=_ROUNDS.value,
+                eval_every=10,
+                checkpoint_every=10,
+                **extra,
+            )
             experiment.run_experiment(config, log=log)
         results[algorithm] = samples
     with open(_OUT.value + '.json', 'w') as f:
@@ -63,7 +74,7 @@ def main(argv):
     lines = [
         '# Resident memory over rounds (MB)',
         '',
-        f'`uv run python benchmarks/memory_rounds.py --rounds={_ROUNDS.value}`: the training binary\'s code, MNIST '
+        f"`uv run python benchmarks/memory_rounds.py --rounds={_ROUNDS.value}`: the training binary's code, MNIST "
         'DS-1, 10 clients, MLP 784-100-10; a checkpoint and an evaluation of every client every 10 rounds. '
         'Resident set size after every 10th round, of the driver and of its TFF worker.',
         '',
@@ -78,9 +89,11 @@ def main(argv):
     lines.append('')
     for algorithm, samples in results.items():
         first, last = samples[1] if len(samples) > 1 else samples[0], samples[-1]
-        lines.append(f'- {algorithm}: from round {first["round"]} to round {last["round"]}, the driver grew by '
-                     f'{last["driver_mb"] - first["driver_mb"]:+.0f} MB and the worker by '
-                     f'{last["worker_mb"] - first["worker_mb"]:+.0f} MB.')
+        lines.append(
+            f'- {algorithm}: from round {first["round"]} to round {last["round"]}, the driver grew by '
+            f'{last["driver_mb"] - first["driver_mb"]:+.0f} MB and the worker by '
+            f'{last["worker_mb"] - first["worker_mb"]:+.0f} MB.'
+        )
     with open(_OUT.value + '.md', 'w') as f:
         f.write('\n'.join(lines) + '\n')
     print('\n'.join(lines))

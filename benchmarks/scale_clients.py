@@ -34,13 +34,11 @@ import sys
 import tempfile
 import time
 
-from absl import app
-from absl import flags
 import psutil
+from absl import app, flags
 
 from tff_pfl import runtime
-from tff_pfl.program import experiment
-from tff_pfl.program import training_loop
+from tff_pfl.program import experiment, training_loop
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 12, 'Training rounds per run.')
@@ -58,8 +56,17 @@ ALGORITHMS = {
     'fedavg': dict(algorithm='fedavg', local_steps=20, partition='ds1', classes_per_client=2, examples_per_client=15),
     'selffl': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20),
 }
-PERSFL = dict(algorithm='persfl', partition='ds1', classes_per_client=4, model='mnist_dnn', batch_size=32,
-              client_learning_rate=0.05, temperatures=(1.0,), imitations=(0.5,), distill_epochs=1)
+PERSFL = dict(
+    algorithm='persfl',
+    partition='ds1',
+    classes_per_client=4,
+    model='mnist_dnn',
+    batch_size=32,
+    client_learning_rate=0.05,
+    temperatures=(1.0,),
+    imitations=(0.5,),
+    distill_epochs=1,
+)
 
 
 def _memory_mb():
@@ -98,9 +105,16 @@ def _run(name, num_clients, settings, workdir, rounds):
             print(f'{name} N={num_clients}: {line}', flush=True)
 
     config = experiment.ExperimentConfig(
-        output_dir=os.path.join(workdir, f'{name}_{num_clients}'), dataset=f'npz:{_MNIST.value}',
-        num_clients=num_clients, client_fraction=_ACTIVE.value / num_clients, rounds=rounds, eval_every=0,
-        checkpoint_every=0, seed=0, **settings)
+        output_dir=os.path.join(workdir, f'{name}_{num_clients}'),
+        dataset=f'npz:{_MNIST.value}',
+        num_clients=num_clients,
+        client_fraction=_ACTIVE.value / num_clients,
+        rounds=rounds,
+        eval_every=0,
+        checkpoint_every=0,
+        seed=0,
+        **settings,
+    )
     start = time.monotonic()
     result = experiment.run_experiment(config, overwrite=True, log=log)
     total = time.monotonic() - start
@@ -108,17 +122,27 @@ def _run(name, num_clients, settings, workdir, rounds):
     store = _RecordingStore.last
     anon, mapped, worker = samples['after_last_round']
     record = dict(
-        name=name, num_clients=num_clients, client_fraction=config.client_fraction,
+        name=name,
+        num_clients=num_clients,
+        client_fraction=config.client_fraction,
         active=round(config.client_fraction * num_clients),
         seconds_per_round=statistics.median(r['round_seconds'] for r in rounds[1:]),
         round_seconds=[round(r['round_seconds'], 4) for r in rounds],
-        total_seconds=total, store_mb=store.nbytes / 2**20, store_spilled=store.spilled,
-        driver_anon_mb=anon, driver_file_mb=mapped, worker_mb=worker,
+        total_seconds=total,
+        store_mb=store.nbytes / 2**20,
+        store_spilled=store.spilled,
+        driver_anon_mb=anon,
+        driver_file_mb=mapped,
+        worker_mb=worker,
         # Training rounds only (the last round adds personalization and evaluation of every client).
-        worker_mb_round_1=samples[1][2], worker_mb_round_before_last=samples[len(rounds) - 1][2],
-        driver_anon_mb_round_1=samples[1][0], driver_anon_mb_round_before_last=samples[len(rounds) - 1][0],
-        memory_by_round=[dict(round=k, driver_anon_mb=v[0], driver_file_mb=v[1], worker_mb=v[2])
-                         for k, v in sorted((k, v) for k, v in samples.items() if isinstance(k, int))],
+        worker_mb_round_1=samples[1][2],
+        worker_mb_round_before_last=samples[len(rounds) - 1][2],
+        driver_anon_mb_round_1=samples[1][0],
+        driver_anon_mb_round_before_last=samples[len(rounds) - 1][0],
+        memory_by_round=[
+            dict(round=k, driver_anon_mb=v[0], driver_file_mb=v[1], worker_mb=v[2])
+            for k, v in sorted((k, v) for k, v in samples.items() if isinstance(k, int))
+        ],
         worker_malloc_arenas=runtime.WORKER_MALLOC_ARENAS,
         accuracy={model: summary['weighted_mean'] for model, summary in result.summary.items()},
     )
@@ -131,13 +155,22 @@ def _run(name, num_clients, settings, workdir, rounds):
 def _jobs():
     """(name, num_clients, settings, rounds, spill_bytes, malloc_arenas) of every run, in order."""
     spill, arenas = training_loop.SPILL_BYTES, runtime.WORKER_MALLOC_ARENAS
-    jobs = [(name, n, dict(SELFFL_SETTING, **settings), _ROUNDS.value, spill, arenas)
-            for n in map(int, _SIZES.value) for name, settings in ALGORITHMS.items()]
+    jobs = [
+        (name, n, dict(SELFFL_SETTING, **settings), _ROUNDS.value, spill, arenas)
+        for n in map(int, _SIZES.value)
+        for name, settings in ALGORITHMS.items()
+    ]
     jobs += [
         ('persfl, store on the heap', _PERSFL_CLIENTS.value, PERSFL, _PERSFL_ROUNDS.value, 2**62, arenas),
         ('persfl, store memory-mapped', _PERSFL_CLIENTS.value, PERSFL, _PERSFL_ROUNDS.value, spill, arenas),
-        ('persfl, store memory-mapped, worker with glibc\'s default arenas', _PERSFL_CLIENTS.value, PERSFL,
-         _PERSFL_ROUNDS.value, spill, None),
+        (
+            "persfl, store memory-mapped, worker with glibc's default arenas",
+            _PERSFL_CLIENTS.value,
+            PERSFL,
+            _PERSFL_ROUNDS.value,
+            spill,
+            None,
+        ),
     ]
     return jobs
 
@@ -155,15 +188,30 @@ def main(argv):
     records = []
     with tempfile.TemporaryDirectory(dir='.') as workdir:
         for index in range(len(_jobs())):
-            settings = [flags.FLAGS[holder.name].serialize() for holder in
-                        (_MNIST, _ROUNDS, _ACTIVE, _SIZES, _PERSFL_ROUNDS, _PERSFL_CLIENTS)]
-            subprocess.run([sys.executable, os.path.abspath(__file__), f'--job={index}', f'--workdir={workdir}',
-                            *settings], check=True)
+            settings = [
+                flags.FLAGS[holder.name].serialize()
+                for holder in (_MNIST, _ROUNDS, _ACTIVE, _SIZES, _PERSFL_ROUNDS, _PERSFL_CLIENTS)
+            ]
+            subprocess.run(
+                [sys.executable, os.path.abspath(__file__), f'--job={index}', f'--workdir={workdir}', *settings],
+                check=True,
+            )
             with open(os.path.join(workdir, f'record_{index}.json')) as f:
                 records.append(json.load(f))
     with open(_OUT.value + '.json', 'w') as f:
-        json.dump({'rounds': _ROUNDS.value, 'persfl_rounds': _PERSFL_ROUNDS.value, 'active': _ACTIVE.value, 'selffl_setting': SELFFL_SETTING,
-                   'algorithms': ALGORITHMS, 'persfl': PERSFL, 'records': records}, f, indent=1)
+        json.dump(
+            {
+                'rounds': _ROUNDS.value,
+                'persfl_rounds': _PERSFL_ROUNDS.value,
+                'active': _ACTIVE.value,
+                'selffl_setting': SELFFL_SETTING,
+                'algorithms': ALGORITHMS,
+                'persfl': PERSFL,
+                'records': records,
+            },
+            f,
+            indent=1,
+        )
     lines = [
         '# Scale: seconds per round and driver memory against the number of clients',
         '',
@@ -187,15 +235,22 @@ def main(argv):
             f'{r["store_mb"]:.0f} | {"mapped" if r["store_spilled"] else "heap"} | {r["driver_anon_mb"]:.0f} | '
             f'{r["driver_file_mb"]:.0f} | {r["worker_mb"]:.0f} | {steps} | '
             f'{" / ".join(f"{100 * a:.1f}" for a in r["accuracy"].values())} | '
-            f'{r["total_seconds"]:.0f} |')
+            f'{r["total_seconds"]:.0f} |'
+        )
     persfl = [r for r in records if r['name'].startswith('persfl')]
-    lines += ['', f'Memory over the PersFL runs ({_PERSFL_ROUNDS.value} rounds; the last sample includes '
-              'personalization and evaluation of every client), MB:', '',
-              '| round | ' + ' | '.join(f'{r["name"]}: driver RssAnon / worker' for r in persfl) + ' |',
-              '|---|' + '---|' * len(persfl)]
+    lines += [
+        '',
+        f'Memory over the PersFL runs ({_PERSFL_ROUNDS.value} rounds; the last sample includes '
+        'personalization and evaluation of every client), MB:',
+        '',
+        '| round | ' + ' | '.join(f'{r["name"]}: driver RssAnon / worker' for r in persfl) + ' |',
+        '|---|' + '---|' * len(persfl),
+    ]
     for i, sample in enumerate(persfl[0]['memory_by_round']):
-        cells = [f'{r["memory_by_round"][i]["driver_anon_mb"]:.0f} / {r["memory_by_round"][i]["worker_mb"]:.0f}'
-                 for r in persfl]
+        cells = [
+            f'{r["memory_by_round"][i]["driver_anon_mb"]:.0f} / {r["memory_by_round"][i]["worker_mb"]:.0f}'
+            for r in persfl
+        ]
         lines.append(f'| {sample["round"]} | ' + ' | '.join(cells) + ' |')
     with open(_OUT.value + '.md', 'w') as f:
         f.write('\n'.join(lines) + '\n')

@@ -15,13 +15,11 @@ import json
 import os
 import tempfile
 
-from absl import app
-from absl import flags
 import numpy as np
+from absl import app, flags
 
 from processes import selffl
-from tff_pfl import models
-from tff_pfl import runtime
+from tff_pfl import models, runtime
 from tff_pfl.reference import selffl_gaussian as reference
 
 _ROUNDS = flags.DEFINE_integer('rounds', 40, 'Rounds.')
@@ -31,18 +29,26 @@ ETA = 0.001
 
 
 def run_tff(samples, rounds, workdir, sigma0_sq):
-    spec = reference.write_client_files(
-        os.path.join(workdir, f'm{len(samples)}-{sigma0_sq:g}'), samples, seed=0)
+    spec = reference.write_client_files(os.path.join(workdir, f'm{len(samples)}-{sigma0_sq:g}'), samples, seed=0)
     model_fn = functools.partial(models.gaussian_mean, spec.feature_shape, 1)
     process = selffl.build_selffl_process(
-        spec, model_fn, learning_rate=ETA, batch_size=1, loss='gaussian', known_sigma0_sq=sigma0_sq,
-        gaussian_noise_var=1.0)
+        spec,
+        model_fn,
+        learning_rate=ETA,
+        batch_size=1,
+        loss='gaussian',
+        known_sigma0_sq=sigma0_sq,
+        gaussian_noise_var=1.0,
+    )
     state = process.initialize()
     states = [process.initial_client_state(c) for c in spec.client_ids]
     for _ in range(rounds):
         state, states, _ = process.next(state, states)
-    return np.array([float(s['personal'][0]) for s in states]), float(state['model'][0]), [
-        int(s['local_steps']) for s in states]
+    return (
+        np.array([float(s['personal'][0]) for s in states]),
+        float(state['model'][0]),
+        [int(s['local_steps']) for s in states],
+    )
 
 
 def main(argv):
@@ -62,8 +68,12 @@ def main(argv):
                     shift.append(np.abs(theta_fl - z).max())
                     mean_shift.append(np.abs(theta_fl - z).mean())
                     global_error.append(abs(global_[-1] - theta_g))
-                entry = dict(max_distance=float(np.mean(distance)), max_shift=float(np.mean(shift)),
-                             mean_shift=float(np.mean(mean_shift)), global_error=float(np.mean(global_error)))
+                entry = dict(
+                    max_distance=float(np.mean(distance)),
+                    max_shift=float(np.mean(shift)),
+                    mean_shift=float(np.mean(mean_shift)),
+                    global_error=float(np.mean(global_error)),
+                )
                 if num_clients <= 80:
                     samples = reference.generate(num_clients, 0, sigma0_sq=sigma0_sq)
                     theta_fl, theta_g, z = reference.closed_forms(samples, sigma0_sq=sigma0_sq)
@@ -72,8 +82,18 @@ def main(argv):
                     entry['tff_vs_numpy_max_difference'] = float(np.abs(tff_personal - personal[-1]).max())
                     entry['tff_max_distance_seed0'] = float(np.abs(tff_personal - theta_fl).max())
                     if num_clients == 20 and setting == 'heterogeneous':
-                        rows = [dict(client=m, n=len(samples[m]), z=z[m], theta_fl=theta_fl[m], tff=tff_personal[m],
-                                     numpy=personal[-1][m], steps=steps[m]) for m in range(num_clients)]
+                        rows = [
+                            dict(
+                                client=m,
+                                n=len(samples[m]),
+                                z=z[m],
+                                theta_fl=theta_fl[m],
+                                tff=tff_personal[m],
+                                numpy=personal[-1][m],
+                                steps=steps[m],
+                            )
+                            for m in range(num_clients)
+                        ]
                         result['theta_g'] = float(theta_g)
                         result['tff_global'] = tff_global
                 by_m[num_clients] = entry
@@ -82,26 +102,39 @@ def main(argv):
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(result, f, indent=1, default=float)
     lines = [
-        '# Self-FL on the two-level Gaussian model', '',
+        '# Self-FL on the two-level Gaussian model',
+        '',
         f'N_m ~ U{{5..200}}, s = 1, true variances, eta = {ETA}, {_ROUNDS.value} rounds, '
         'every client every round; 5 seeds per M (means shown).',
-        'Command: `uv run python benchmarks/selffl_gaussian.py`', '',
+        'Command: `uv run python benchmarks/selffl_gaussian.py`',
+        '',
     ]
     for setting, block in result['settings'].items():
-        lines += [f'## {setting}: sigma_0^2 = {block["sigma0_sq"]}', '',
-                  '| M | max_m \\|theta_m - theta_m^(FL)\\| | max personalization shift \\|theta^(FL) - z\\| '
-                  '| mean shift | \\|theta - theta^(G)\\| | TFF vs numpy (seed 0) |',
-                  '|---|---|---|---|---|---|']
+        lines += [
+            f'## {setting}: sigma_0^2 = {block["sigma0_sq"]}',
+            '',
+            '| M | max_m \\|theta_m - theta_m^(FL)\\| | max personalization shift \\|theta^(FL) - z\\| '
+            '| mean shift | \\|theta - theta^(G)\\| | TFF vs numpy (seed 0) |',
+            '|---|---|---|---|---|---|',
+        ]
         for m, e in block['by_m'].items():
             tff_cell = f'{e["tff_vs_numpy_max_difference"]:.1e}' if 'tff_vs_numpy_max_difference' in e else ''
-            lines.append(f'| {m} | {e["max_distance"]:.4f} | {e["max_shift"]:.3f} | {e["mean_shift"]:.3f} | '
-                         f'{e["global_error"]:.4f} | {tff_cell} |')
+            lines.append(
+                f'| {m} | {e["max_distance"]:.4f} | {e["max_shift"]:.3f} | {e["mean_shift"]:.3f} | '
+                f'{e["global_error"]:.4f} | {tff_cell} |'
+            )
         lines.append('')
-    lines += ['## heterogeneous, M = 20, seed 0: each client (TFF process after the last round)', '',
-              '| client | N_m | z_m (local) | theta_m^(FL) (Eq. 3) | TFF estimate | numpy iteration | local steps |',
-              '|---|---|---|---|---|---|---|']
-    lines += [f'| {r["client"]} | {r["n"]} | {r["z"]:.4f} | {r["theta_fl"]:.4f} | {r["tff"]:.4f} | {r["numpy"]:.4f} | '
-              f'{r["steps"]} |' for r in rows]
+    lines += [
+        '## heterogeneous, M = 20, seed 0: each client (TFF process after the last round)',
+        '',
+        '| client | N_m | z_m (local) | theta_m^(FL) (Eq. 3) | TFF estimate | numpy iteration | local steps |',
+        '|---|---|---|---|---|---|---|',
+    ]
+    lines += [
+        f'| {r["client"]} | {r["n"]} | {r["z"]:.4f} | {r["theta_fl"]:.4f} | {r["tff"]:.4f} | {r["numpy"]:.4f} | '
+        f'{r["steps"]} |'
+        for r in rows
+    ]
     lines += ['', f'Global: theta^(G) = {result["theta_g"]:.4f}, TFF {result["tff_global"]:.4f}.', '']
     with open(_OUT.value + '.md', 'w') as f:
         f.write('\n'.join(lines))

@@ -26,9 +26,8 @@ import statistics
 import subprocess
 import tempfile
 
-from absl import app
-from absl import flags
 import portpicker
+from absl import app, flags
 
 from tff_pfl import runtime
 from tff_pfl.program import experiment
@@ -49,9 +48,20 @@ TIMING = {'round_seconds', 'personalize_seconds'}
 
 def _config(out, algorithm, workers):
     return experiment.ExperimentConfig(
-        output_dir=out, algorithm=algorithm, dataset=f'npz:{_MNIST.value}', partition='ds1', classes_per_client=4,
-        num_clients=10, model='mnist_dnn', split_fractions=(0.6, 0.2, 0.2), batch_size=32,
-        client_learning_rate=0.05, eval_every=5, workers=workers, **JOBS[algorithm])
+        output_dir=out,
+        algorithm=algorithm,
+        dataset=f'npz:{_MNIST.value}',
+        partition='ds1',
+        classes_per_client=4,
+        num_clients=10,
+        model='mnist_dnn',
+        split_fractions=(0.6, 0.2, 0.2),
+        batch_size=32,
+        client_learning_rate=0.05,
+        eval_every=5,
+        workers=workers,
+        **JOBS[algorithm],
+    )
 
 
 def _rows(path):
@@ -80,8 +90,10 @@ def _round_seconds(out):
 def main(argv):
     del argv
     ports = [portpicker.pick_unused_port() for _ in range(2)]
-    workers = [subprocess.Popen(runtime._worker_command(port, 2), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for port in ports]
+    workers = [
+        subprocess.Popen(runtime._worker_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in ports
+    ]
     addresses = tuple(f'localhost:{port}' for port in ports)
     ways = {'local': (), 'one worker': addresses[:1], 'two workers': addresses}
     results = {}
@@ -104,21 +116,27 @@ def main(argv):
                             reference = files
                         for name, rows, ref in zip(('metrics.csv', 'clients.csv'), files, reference):
                             differences[way][name] = max(differences[way][name], _max_relative_difference(rows, ref))
-                        print(f'{algorithm} {way} repeat {repeat}: median {statistics.median(rounds[1:]):.3f} s/round',
-                              flush=True)
+                        print(
+                            f'{algorithm} {way} repeat {repeat}: median {statistics.median(rounds[1:]):.3f} s/round',
+                            flush=True,
+                        )
                 final = reference[0][-1]
                 results[algorithm] = {
                     'rounds': JOBS[algorithm]['rounds'],
                     'max_relative_difference_to_local': differences,
-                    'final_test_accuracy_mean': {k: float(v) for k, v in final.items()
-                                                 if k.startswith('test_') and k.endswith('_accuracy_mean')},
+                    'final_test_accuracy_mean': {
+                        k: float(v) for k, v in final.items() if k.startswith('test_') and k.endswith('_accuracy_mean')
+                    },
                     'median_seconds_per_round': {way: statistics.median(s) for way, s in seconds.items()},
                 }
     finally:
         for worker in workers:
             runtime.end_process(worker)
-    record = {'machine': {'cpus': os.cpu_count(), 'python': platform.python_version()},
-              'repeats': _REPEATS.value, 'results': results}
+    record = {
+        'machine': {'cpus': os.cpu_count(), 'python': platform.python_version()},
+        'repeats': _REPEATS.value,
+        'results': results,
+    }
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(record, f, indent=2)
     lines = [
@@ -135,13 +153,15 @@ def main(argv):
     for algorithm, r in results.items():
         s = r['median_seconds_per_round']
         d = r['max_relative_difference_to_local']
-        lines.append(f'| {algorithm} | {r["rounds"]} | {s["local"]:.3f} | {s["one worker"]:.3f} | '
-                     f'{s["two workers"]:.3f} | {s["two workers"] / s["local"]:.2f} | '
-                     f'{d["one worker"]["metrics.csv"]:.1e} / {d["one worker"]["clients.csv"]:.1e} | '
-                     f'{d["two workers"]["metrics.csv"]:.1e} / {d["two workers"]["clients.csv"]:.1e} |')
+        lines.append(
+            f'| {algorithm} | {r["rounds"]} | {s["local"]:.3f} | {s["one worker"]:.3f} | '
+            f'{s["two workers"]:.3f} | {s["two workers"] / s["local"]:.2f} | '
+            f'{d["one worker"]["metrics.csv"]:.1e} / {d["one worker"]["clients.csv"]:.1e} | '
+            f'{d["two workers"]["metrics.csv"]:.1e} / {d["two workers"]["clients.csv"]:.1e} |'
+        )
     lines += [
         '',
-        'CSV cells have 6 significant digits; 0 means every cell is identical. With two workers the server\'s '
+        "CSV cells have 6 significant digits; 0 means every cell is identical. With two workers the server's "
         'sums add two partial sums (one per worker) where the local runtime adds the clients one after the other, '
         'so float32 results can differ in the last bits and, over rounds, reach the 6th digit of a cell.',
     ]

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
-from typing import Optional
 
 import tensorflow_federated as tff
 from tensorflow_federated.proto.v0 import computation_pb2
@@ -64,13 +63,16 @@ class Export:
         if written_by != tff.__version__:
             raise ExportError(f'{export_dir} was written by TFF {written_by}; this is TFF {tff.__version__}')
         self.computations = collections.OrderedDict(
-            (name, self._load(entry)) for name, entry in self.manifest['computations'].items())
+            (name, self._load(entry)) for name, entry in self.manifest['computations'].items()
+        )
         # phase -> form; empty where the round does not fit.
         self.map_reduce_forms = self._forms('map_reduce_form', tff.backends.mapreduce.MapReduceForm)
         self.distribute_aggregate_forms = self._forms(
-            'distribute_aggregate_form', tff.backends.mapreduce.DistributeAggregateForm)
+            'distribute_aggregate_form', tff.backends.mapreduce.DistributeAggregateForm
+        )
         self._distribute_and_work = {
-            phase: _distribute_and_work(form) for phase, form in self.distribute_aggregate_forms.items()}
+            phase: _distribute_and_work(form) for phase, form in self.distribute_aggregate_forms.items()
+        }
 
     @property
     def algorithm(self) -> str:
@@ -95,7 +97,7 @@ class Export:
         proto.ParseFromString(blob)
         comp = tff.framework.deserialize_computation(proto)
         if str(comp.type_signature) != entry['type_signature']:
-            raise ExportError(f'{path}: type {comp.type_signature} differs from the manifest\'s')
+            raise ExportError(f"{path}: type {comp.type_signature} differs from the manifest's")
         return comp
 
     @property
@@ -118,7 +120,7 @@ class Export:
             return computations[name]
         raise AttributeError(name)
 
-    def device_inputs(self, state_dir: str, client_ids: Optional[Sequence[str]] = None) -> list:
+    def device_inputs(self, state_dir: str, client_ids: Sequence[str] | None = None) -> list:
         """`<client_id, state_file>` of each client (default: all of the export's).
 
         Args:
@@ -224,8 +226,9 @@ def _distribute_and_work(form):
     clients it reaches.
     """
 
-    @tff.federated_computation(form.client_work.type_signature.parameter[0],
-                               form.server_to_client_broadcast.type_signature.parameter)
+    @tff.federated_computation(
+        form.client_work.type_signature.parameter[0], form.server_to_client_broadcast.type_signature.parameter
+    )
     def distribute_and_work(devices, broadcast_input):
         return form.client_work(devices, form.server_to_client_broadcast(broadcast_input))
 
@@ -281,8 +284,7 @@ def main(argv=None) -> int:
     except ExportError as e:
         print(f'deploy.loader: error: {e}', file=sys.stderr)
         return 2
-    run_round = (export.run_round_map_reduce if args.form == 'map_reduce'
-                 else export.run_round_distribute_aggregate)
+    run_round = export.run_round_map_reduce if args.form == 'map_reduce' else export.run_round_distribute_aggregate
     os.makedirs(args.state_dir, exist_ok=True)
     with runtime.runtime_for(workers):
         try:

@@ -33,6 +33,7 @@ def mnist_npz() -> pathlib.Path:
     fetched = RUNS / 'mnist.npz'
     if not fetched.exists():
         import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
         (x_train, y_train), (x_test, y_test) = tf.keras.datasets.mnist.load_data()
         fetched.parent.mkdir(parents=True, exist_ok=True)
         np.savez_compressed(fetched, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
@@ -48,6 +49,7 @@ def read_csv(path) -> list[dict]:
     Returns:
       One dict per row; cells that parse as numbers are floats, empty cells None.
     """
+
     def cell(value):
         if value == '':
             return None

@@ -21,16 +21,12 @@ alpha_i v_i + (1 - alpha_i) w with the current global w.
 
 import collections
 from collections.abc import Callable
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -55,7 +51,7 @@ def build_apfl_process(
     local_config: local_training.TrainingConfig,
     initial_alpha: float = 0.5,
     alpha_learning_rate: float = 0.01,
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds APFL as a `PersonalizedProcess`.
@@ -136,8 +132,7 @@ def build_apfl_process(
             update=[a - b for a, b in zip(weights, carry['w'])],
             weight=tf.cast(data.num_examples, tf.float32),
             metric_sums=building_blocks.training_metric_sums(stats),
-            client_state=building_blocks.participated(
-                client_state, round_num, local=carry['v'], alpha=carry['alpha']),
+            client_state=building_blocks.participated(client_state, round_num, local=carry['v'], alpha=carry['alpha']),
         )
 
     @tff.tensorflow.computation(weights_type, client_state_type)
@@ -145,8 +140,7 @@ def build_apfl_process(
         client_id = client_state['client_id']
         return collections.OrderedDict(
             global_model=client_evaluation(weights, client_id),
-            personalized_model=client_evaluation(
-                mix(client_state['alpha'], client_state['local'], weights), client_id),
+            personalized_model=client_evaluation(mix(client_state['alpha'], client_state['local'], weights), client_id),
         )
 
     return averaging.build_averaging_process(

@@ -17,16 +17,12 @@ v_k (`personalized_model`).
 
 import collections
 from collections.abc import Callable
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -54,9 +50,9 @@ def build_ditto_process(
     model_fn: Callable[[], tf.keras.Model],
     *,
     local_config: local_training.TrainingConfig,
-    personal_config: Optional[local_training.TrainingConfig] = None,
+    personal_config: local_training.TrainingConfig | None = None,
     ditto_lambda: float = 0.1,
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Ditto as a `PersonalizedProcess`.
@@ -89,8 +85,7 @@ def build_ditto_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(
-            client_id, personal=local_training.initial_weights(model_fn, seed))
+        return building_blocks.participation_state(client_id, personal=local_training.initial_weights(model_fn, seed))
 
     client_state_type = initial_client_state.type_signature.result
 

@@ -22,16 +22,12 @@ global model (zero epochs).
 
 import collections
 from collections.abc import Callable
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -40,10 +36,10 @@ def build_fedavg_process(
     model_fn: Callable[[], tf.keras.Model],
     *,
     local_config: local_training.TrainingConfig,
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory | None = None,
     finetune_epochs: int = 0,
-    finetune_config: Optional[local_training.TrainingConfig] = None,
+    finetune_config: local_training.TrainingConfig | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedAvg as a `PersonalizedProcess`.

@@ -32,12 +32,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import device_state
-from tff_pfl.computations import distillation
-from tff_pfl.computations import heterogeneous
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -112,7 +107,8 @@ def build_feddf_process(
     def initial_client_state(client_id):
         index = client_data.client_index(client_id)
         return building_blocks.participation_state(
-            client_id, architecture=tf.gather(tf.constant(arch_ids, tf.int32), index))
+            client_id, architecture=tf.gather(tf.constant(arch_ids, tf.int32), index)
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -134,9 +130,14 @@ def build_feddf_process(
 
         def work(model):
             stats = local_training.train(
-                model, private, epochs=local_config.epochs, batch_size=local_config.batch_size,
-                learning_rate=local_config.learning_rate, max_steps=local_config.max_steps,
-                seed=local_training.client_seed(seed, round_num, client_id))
+                model,
+                private,
+                epochs=local_config.epochs,
+                batch_size=local_config.batch_size,
+                learning_rate=local_config.learning_rate,
+                max_steps=local_config.max_steps,
+                seed=local_training.client_seed(seed, round_num, client_id),
+            )
             with tf.control_dependencies(list(stats)):
                 return archs.pack(model.trainable_weights), model(x_public, training=False), stats
 
@@ -152,7 +153,8 @@ def build_feddf_process(
         )
 
     @tff.tensorflow.computation(
-        server_state_type.member, prototypes_type, tff.TensorType(np.float32, (num_archs,)), logits_type)
+        server_state_type.member, prototypes_type, tff.TensorType(np.float32, (num_archs,)), logits_type
+    )
     def server_update(state, weighted_sums, weights, mean_logits):
         averaged = average_prototypes(state['prototypes'], weighted_sums, weights)
         x_public = client_data.read_public_batch(spec, public_batch, seed, state['round_num'])
@@ -163,9 +165,15 @@ def build_feddf_process(
             loads = [v.assign(w) for v, w in zip(model.trainable_weights, archs.unpack(index, averaged[index]))]
             with tf.control_dependencies(loads):
                 kl = distillation.distill_towards(
-                    model, x_public, teacher, temperature=temperature, epochs=server_distill_epochs,
-                    batch_size=distill_batch_size, learning_rate=distill_learning_rate,
-                    seed=local_training.client_seed(seed, state['round_num'], tf.constant(f'server_{index}'), salt=4))
+                    model,
+                    x_public,
+                    teacher,
+                    temperature=temperature,
+                    epochs=server_distill_epochs,
+                    batch_size=distill_batch_size,
+                    learning_rate=distill_learning_rate,
+                    seed=local_training.client_seed(seed, state['round_num'], tf.constant(f'server_{index}'), salt=4),
+                )
             with tf.control_dependencies([kl]):
                 rows.append(archs.pack(model.trainable_weights))
             kls.append(kl)
@@ -192,7 +200,8 @@ def build_feddf_process(
         return template.RoundOutput(new_state, local.client_state, metrics)
 
     broadcast, client_step = device_state.field_and_round(
-        server_state_type.member, 'prototypes', client_stage, client_state_type)
+        server_state_type.member, 'prototypes', client_stage, client_state_type
+    )
 
     @tff.tensorflow.computation(server_state_type.member, client_state_type)
     def evaluate_client(state, client_state):
@@ -206,9 +215,13 @@ def build_feddf_process(
 
             def finetune_and_evaluate(model):
                 tuned = local_training.train(
-                    model, private, epochs=finetune_epochs, batch_size=local_config.batch_size,
+                    model,
+                    private,
+                    epochs=finetune_epochs,
+                    batch_size=local_config.batch_size,
                     learning_rate=local_config.learning_rate,
-                    seed=local_training.client_seed(seed, state['round_num'], client_id, salt=5))
+                    seed=local_training.client_seed(seed, state['round_num'], client_id, salt=5),
+                )
                 with tf.control_dependencies(list(tuned)):
                     return local_training.evaluate(model, test)
 
@@ -225,10 +238,15 @@ def build_feddf_process(
         return state
 
     device = device_state.build_device_process(
-        initialize, initial_client_state, phases=[device_state.Phase('next', broadcast, client_step, finish)],
-        evaluate_input=whole_state, evaluate_client=evaluate_client)
+        initialize,
+        initial_client_state,
+        phases=[device_state.Phase('next', broadcast, client_step, finish)],
+        evaluate_input=whole_state,
+        evaluate_client=evaluate_client,
+    )
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    )
     process.architectures = list(architectures)
     parameter_bytes = float(np.mean([archs.sizes[i] for i in arch_ids])) * 4
     process.communication = collections.OrderedDict(

@@ -19,16 +19,12 @@ global model.
 
 import collections
 from collections.abc import Callable
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -51,7 +47,8 @@ def split_variables(model: tf.keras.Model, personal_layers: int) -> tuple[list[i
     if not 1 <= personal_layers < len(layers):
         raise ValueError(
             f'personal_layers must be in [1, {len(layers) - 1}] for model {model.name!r} '
-            f'({len(layers)} layers with weights), got {personal_layers}')
+            f'({len(layers)} layers with weights), got {personal_layers}'
+        )
     personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}
     base, personal = [], []
     for i, variable in enumerate(model.trainable_variables):
@@ -65,7 +62,7 @@ def build_fedper_process(
     *,
     local_config: local_training.TrainingConfig,
     personal_layers: int = 1,
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedPer as a `PersonalizedProcess`.
@@ -122,7 +119,8 @@ def build_fedper_process(
     @tff.tensorflow.computation(base_type, client_state_type)
     def evaluate_client(base, client_state):
         return collections.OrderedDict(
-            personalized_model=client_evaluation(full_weights(base, client_state), client_state['client_id']))
+            personalized_model=client_evaluation(full_weights(base, client_state), client_state['client_id'])
+        )
 
     process = averaging.build_averaging_process(
         model_fn,

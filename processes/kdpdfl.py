@@ -37,15 +37,12 @@ exchanges stopped at a given slot, after which clients fine-tune locally
 """
 
 import collections
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import stacked
 
@@ -54,8 +51,12 @@ BROADCASTS = ('adopt', 'keep')
 
 
 def draw_neighbours(
-    rng: np.random.Generator, num_clients: int, star: int, *, mean_reachable: float = 5.0,
-    max_neighbours: Optional[int] = None,
+    rng: np.random.Generator,
+    num_clients: int,
+    star: int,
+    *,
+    mean_reachable: float = 5.0,
+    max_neighbours: int | None = None,
 ) -> list[int]:
     """The star's reachable neighbours under Rayleigh fading (numpy, driver side).
 
@@ -251,7 +252,8 @@ def build_kdpdfl_process(
         initial = local_training.initial_weights(model_fn, seed)  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
         return building_blocks.participation_state(
-            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0))
+            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0)
+        )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -265,7 +267,8 @@ def build_kdpdfl_process(
         return collections.OrderedDict(
             star=fresh_state(tf.constant(spec.client_ids[0])),
             neighbours=tf.fill([max_neighbours], -1),
-            exchange_num=tf.constant(0, tf.int32))
+            exchange_num=tf.constant(0, tf.int32),
+        )
 
     @tff.federated_computation
     def initialize():
@@ -289,7 +292,9 @@ def build_kdpdfl_process(
         out = tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
         return tf.nn.softmax(out, axis=-1) if distance_layer == -1 else out
 
-    @tff.tensorflow.computation(server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,)))
+    @tff.tensorflow.computation(
+        server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,))
+    )
     def star_update(server_state, slot_models, present):
         star = server_state['star']
         own = list(star['model'])
@@ -299,7 +304,9 @@ def build_kdpdfl_process(
         train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
         order = local_training.epoch_permutations(
             local_training.client_seed(seed, server_state['exchange_num'], star['client_id'], salt=7),
-            1, train.num_examples)[0]
+            1,
+            train.num_examples,
+        )[0]
         x, _ = train.gather(order[:distance_batch])
         own_out = outputs([w[tf.newaxis] for w in own], x)[0]
         distances = output_distances(own_out, outputs(theirs, x)) * present
@@ -312,9 +319,11 @@ def build_kdpdfl_process(
         else:  # decentralized FedAvg: the plain mean of the star's and the received models
             mixed = star_mix(own, theirs, present, 1.0 / (num_neighbours + 1.0))
         new_star = building_blocks.participated(
-            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c)
+            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c
+        )
         new_state = collections.OrderedDict(
-            star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1)
+            star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1
+        )
         metrics = collections.OrderedDict(
             num_neighbours=num_neighbours,
             mean_distance=tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0),
@@ -349,19 +358,23 @@ def build_kdpdfl_process(
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, state['model'])):
             stats = local_training.train(
-                model, train, epochs=slots * local_config.epochs, batch_size=local_config.batch_size,
+                model,
+                train,
+                epochs=slots * local_config.epochs,
+                batch_size=local_config.batch_size,
                 learning_rate=local_config.learning_rate,
-                seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8))
+                seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8),
+            )
         with tf.control_dependencies(list(stats)):
             new_state = collections.OrderedDict((k, state[k]) for k in state)
             new_state['model'] = local_training.get_weights(model)
         return new_state, building_blocks.training_metric_sums(stats)
 
-    @tff.federated_computation(client_states_type, tff.FederatedType(np.int32, tff.CLIENTS),
-                               tff.FederatedType(np.int32, tff.SERVER))
+    @tff.federated_computation(
+        client_states_type, tff.FederatedType(np.int32, tff.CLIENTS), tff.FederatedType(np.int32, tff.SERVER)
+    )
     def local_work(client_states, slots, slot_num):
-        trained = tff.federated_map(
-            local_client_work, (client_states, slots, tff.federated_broadcast(slot_num)))
+        trained = tff.federated_map(local_client_work, (client_states, slots, tff.federated_broadcast(slot_num)))
         return trained[0], building_blocks.aggregate_training_metrics(trained[1])
 
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
@@ -376,7 +389,8 @@ def build_kdpdfl_process(
         return tff.federated_map(evaluate_client, client_states)
 
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate
+    )
     process.local_work = local_work
     process.mode = mode
     process.max_neighbours = max_neighbours

@@ -32,12 +32,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import device_state
-from tff_pfl.computations import distillation
-from tff_pfl.computations import heterogeneous
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 
 C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
@@ -266,9 +261,13 @@ def build_ktpfl_process(
 
         def work(model):
             stats = local_training.train(
-                model, private, epochs=local_config.epochs, batch_size=local_config.batch_size,
+                model,
+                private,
+                epochs=local_config.epochs,
+                batch_size=local_config.batch_size,
                 learning_rate=local_config.learning_rate,
-                seed=local_training.client_seed(seed, round_num, client_id))
+                seed=local_training.client_seed(seed, round_num, client_id),
+            )
             with tf.control_dependencies(list(stats)):
                 return archs.pack(model.trainable_weights), soft(model, x_public), stats
 
@@ -280,7 +279,8 @@ def build_ktpfl_process(
             predictions=slot[:, tf.newaxis, tf.newaxis] * predictions[tf.newaxis],
             num_examples=slot * tf.cast(private.num_examples, tf.float32),
             metric_sums=building_blocks.training_metric_sums(
-                local_training.Stats(stats.loss_sum, stats.num_correct, stats.num_examples)),
+                local_training.Stats(stats.loss_sum, stats.num_correct, stats.num_examples)
+            ),
             client_state=new_state,
         )
 
@@ -291,9 +291,15 @@ def build_ktpfl_process(
 
         def work(model):
             distill_loss = distillation.distill_towards(
-                model, x_public, target, temperature=temperature, epochs=distill_epochs,
-                batch_size=distill_batch_size, learning_rate=distill_learning_rate,
-                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2))
+                model,
+                x_public,
+                target,
+                temperature=temperature,
+                epochs=distill_epochs,
+                batch_size=distill_batch_size,
+                learning_rate=distill_learning_rate,
+                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2),
+            )
             with tf.control_dependencies([distill_loss]):
                 return archs.pack(model.trainable_weights), tf.identity(distill_loss)
 
@@ -304,7 +310,8 @@ def build_ktpfl_process(
     def server_init():
         return collections.OrderedDict(
             coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),  # c_0 = 1/N
-            round_num=tf.constant(0, tf.int32))
+            round_num=tf.constant(0, tf.int32),
+        )
 
     @tff.federated_computation
     def initialize():
@@ -327,8 +334,14 @@ def build_ktpfl_process(
     def update_coefficients(state, predictions, sizes):
         if c_update == 'paper':
             # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
-            coefficients = paper_update(state['coefficients'], predictions, sizes, learning_rate=coefficient_learning_rate,
-                                        rho=rho, imitation=imitation * temperature**2)
+            coefficients = paper_update(
+                state['coefficients'],
+                predictions,
+                sizes,
+                learning_rate=coefficient_learning_rate,
+                rho=rho,
+                imitation=imitation * temperature**2,
+            )
         elif c_update == 'released':
             coefficients = released_update(state['coefficients'], predictions, learning_rate=coefficient_learning_rate)
         else:  # the baselines' c is not learned; keep this round's for reports
@@ -355,7 +368,9 @@ def build_ktpfl_process(
     @tff.tensorflow.computation(test_evaluation_type)
     def evaluate_client(state):
         test = client_data.read_split(spec, state['client_id'], 'test')
-        stats = archs.dispatch(state['architecture'], state['params'], lambda model: local_training.evaluate(model, test))
+        stats = archs.dispatch(
+            state['architecture'], state['params'], lambda model: local_training.evaluate(model, test)
+        )
         return collections.OrderedDict(personalized_model=template.client_metrics(local_training.Stats(*stats)))
 
     @tff.federated_computation(server_state_type, client_states_type)
@@ -364,11 +379,19 @@ def build_ktpfl_process(
         return tff.federated_map(evaluate_client, client_states)
 
     device = _device_process(
-        server_init, initial_client_state, local_stage=local_stage, upload='predictions', mix=targets_for,
-        second_stage=distill_stage, update_coefficients=update_coefficients, metric='distill_kl',
-        evaluate_client=evaluate_client)
+        server_init,
+        initial_client_state,
+        local_stage=local_stage,
+        upload='predictions',
+        mix=targets_for,
+        second_stage=distill_stage,
+        update_coefficients=update_coefficients,
+        metric='distill_kl',
+        evaluate_client=evaluate_client,
+    )
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    )
     process.architectures = list(architectures)
     process.communication = collections.OrderedDict(
         soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
@@ -411,7 +434,8 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation):
     mixed = tf.matmul(mixing_weights(coefficients), params)
     share = weights / tf.reduce_sum(weights)
     return imitation * tf.reduce_sum(share * parameter_distance(mixed, params)) + rho * tf.reduce_sum(
-        tf.square(coefficients - 1.0 / num_clients))
+        tf.square(coefficients - 1.0 / num_clients)
+    )
 
 
 def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation):
@@ -488,8 +512,7 @@ def build_ktpfl_homogeneous_process(
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
         index = client_data.client_index(client_id)
-        return building_blocks.participation_state(
-            client_id, client_index=index, params=archs.initial_packed(seed)[0])
+        return building_blocks.participation_state(client_id, client_index=index, params=archs.initial_packed(seed)[0])
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -499,9 +522,14 @@ def build_ktpfl_homogeneous_process(
 
         def work(model):
             stats = local_training.train(
-                model, private, epochs=local_config.epochs, batch_size=local_config.batch_size,
-                learning_rate=local_config.learning_rate, max_steps=local_config.max_steps,
-                seed=local_training.client_seed(seed, round_num, state['client_id']))
+                model,
+                private,
+                epochs=local_config.epochs,
+                batch_size=local_config.batch_size,
+                learning_rate=local_config.learning_rate,
+                max_steps=local_config.max_steps,
+                seed=local_training.client_seed(seed, round_num, state['client_id']),
+            )
             with tf.control_dependencies(list(stats)):
                 return archs.pack(model.trainable_weights), stats
 
@@ -528,8 +556,8 @@ def build_ktpfl_homogeneous_process(
     @tff.tensorflow.computation
     def server_init():
         return collections.OrderedDict(
-            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),
-            round_num=tf.constant(0, tf.int32))
+            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients), round_num=tf.constant(0, tf.int32)
+        )
 
     @tff.federated_computation
     def initialize():
@@ -543,8 +571,9 @@ def build_ktpfl_homogeneous_process(
 
     @tff.tensorflow.computation(server_state_type.member, params_type, sizes_type)
     def update_coefficients(state, params, sizes):
-        coefficients = homogeneous_update(state['coefficients'], params, sizes, learning_rate=coefficient_learning_rate,
-                                          rho=rho, imitation=imitation)
+        coefficients = homogeneous_update(
+            state['coefficients'], params, sizes, learning_rate=coefficient_learning_rate, rho=rho, imitation=imitation
+        )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
@@ -574,18 +603,37 @@ def build_ktpfl_homogeneous_process(
         return tff.federated_map(evaluate_client, client_states)
 
     device = _device_process(
-        server_init, initial_client_state, local_stage=local_stage, upload='params',
-        mix=personalized_models, second_stage=transfer_stage, update_coefficients=update_coefficients,
-        metric='transfer_distance', evaluate_client=evaluate_client)
+        server_init,
+        initial_client_state,
+        local_stage=local_stage,
+        upload='params',
+        mix=personalized_models,
+        second_stage=transfer_stage,
+        update_coefficients=update_coefficients,
+        metric='transfer_distance',
+        evaluate_client=evaluate_client,
+    )
     process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    )
     process.communication = collections.OrderedDict(
-        parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4)
+        parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
+    )
     return process
 
 
-def _device_process(server_init, initial_client_state, *, local_stage, upload, mix, second_stage,
-                    update_coefficients, metric, evaluate_client):
+def _device_process(
+    server_init,
+    initial_client_state,
+    *,
+    local_stage,
+    upload,
+    mix,
+    second_stage,
+    update_coefficients,
+    metric,
+    evaluate_client,
+):
     """KT-pFL's round with device-held client states, as two phases of one aggregation each.
 
     In process, one round aggregates every client's upload (soft predictions,
@@ -615,8 +663,10 @@ def _device_process(server_init, initial_client_state, *, local_stage, upload, m
     def device_server_init():
         state = server_init()
         return collections.OrderedDict(
-            coefficients=state['coefficients'], round_num=state['round_num'],
-            targets=tf.zeros(targets_type.shape, targets_type.dtype))
+            coefficients=state['coefficients'],
+            round_num=state['round_num'],
+            targets=tf.zeros(targets_type.shape, targets_type.dtype),
+        )
 
     @tff.federated_computation
     def device_initialize():
@@ -633,13 +683,16 @@ def _device_process(server_init, initial_client_state, *, local_stage, upload, m
         kept = collections.OrderedDict(coefficients=state['coefficients'], round_num=state['round_num'])
         updated = update_coefficients(kept, uploads, sizes)
         return collections.OrderedDict(
-            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads))
+            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads)
+        )
 
     def share_finish(state, outputs):
         uploads = tff.federated_sum(outputs[upload])  # every client's upload in its slot
         sizes = tff.federated_sum(outputs.num_examples)
-        return (tff.federated_map(share_update, (state, uploads, sizes)),
-                building_blocks.aggregate_training_metrics(outputs.metric_sums))
+        return (
+            tff.federated_map(share_update, (state, uploads, sizes)),
+            building_blocks.aggregate_training_metrics(outputs.metric_sums),
+        )
 
     @tff.tensorflow.computation(state_type)
     def distill_broadcast(state):
@@ -664,7 +717,12 @@ def _device_process(server_init, initial_client_state, *, local_stage, upload, m
         return evaluate_client(client_state)
 
     return device_state.build_device_process(
-        device_initialize, initial_client_state,
-        phases=[device_state.Phase('share', share_broadcast, local_stage, share_finish),
-                device_state.Phase('distill', distill_broadcast, distill_step, distill_finish)],
-        evaluate_input=round_of, evaluate_client=evaluate_at)
+        device_initialize,
+        initial_client_state,
+        phases=[
+            device_state.Phase('share', share_broadcast, local_stage, share_finish),
+            device_state.Phase('distill', distill_broadcast, distill_step, distill_finish),
+        ],
+        evaluate_input=round_of,
+        evaluate_client=evaluate_at,
+    )

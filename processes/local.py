@@ -18,10 +18,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import device_state
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import building_blocks, device_state, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -97,7 +94,8 @@ def build_local_process(
     @tff.tensorflow.computation(client_state_type)
     def evaluate_client(client_state):
         return collections.OrderedDict(
-            personalized_model=client_evaluation(client_state['model'], client_state['client_id']))
+            personalized_model=client_evaluation(client_state['model'], client_state['client_id'])
+        )
 
     @tff.federated_computation(server_state_type, client_states_type)
     def evaluate(state, client_states):
@@ -110,7 +108,12 @@ def build_local_process(
         return evaluate_client(client_state)
 
     device = device_state.build_device_process(
-        initialize, initial_client_state, phases=[device_state.Phase('next', round_of, client_work, finish)],
-        evaluate_input=round_of, evaluate_client=evaluate_at)
+        initialize,
+        initial_client_state,
+        phases=[device_state.Phase('next', round_of, client_work, finish)],
+        evaluate_input=round_of,
+        evaluate_client=evaluate_at,
+    )
     return template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device)
+        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    )

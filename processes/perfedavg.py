@@ -32,10 +32,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 VARIANTS = ('fo', 'hf')
@@ -122,7 +119,8 @@ def build_perfedavg_process(
         data = client_data.read_split(spec, client_id, 'train')
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             _, stats = local_training.sgd_steps(
-                data, step,
+                data,
+                step,
                 epochs=local_config.epochs,
                 batch_size=local_config.batch_size,
                 seed=local_training.client_seed(seed, round_num, client_id),

@@ -22,17 +22,12 @@ Choices where the paper is silent are listed in docs/algorithms/persfl.md.
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import distillation
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, distillation, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import stacked
 
@@ -51,7 +46,7 @@ def build_persfl_process(
     imitations: Sequence[float] = DEFAULT_IMITATIONS,
     soft_loss: str = 'kl',
     teacher: str = 'optimal',
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds PersFL (soft_loss='kl') or PersFL-GD (soft_loss='ce').

@@ -31,10 +31,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
@@ -85,7 +82,8 @@ def build_pfedme_process(
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
         return building_blocks.participation_state(
-            client_id, personalized=[tf.zeros(t.shape, t.dtype) for t in weights_type])
+            client_id, personalized=[tf.zeros(t.shape, t.dtype) for t in weights_type]
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -125,7 +123,7 @@ def build_pfedme_process(
         with tf.control_dependencies(list(stats) + local):
             theta = local_training.get_weights(theta_model)
         return collections.OrderedDict(
-            update=[w - l for w, l in zip(weights, local)],
+            update=[w - w_local for w, w_local in zip(weights, local)],
             weight=tf.constant(1.0),  # line 10: the uniform mean over sampled clients
             metric_sums=building_blocks.training_metric_sums(stats),
             client_state=building_blocks.participated(client_state, round_num, personalized=theta),

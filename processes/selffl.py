@@ -25,24 +25,20 @@ Choices where the paper is silent: docs/algorithms/selffl.md.
 
 import collections
 from collections.abc import Callable
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import aggregators
-from tff_pfl.computations import averaging
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 LOSSES = ('cross_entropy', 'gaussian')
 
 
-def local_steps(eta, sigma_m_sq, others_precision, l_max: int, *, quadratic: bool = True,
-                typical_rho=None, default_steps: int = 20):
+def local_steps(
+    eta, sigma_m_sq, others_precision, l_max: int, *, quadratic: bool = True, typical_rho=None, default_steps: int = 20
+):
     """Number of local steps (Eq. 8) and the step size to use (TF code).
 
     Eq. 8 sets l so that l gradient steps contract the distance to the local
@@ -158,8 +154,8 @@ def build_selffl_process(
     activity_rate: float = 1.0,
     warmup_rounds: int = 0,
     loss: str = 'cross_entropy',
-    known_sigma0_sq: Optional[float] = None,
-    gaussian_noise_var: Optional[float] = None,
+    known_sigma0_sq: float | None = None,
+    gaussian_noise_var: float | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Self-FL.
@@ -199,8 +195,12 @@ def build_selffl_process(
         raise ValueError("loss='gaussian' needs gaussian_noise_var > 0")
     if not 0.0 < activity_rate <= 1.0:
         raise ValueError(f'activity_rate must be in (0, 1], got {activity_rate}')
-    for name, value in (('learning_rate', learning_rate), ('batch_size', batch_size), ('l_max', l_max),
-                        ('default_steps', default_steps)):
+    for name, value in (
+        ('learning_rate', learning_rate),
+        ('batch_size', batch_size),
+        ('l_max', l_max),
+        ('default_steps', default_steps),
+    ):
         if not value > 0:
             raise ValueError(f'{name} must be > 0, got {value}')
     if warmup_rounds < 0:
@@ -231,13 +231,16 @@ def build_selffl_process(
         @tff.tensorflow.computation(aggregator_state_type)
         def info(state):
             return collections.OrderedDict(
-                sigma0_sq=state['sigma0_sq'], total_precision=state['total_precision'],
-                mean_sigma_m_sq=state['mean_sigma_m_sq'])
+                sigma0_sq=state['sigma0_sq'],
+                total_precision=state['total_precision'],
+                mean_sigma_m_sq=state['mean_sigma_m_sq'],
+            )
 
         return info
 
     info_type = tff.to_type(
-        collections.OrderedDict(sigma0_sq=np.float32, total_precision=np.float32, mean_sigma_m_sq=np.float32))
+        collections.OrderedDict(sigma0_sq=np.float32, total_precision=np.float32, mean_sigma_m_sq=np.float32)
+    )
 
     @tff.tensorflow.computation(weights_type, np.int32, info_type, client_state_type)
     def client_work(weights, round_num, info, state):
@@ -249,11 +252,13 @@ def build_selffl_process(
         else:
             # Eq. 13; before two observations, the inter-client variance stands in.
             sigma_m_sq = tf.where(
-                state['var_count'] >= 2.0, state['var_m2'] / tf.maximum(state['var_count'] - 1.0, 1.0), sigma0_sq)
+                state['var_count'] >= 2.0, state['var_m2'] / tf.maximum(state['var_count'] - 1.0, 1.0), sigma0_sq
+            )
         total_precision = info['total_precision']
         active = tf.logical_and(
             tf.logical_and(sigma0_sq > 0.0, sigma_m_sq > 0.0),
-            tf.logical_and(total_precision > 0.0, round_num >= warmup_rounds))
+            tf.logical_and(total_precision > 0.0, round_num >= warmup_rounds),
+        )
         safe_sigma_m_sq = tf.where(active, sigma_m_sq, 1.0)
         own_precision = 1.0 / (tf.where(active, sigma0_sq, 1.0) + safe_sigma_m_sq)
         # S_-m = S - p_m. S is last round's (scaled) sum, so with estimated
@@ -262,7 +267,8 @@ def build_selffl_process(
         others_precision = tf.where(
             total_precision - own_precision > 0.0,
             total_precision - own_precision,
-            total_precision * (spec.num_clients - 1) / spec.num_clients)
+            total_precision * (spec.num_clients - 1) / spec.num_clients,
+        )
         others_precision = tf.maximum(others_precision, 1e-12)
         previous = [tf.where(state['num_participations'] > 0, p, g) for p, g in zip(state['personal'], weights)]
         init = initialization(weights, previous, own_precision, others_precision)
@@ -270,8 +276,14 @@ def build_selffl_process(
         typical_others = tf.maximum(total_precision - 1.0 / (sigma0_sq + typical_sigma_sq), 1e-12)
         typical_rho = typical_others / (1.0 / typical_sigma_sq + typical_others)
         steps, exact_eta, _ = local_steps(
-            learning_rate, safe_sigma_m_sq, others_precision, l_max, quadratic=gaussian,
-            typical_rho=typical_rho, default_steps=default_steps)
+            learning_rate,
+            safe_sigma_m_sq,
+            others_precision,
+            l_max,
+            quadratic=gaussian,
+            typical_rho=typical_rho,
+            default_steps=default_steps,
+        )
         eta = exact_eta if gaussian else tf.constant(learning_rate, tf.float32)
         steps = tf.where(active, steps, default_steps)
         eta = tf.where(active, eta, learning_rate)
@@ -310,8 +322,15 @@ def build_selffl_process(
             weight=tf.where(tf.logical_and(sigma_m_sq > 0.0, round_num >= warmup_rounds), sigma_m_sq, 0.0),
             metric_sums=sums,
             client_state=building_blocks.participated(
-                state, round_num, personal=personal, var_count=count, var_mean=mean, var_m2=m2,
-                sigma_m_sq=sigma_m_sq, local_steps=steps),
+                state,
+                round_num,
+                personal=personal,
+                var_count=count,
+                var_mean=mean,
+                var_m2=m2,
+                sigma_m_sq=sigma_m_sq,
+                local_steps=steps,
+            ),
         )
 
     @tff.tensorflow.computation(weights_type, client_state_type)

@@ -35,9 +35,11 @@ def tiny_npz(tmp_path_factory):
     path = tmp_path_factory.mktemp('npz') / 'tiny.npz'
     y_train = np.repeat(np.arange(4), 60).astype(np.uint8)
     y_test = np.repeat(np.arange(4), 20).astype(np.uint8)
+
     def images(y):
         x = rng.integers(0, 60, size=(len(y), 6, 6)).astype(np.uint8)
         x[np.arange(len(y)), y, y] = 255  # a class-specific bright pixel
         return x
+
     np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
     return path

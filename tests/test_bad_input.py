@@ -14,8 +14,11 @@ def _npz(path, **changes):
     """A small valid Keras-layout file (4 classes, 6x6 images), with `changes` applied."""
     rng = np.random.default_rng(0)
     arrays = dict(
-        x_train=rng.integers(0, 255, size=(80, 6, 6)).astype(np.uint8), y_train=np.repeat(np.arange(4), 20),
-        x_test=rng.integers(0, 255, size=(40, 6, 6)).astype(np.uint8), y_test=np.repeat(np.arange(4), 10))
+        x_train=rng.integers(0, 255, size=(80, 6, 6)).astype(np.uint8),
+        y_train=np.repeat(np.arange(4), 20),
+        x_test=rng.integers(0, 255, size=(40, 6, 6)).astype(np.uint8),
+        y_test=np.repeat(np.arange(4), 10),
+    )
     arrays.update(changes)
     np.savez(path, **arrays)
     return path
@@ -29,23 +32,29 @@ def _nan_features():
 
 # (what is wrong, how to make the data file (or None), configuration changes, the error's message)
 CASES = [
-    ('missing data file', None, dict(dataset='npz:/nonexistent/data.npz'),
-     'npz file not found: /nonexistent/data.npz'),
+    ('missing data file', None, dict(dataset='npz:/nonexistent/data.npz'), 'npz file not found: /nonexistent/data.npz'),
     ('corrupt data file', 'corrupt', {}, 'cannot read npz file'),
     ('a key missing', dict(drop='y_test'), {}, 'lacks key(s) y_test'),
     ('features of the wrong dtype', dict(x_train=np.full((80, 6, 6), 'a')), {}, 'x_train must be numeric'),
     ('features of the wrong shape', dict(x_train=np.ones(80, np.float32)), {}, 'x_train must have shape [N, ...]'),
     ('labels of the wrong dtype', dict(y_train=np.ones(80, np.float32)), {}, 'y_train must hold integer labels'),
     ('labels of the wrong shape', dict(y_train=np.ones((80, 2), np.int64)), {}, 'y_train must have shape [N]'),
-    ('x and y lengths differ', dict(y_train=np.zeros(79, np.int64)), {},
-     'x_train has 80 examples but y_train has 79'),
+    ('x and y lengths differ', dict(y_train=np.zeros(79, np.int64)), {}, 'x_train has 80 examples but y_train has 79'),
     ('labels outside the class range', dict(y_test=np.full(40, -1)), {}, 'y_test holds negative label -1'),
     ('NaN features', dict(x_train=_nan_features()), {}, 'x_train contains NaN or infinite values'),
     ('more clients than examples', {}, dict(num_clients=500), '500 clients requested but only 120 examples'),
-    ('k larger than the number of classes', {}, dict(partition='ds1', classes_per_client=5),
-     'k must be in [1, 4], got 5'),
-    ('a client without a validation example', {}, dict(num_clients=60, split_fractions=(0.8, 0.19, 0.01)),
-     'client_00000: client has no validation examples'),
+    (
+        'k larger than the number of classes',
+        {},
+        dict(partition='ds1', classes_per_client=5),
+        'k must be in [1, 4], got 5',
+    ),
+    (
+        'a client without a validation example',
+        {},
+        dict(num_clients=60, split_fractions=(0.8, 0.19, 0.01)),
+        'client_00000: client has no validation examples',
+    ),
     ('sampling rate 0', {}, dict(client_fraction=0.0), 'client_fraction must be in (0, 1]'),
     ('sampling rate above 1', {}, dict(client_fraction=1.5), 'client_fraction must be in (0, 1]'),
     ('negative learning rate', {}, dict(client_learning_rate=-0.1), 'client_learning_rate'),
@@ -73,8 +82,7 @@ def _dataset(data, tmp_path) -> dict:
 
 @pytest.mark.parametrize('what, data, changes, message', CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_before_anything_is_written(what, data, changes, message, tmp_path):
-    from tff_pfl.data import partition
-    from tff_pfl.data import sources
+    from tff_pfl.data import partition, sources
     from tff_pfl.program import experiment
 
     del what
@@ -91,8 +99,7 @@ def test_bad_input_is_refused_before_anything_is_written(what, data, changes, me
 # The binary turns these errors into one line and exit code 2: one refused while
 # reading the data, one while preparing the output directory (each start of the
 # binary imports TensorFlow and TFF; the other messages are checked above).
-BINARY_CASES = [c for c in CASES if c[0] in (
-    'corrupt data file', 'an output directory that is not writable')]
+BINARY_CASES = [c for c in CASES if c[0] in ('corrupt data file', 'an output directory that is not writable')]
 
 
 @pytest.mark.parametrize('what, data, changes, message', BINARY_CASES, ids=[c[0] for c in BINARY_CASES])
@@ -102,8 +109,14 @@ def test_bad_input_binary_prints_one_line_and_exits_2(what, data, changes, messa
     kwargs.update(changes)
     args = [f'--{k}={",".join(map(str, v)) if isinstance(v, tuple) else v}' for k, v in kwargs.items()]
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-    result = subprocess.run([sys.executable, '-m', 'tff_pfl.cli.train', *args], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, '-m', 'tff_pfl.cli.train', *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=REPO,
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith('tff-pfl-train: error: '), result.stderr[-2000:]

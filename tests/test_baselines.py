@@ -11,18 +11,11 @@ import functools
 import numpy as np
 import pytest
 
-from processes import apfl
-from processes import ditto
-from processes import fedavg
-from processes import fedper
-from processes import local
-from processes import perfedavg
-from processes import pfedme
+from processes import apfl, ditto, fedavg, fedper, local, perfedavg, pfedme
 from tests import numpy_reference as ref
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, local_training
 
 SEED = 11
 CONFIG = local_training.TrainingConfig(epochs=2, batch_size=8, learning_rate=0.2)
@@ -71,7 +64,8 @@ def test_local_only_trains_each_client_alone(problem, tff_runtime):
     evaluation = process.evaluate(output.state, output.client_states)
     x, y = ref.read(spec, spec.client_ids[1], 'test')
     assert float(evaluation[1]['personalized_model']['accuracy']) == pytest.approx(
-        ref.accuracy(ref.as_float64(output.client_states[1]['model']), x, y))
+        ref.accuracy(ref.as_float64(output.client_states[1]['model']), x, y)
+    )
     # Only the metric sums leave the clients; no model crosses.
     crossing = audit.clients_to_server_values(process.next)
     assert [uri for uri, _ in crossing] == ['federated_sum']
@@ -82,7 +76,8 @@ def test_fedavg_finetune_picks_epochs_on_validation(problem, tff_runtime):
     spec, model_fn = problem
     tune = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.5)
     process = fedavg.build_fedavg_process(
-        spec, model_fn, local_config=CONFIG, finetune_epochs=3, finetune_config=tune, seed=SEED)
+        spec, model_fn, local_config=CONFIG, finetune_epochs=3, finetune_config=tune, seed=SEED
+    )
     state, clients = _start(process, spec)
     output = process.next(state, clients)
     before = process.evaluate(output.state, output.client_states)
@@ -136,7 +131,8 @@ def test_ditto_personal_model_is_pulled_towards_the_global(problem, tff_runtime)
     lam = 0.5
     personal_config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.1)
     process = ditto.build_ditto_process(
-        spec, model_fn, local_config=CONFIG, personal_config=personal_config, ditto_lambda=lam, seed=SEED)
+        spec, model_fn, local_config=CONFIG, personal_config=personal_config, ditto_lambda=lam, seed=SEED
+    )
     state, clients = _start(process, spec)
     # Two rounds, so that v_k and w differ when the pull is applied.
     first = process.next(state, clients)
@@ -148,8 +144,9 @@ def test_ditto_personal_model_is_pulled_towards_the_global(problem, tff_runtime)
         trained.append(w_k)
         sizes.append(n)
         pull = lambda v: [lam * (a - b) for a, b in zip(v, global_weights)]  # noqa: E731
-        v_k, _ = _client_sgd(spec, client_id, ref.as_float64(before['personal']), personal_config,
-                             round_num=1, salt=1, grad_fn=pull)
+        v_k, _ = _client_sgd(
+            spec, client_id, ref.as_float64(before['personal']), personal_config, round_num=1, salt=1, grad_fn=pull
+        )
         ref.assert_close(after['personal'], v_k)
     ref.assert_close(output.state['model'], ref.weighted_mean(trained, sizes))
     assert _uploads(process)[0] <= {'federated_sum', 'federated_weighted_mean', 'federated_mean'}
@@ -160,8 +157,15 @@ def test_pfedme_round_matches_algorithm_1(problem, tff_runtime):
     config = local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.05, max_steps=4)
     lam, k, personal_lr, beta = 5.0, 3, 0.05, 1.5
     process = pfedme.build_pfedme_process(
-        spec, model_fn, local_config=config, pfedme_lambda=lam, inner_steps=k,
-        personal_learning_rate=personal_lr, beta=beta, seed=SEED)
+        spec,
+        model_fn,
+        local_config=config,
+        pfedme_lambda=lam,
+        inner_steps=k,
+        personal_learning_rate=personal_lr,
+        beta=beta,
+        seed=SEED,
+    )
     state, clients = _start(process, spec)
     w_global = _initial(process)
     output = process.next(state, clients)
@@ -188,7 +192,8 @@ def test_perfedavg_round_matches_algorithm_1(problem, tff_runtime, variant):
     config = local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.1, max_steps=3)
     alpha, delta = 0.3, 1e-3
     process = perfedavg.build_perfedavg_process(
-        spec, model_fn, local_config=config, alpha=alpha, variant=variant, delta=delta, seed=SEED)
+        spec, model_fn, local_config=config, alpha=alpha, variant=variant, delta=delta, seed=SEED
+    )
     state, clients = _start(process, spec)
     w_global = _initial(process)
     output = process.next(state, clients)
@@ -228,7 +233,8 @@ def test_apfl_round_matches_algorithm_1(problem, tff_runtime):
     config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.2)
     alpha0, alpha_lr = 0.3, 0.5
     process = apfl.build_apfl_process(
-        spec, model_fn, local_config=config, initial_alpha=alpha0, alpha_learning_rate=alpha_lr, seed=SEED)
+        spec, model_fn, local_config=config, initial_alpha=alpha0, alpha_learning_rate=alpha_lr, seed=SEED
+    )
     state, clients = _start(process, spec)
     w_global = _initial(process)
     output = process.next(state, clients)
@@ -243,9 +249,11 @@ def test_apfl_round_matches_algorithm_1(problem, tff_runtime):
             mixed = [a * p + (1 - a) * q for p, q in zip(v, w)]
             _, g_mix = ref.loss_and_grads(mixed, x[idx], y[idx])
             a_grad = sum(float(np.sum((p - q) * g)) for p, q, g in zip(v, w, g_mix))
-            w, v, a = ([p - config.learning_rate * g for p, g in zip(w, g_w)],
-                       [p - config.learning_rate * a * g for p, g in zip(v, g_mix)],
-                       float(np.clip(a - alpha_lr * a_grad, 0.0, 1.0)))
+            w, v, a = (
+                [p - config.learning_rate * g for p, g in zip(w, g_w)],
+                [p - config.learning_rate * a * g for p, g in zip(v, g_mix)],
+                float(np.clip(a - alpha_lr * a_grad, 0.0, 1.0)),
+            )
         ref.assert_close(client_state['local'], v)
         assert float(client_state['alpha']) == pytest.approx(a, abs=1e-5)
         trained.append(w)
@@ -291,5 +299,6 @@ def test_per_client_evaluation_covers_unsampled_clients(problem, tff_runtime):
     for client_id, client_state, e in zip(spec.client_ids, all_states, evaluation):
         xt, yt = ref.read(spec, client_id, 'test')
         assert float(e['personalized_model']['accuracy']) == pytest.approx(
-            ref.accuracy(ref.as_float64(client_state['personal']), xt, yt))
+            ref.accuracy(ref.as_float64(client_state['personal']), xt, yt)
+        )
     ref.assert_close(all_states[2]['personal'], init, atol=0, rtol=0)  # untouched

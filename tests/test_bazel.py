@@ -50,8 +50,13 @@ def read_build(package):
         def record(name, srcs=(), deps=(), tags=(), tests=(), **kwargs):
             del kwargs
             targets[name] = dict(
-                kind=kind, srcs=[f'{package}/{s}'.lstrip('/') for s in srcs],
-                deps=[label(d) for d in deps], tags=list(tags), tests=[label(t) for t in tests])
+                kind=kind,
+                srcs=[f'{package}/{s}'.lstrip('/') for s in srcs],
+                deps=[label(d) for d in deps],
+                tags=list(tags),
+                tests=[label(t) for t in tests],
+            )
+
         return record
 
     def pytest_test(name, deps=(), tags=(), **kwargs):
@@ -59,10 +64,17 @@ def read_build(package):
 
     scope = dict(
         glob=lambda include, exclude=(): _glob(package_dir, include, exclude),
-        py_library=rule('py_library'), py_binary=rule('py_binary'), py_test=rule('py_test'),
-        filegroup=rule('filegroup'), sh_binary=rule('sh_binary'), test_suite=rule('test_suite'),
-        exports_files=lambda *a, **k: None, package=lambda **k: None,
-        load=lambda *a: None, pytest_test=pytest_test)
+        py_library=rule('py_library'),
+        py_binary=rule('py_binary'),
+        py_test=rule('py_test'),
+        filegroup=rule('filegroup'),
+        sh_binary=rule('sh_binary'),
+        test_suite=rule('test_suite'),
+        exports_files=lambda *a, **k: None,
+        package=lambda **k: None,
+        load=lambda *a: None,
+        pytest_test=pytest_test,
+    )
     exec(compile((package_dir / 'BUILD').read_text(), str(package_dir / 'BUILD'), 'exec'), scope)
     return targets
 
@@ -88,7 +100,7 @@ def _package_of_import(module):
         if candidate.is_dir():
             return '/'.join(parts[:k])
         if candidate.with_suffix('.py').exists():
-            return '/'.join(parts[:k - 1])
+            return '/'.join(parts[: k - 1])
     return None
 
 

@@ -14,15 +14,14 @@ import pytest
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, local_training
 from tff_pfl.program import bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Two partitions of Synthetic(1,1) with 3 clients, FedAvg and PersFL (a 1 x 1
 # grid), 2 rounds, seeds 0 and 1: 8 runs of a few seconds each.
-TINY = '''
+TINY = """
 name = "tiny"
 description = "harness test"
 [defaults]
@@ -53,7 +52,7 @@ imitations = [0.5]
 distill_epochs = 1
 [paper]
 "FedAvg" = { natural = [50.0, 10.0] }
-'''
+"""
 
 
 # ----------------------------------------------------------------------------
@@ -63,8 +62,7 @@ distill_epochs = 1
 def test_communication_bytes_of_fedavg(tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
-    process = fedavg.build_fedavg_process(
-        spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3))
+    process = fedavg.build_fedavg_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3))
     model_bytes = sum(w.size * w.dtype.itemsize for w in model_fn().get_weights())
     assert model_bytes == (4 * 3 + 3) * 4
     got = audit.communication_bytes(process.next)
@@ -73,14 +71,17 @@ def test_communication_bytes_of_fedavg(tmp_path):
     assert got == {'bytes_down_per_client': model_bytes + 4, 'bytes_up_per_client': model_bytes + 4 + 4 * 4}
     # Evaluation broadcasts the model and sends nothing up.
     assert audit.communication_bytes(process.evaluate) == {
-        'bytes_down_per_client': model_bytes, 'bytes_up_per_client': 0}
+        'bytes_down_per_client': model_bytes,
+        'bytes_up_per_client': 0,
+    }
 
 
 def test_type_bytes():
     import tensorflow_federated as tff
 
-    struct = tff.StructType([('a', tff.TensorType(np.float32, [2, 3])), ('b', tff.TensorType(np.int64)),
-                             ('id', tff.TensorType(np.str_))])
+    struct = tff.StructType(
+        [('a', tff.TensorType(np.float32, [2, 3])), ('b', tff.TensorType(np.int64)), ('id', tff.TensorType(np.str_))]
+    )
     assert audit.type_bytes(struct) == 2 * 3 * 4 + 8
     assert audit.type_bytes(tff.FederatedType(struct, tff.CLIENTS)) == 32
     with pytest.raises(ValueError, match='no fixed size'):
@@ -92,7 +93,8 @@ def test_type_bytes():
 
 
 def test_precedence_defaults_partition_overrides_partition_overrides():
-    suite = bench.parse_suite('''
+    suite = bench.parse_suite(
+        """
 name = "p"
 [defaults]
 seeds = [3]
@@ -116,7 +118,9 @@ rounds = 30
 temperatures = [1, 2]
 [algorithms.partition_overrides.a]
 rounds = 40
-''', 'p.toml')
+""",
+        'p.toml',
+    )
     a, b = suite.partitions
     alg = suite.algorithms[0]
     config = suite.config(a, alg, 3, 'out')
@@ -134,35 +138,53 @@ def _suite_with(old, new):
     return TINY.replace(old, new, 1)
 
 
-@pytest.mark.parametrize('text, message', [
-    (TINY + '\n[[partitions\n', 'tiny.toml: bad TOML'),
-    (_suite_with('name = "tiny"', 'name = "tiny"\nversion = 2'), 'tiny.toml: version: unknown key'),
-    (_suite_with('num_clients = 3', 'num_client = 3'), 'tiny.toml: defaults.num_client: unknown key'),
-    (_suite_with('num_clients = 3', 'seed = 3'), 'tiny.toml: defaults.seed: set by the harness'),
-    (_suite_with('rounds = 2', 'rounds = "two"'), 'tiny.toml: defaults.rounds: must be int'),
-    (_suite_with('seeds = [0, 1]', 'seeds = []'), 'defaults.seeds: required'),
-    (_suite_with('seeds = [0, 1]', 'seeds = [0, 0]'), 'defaults.seeds: repeated seed'),
-    (_suite_with('target_accuracy = 0.4', 'target_accuracy = 40'), 'defaults.target_accuracy'),
-    (_suite_with('algorithm = "fedavg"', 'algorithm = "fedper_x"'),
-     'tiny.toml: algorithms "FedAvg".algorithm: unknown algorithm \'fedper_x\''),
-    (_suite_with('model = "global_model"', 'model = "best_model"'), 'algorithms "FedAvg".model: must be one of'),
-    (_suite_with('distill_epochs = 1', 'distil_epochs = 1'),
-     'algorithms "PersFL".overrides.distil_epochs: unknown key (not an ExperimentConfig field)'),
-    (_suite_with('distill_epochs = 1', 'distill_epochs = 0'),
-     'algorithms "PersFL" on partitions "natural": distill_epochs must be >= 1'),
-    (_suite_with('distill_epochs = 1', 'distill_epochs = 1\n[algorithms.partition_overrides.IID]\nrounds = 0'),
-     'algorithms "PersFL" on partitions "IID": rounds must be >= 1'),
-    (_suite_with('distill_epochs = 1', 'distill_epochs = 1\n[algorithms.partition_overrides.ds9]\nrounds = 1'),
-     'algorithms "PersFL".partition_overrides.ds9: unknown partition'),
-    (_suite_with('distill_epochs = 1', 'distill_epochs = 1\nnum_clients = 4'),
-     'algorithms "PersFL" on partitions "natural": changes the client data (num_clients 4, but 3 for "FedAvg")'),
-    (_suite_with('name = "PersFL"', 'name = "fedavg"'), 'labels "FedAvg" and "fedavg" name the same directory'),
-    (TINY.replace('natural = [50.0, 10.0]', 'ds1 = [50.0, 10.0]'),
-     'paper.FedAvg.ds1: unknown partition label'),
-    (TINY.replace('natural = [50.0, 10.0]', 'natural = [50.0]'), 'paper.FedAvg.natural: must be [mean, std]'),
-    (TINY.replace('[[partitions]]\nname = "natural"\npartition = "natural"\n', '', 1).replace(
-        '[[partitions]]\nname = "IID"\npartition = "iid"\n', ''), 'partitions: required'),
-])
+@pytest.mark.parametrize(
+    'text, message',
+    [
+        (TINY + '\n[[partitions\n', 'tiny.toml: bad TOML'),
+        (_suite_with('name = "tiny"', 'name = "tiny"\nversion = 2'), 'tiny.toml: version: unknown key'),
+        (_suite_with('num_clients = 3', 'num_client = 3'), 'tiny.toml: defaults.num_client: unknown key'),
+        (_suite_with('num_clients = 3', 'seed = 3'), 'tiny.toml: defaults.seed: set by the harness'),
+        (_suite_with('rounds = 2', 'rounds = "two"'), 'tiny.toml: defaults.rounds: must be int'),
+        (_suite_with('seeds = [0, 1]', 'seeds = []'), 'defaults.seeds: required'),
+        (_suite_with('seeds = [0, 1]', 'seeds = [0, 0]'), 'defaults.seeds: repeated seed'),
+        (_suite_with('target_accuracy = 0.4', 'target_accuracy = 40'), 'defaults.target_accuracy'),
+        (
+            _suite_with('algorithm = "fedavg"', 'algorithm = "fedper_x"'),
+            'tiny.toml: algorithms "FedAvg".algorithm: unknown algorithm \'fedper_x\'',
+        ),
+        (_suite_with('model = "global_model"', 'model = "best_model"'), 'algorithms "FedAvg".model: must be one of'),
+        (
+            _suite_with('distill_epochs = 1', 'distil_epochs = 1'),
+            'algorithms "PersFL".overrides.distil_epochs: unknown key (not an ExperimentConfig field)',
+        ),
+        (
+            _suite_with('distill_epochs = 1', 'distill_epochs = 0'),
+            'algorithms "PersFL" on partitions "natural": distill_epochs must be >= 1',
+        ),
+        (
+            _suite_with('distill_epochs = 1', 'distill_epochs = 1\n[algorithms.partition_overrides.IID]\nrounds = 0'),
+            'algorithms "PersFL" on partitions "IID": rounds must be >= 1',
+        ),
+        (
+            _suite_with('distill_epochs = 1', 'distill_epochs = 1\n[algorithms.partition_overrides.ds9]\nrounds = 1'),
+            'algorithms "PersFL".partition_overrides.ds9: unknown partition',
+        ),
+        (
+            _suite_with('distill_epochs = 1', 'distill_epochs = 1\nnum_clients = 4'),
+            'algorithms "PersFL" on partitions "natural": changes the client data (num_clients 4, but 3 for "FedAvg")',
+        ),
+        (_suite_with('name = "PersFL"', 'name = "fedavg"'), 'labels "FedAvg" and "fedavg" name the same directory'),
+        (TINY.replace('natural = [50.0, 10.0]', 'ds1 = [50.0, 10.0]'), 'paper.FedAvg.ds1: unknown partition label'),
+        (TINY.replace('natural = [50.0, 10.0]', 'natural = [50.0]'), 'paper.FedAvg.natural: must be [mean, std]'),
+        (
+            TINY.replace('[[partitions]]\nname = "natural"\npartition = "natural"\n', '', 1).replace(
+                '[[partitions]]\nname = "IID"\npartition = "iid"\n', ''
+            ),
+            'partitions: required',
+        ),
+    ],
+)
 def test_suite_errors_are_one_line_naming_file_and_key(text, message):
     with pytest.raises(bench.SuiteError) as error:
         bench.parse_suite(text, 'tiny.toml')
@@ -184,9 +206,11 @@ def test_selection():
     runs = suite.select(seeds=[1], algorithms=['PersFL'])
     assert [r.label for r in runs] == ['natural/PersFL/seed1', 'IID/PersFL/seed1']
     assert runs[1].directory('/o') == '/o/runs/iid/persfl/seed1'
-    for kwargs, message in [(dict(seeds=[2]), 'unknown seed 2; the suite has 0, 1'),
-                            (dict(algorithms=['FedAvg', 'pFedMe']), 'unknown algorithm pFedMe'),
-                            (dict(partitions=['ds1']), 'unknown partition ds1')]:
+    for kwargs, message in [
+        (dict(seeds=[2]), 'unknown seed 2; the suite has 0, 1'),
+        (dict(algorithms=['FedAvg', 'pFedMe']), 'unknown algorithm pFedMe'),
+        (dict(partitions=['ds1']), 'unknown partition ds1'),
+    ]:
         with pytest.raises(bench.SuiteError, match=message):
             suite.select(**kwargs)
 
@@ -198,11 +222,24 @@ def test_committed_suites():
     suite = bench.load_suite(path)
     assert [p.name for p in suite.partitions] == ['ds1', 'ds2', 'ds3'] and suite.seeds == (0, 1, 2)
     assert [a.name for a in suite.algorithms] == [
-        'FedAvg', 'PersFL', 'FedPer', 'pFedMe', 'Per-FedAvg', 'Local', 'FedAvg+FT']
+        'FedAvg',
+        'PersFL',
+        'FedPer',
+        'pFedMe',
+        'Per-FedAvg',
+        'Local',
+        'FedAvg+FT',
+    ]
     rounds = {a.name: [suite.config(p, a, 0).rounds for p in suite.partitions] for a in suite.algorithms}
-    assert rounds == {'FedAvg': [100, 50, 100], 'PersFL': [100, 25, 100], 'FedPer': [100, 50, 100],
-                      'pFedMe': [800, 800, 800], 'Per-FedAvg': [800, 800, 800], 'Local': [100, 100, 100],
-                      'FedAvg+FT': [100, 50, 100]}
+    assert rounds == {
+        'FedAvg': [100, 50, 100],
+        'PersFL': [100, 25, 100],
+        'FedPer': [100, 50, 100],
+        'pFedMe': [800, 800, 800],
+        'Per-FedAvg': [800, 800, 800],
+        'Local': [100, 100, 100],
+        'FedAvg+FT': [100, 50, 100],
+    }
     assert suite.paper['PersFL']['ds3'] == (99.4, 0.3)
     baselines = bench.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
     names = {a.algorithm for a in baselines.algorithms}
@@ -245,7 +282,11 @@ def test_split_by_seed_then_resume(tiny_run):
     assert tiny_run['second'][0] == 'tiny: 8 runs selected, 4 already complete, 4 to run'
     progress = [line for line in tiny_run['second'] if line.startswith('run ')]
     assert [line.split()[2] for line in progress] == [
-        'natural/FedAvg/seed1:', 'natural/PersFL/seed1:', 'IID/FedAvg/seed1:', 'IID/PersFL/seed1:']
+        'natural/FedAvg/seed1:',
+        'natural/PersFL/seed1:',
+        'IID/FedAvg/seed1:',
+        'IID/PersFL/seed1:',
+    ]
     assert progress[0].startswith('run 1/4 ') and 'ETA' in progress[0] and 'test_acc[global_model]' in progress[0]
     # The seed-0 runs were not redone.
     for run in suite.select(seeds=[0]):
@@ -274,8 +315,11 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
                 directory = os.path.join(out, 'runs', partition.slug, algorithm.slug, f'seed{seed}')
                 clients = _read_csv(os.path.join(directory, 'clients.csv'))
                 accuracies = [float(c[f'{model}_accuracy']) for c in clients]
-                mine = [r for r in results if (r['partition'], r['algorithm'], r['seed']) ==
-                        (partition.name, algorithm.name, str(seed))]
+                mine = [
+                    r
+                    for r in results
+                    if (r['partition'], r['algorithm'], r['seed']) == (partition.name, algorithm.name, str(seed))
+                ]
                 assert [r['client_id'] for r in mine] == [c['client_id'] for c in clients]
                 assert [int(r['client']) for r in mine] == list(range(len(clients)))
                 np.testing.assert_allclose([float(r['accuracy']) for r in mine], accuracies, rtol=1e-5)
@@ -375,8 +419,9 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
     with open(os.path.join(fedavg_run.directory(out), 'partition.csv'), 'a') as f:
         f.write('client_99999,1,1,1\n')
     os.remove(os.path.join(persfl_run.directory(out), bench.RESULT_FILE))
-    with pytest.raises(bench.SuiteError, match='natural/PersFL/seed0 trains on another partition than '
-                                               'natural/FedAvg/seed0'):
+    with pytest.raises(
+        bench.SuiteError, match='natural/PersFL/seed0 trains on another partition than natural/FedAvg/seed0'
+    ):
         bench.run_suite(suite, out, seeds=[0], algorithms=['PersFL'], log=lambda line: None)
     # Aggregation checks the same from the stored results.
     record_path = os.path.join(fedavg_run.directory(out), bench.RESULT_FILE)
@@ -385,8 +430,10 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
     record['partition_csv'] += 'x'
     with open(record_path, 'w') as f:
         json.dump(record, f)
-    shutil.copy(os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench.RESULT_FILE),
-                os.path.join(persfl_run.directory(out), bench.RESULT_FILE))
+    shutil.copy(
+        os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench.RESULT_FILE),
+        os.path.join(persfl_run.directory(out), bench.RESULT_FILE),
+    )
     with pytest.raises(bench.SuiteError, match='trained on different partitions'):
         bench.write_report(suite, out, log=lambda line: None)
 
@@ -419,7 +466,12 @@ def _start(*flags):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
     return subprocess.Popen(
         [sys.executable, '-m', 'tff_pfl.cli.bench', *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_binary(tiny_run, tmp_path):
@@ -459,5 +511,8 @@ def test_binary(tiny_run, tmp_path):
     assert report.returncode == 0, stderr[-2000:]
     assert f'report: {report_dir}/report.md (8 of 8 runs complete)' in stdout
     with open(report_dir / 'report.md') as f, open(os.path.join(tiny_run['out'], 'report.md')) as g:
-        section = lambda text: text.split('## Test accuracy per client')[1].split('## Commands')[0]
+
+        def section(text):
+            return text.split('## Test accuracy per client')[1].split('## Commands')[0]
+
         assert section(f.read()) == section(g.read())

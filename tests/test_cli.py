@@ -17,19 +17,38 @@ def _train(*flags, cwd=None):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
     return subprocess.run(
         [sys.executable, '-m', 'tff_pfl.cli.train', *flags],
-        capture_output=True, text=True, env=env, timeout=300, cwd=cwd or REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=cwd or REPO,
     )
 
 
 def test_run_writes_the_output_directory(tiny_npz, tmp_path):
     out = tmp_path / 'run'
     result = _train(
-        f'--dataset=npz:{tiny_npz}', '--partition=ds1', '--classes_per_client=2', '--num_clients=4',
-        '--rounds=3', '--eval_every=2', '--batch_size=8', '--client_learning_rate=0.1', f'--output_dir={out}',
+        f'--dataset=npz:{tiny_npz}',
+        '--partition=ds1',
+        '--classes_per_client=2',
+        '--num_clients=4',
+        '--rounds=3',
+        '--eval_every=2',
+        '--batch_size=8',
+        '--client_learning_rate=0.1',
+        f'--output_dir={out}',
     )
     assert result.returncode == 0, result.stderr[-2000:]
-    for name in ('config.json', 'metrics.csv', 'clients.csv', 'partition.csv', 'partition.png',
-                 'accuracy.png', 'clients.png', 'report.md'):
+    for name in (
+        'config.json',
+        'metrics.csv',
+        'clients.csv',
+        'partition.csv',
+        'partition.png',
+        'accuracy.png',
+        'clients.png',
+        'report.md',
+    ):
         assert (out / name).stat().st_size > 0, name
     assert any(f.startswith('events.out.tfevents') for f in os.listdir(out / 'tensorboard'))
     rounds = list(csv.DictReader(open(out / 'metrics.csv')))
@@ -72,8 +91,8 @@ def test_bad_input_one_line_exit_2(flags, message, tmp_path):
 def train_in_process(capsys):
     """Runs the binary's flag parsing and `main` in this process (no start-up cost)."""
     from absl import flags as absl_flags
-    from tff_pfl.cli import common
-    from tff_pfl.cli import train
+
+    from tff_pfl.cli import common, train
 
     def run(*argv):
         absl_flags.FLAGS.unparse_flags()
@@ -142,8 +161,12 @@ def test_config_validation(changes, message):
 
 def test_partition_error_writes_nothing(tiny_npz, tmp_path):
     config = experiment.ExperimentConfig(
-        output_dir=str(tmp_path / 'run'), dataset=f'npz:{tiny_npz}', partition='ds1',
-        classes_per_client=5, num_clients=4)  # the tiny set has only 4 classes
+        output_dir=str(tmp_path / 'run'),
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=5,
+        num_clients=4,
+    )  # the tiny set has only 4 classes
     with pytest.raises(Exception, match='k'):
         experiment.run_experiment(config)
     assert os.listdir(tmp_path) == []

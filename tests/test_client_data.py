@@ -22,7 +22,10 @@ def _write(root, x, num_clients=3):
 @pytest.mark.parametrize(
     'make_x, encoding',
     [
-        (lambda rng: rng.integers(0, 256, (48, 3, 3, 1)).astype(np.float32) / np.float32(255.0), client_data.UINT8_OVER_255),
+        (
+            lambda rng: rng.integers(0, 256, (48, 3, 3, 1)).astype(np.float32) / np.float32(255.0),
+            client_data.UINT8_OVER_255,
+        ),
         (lambda rng: rng.normal(size=(48, 7)).astype(np.float32), client_data.FLOAT32),
         (lambda rng: rng.random((48, 7), dtype=np.float32), client_data.FLOAT32),
     ],
@@ -66,11 +69,16 @@ def test_existing_directory_is_refused_and_failed_write_leaves_nothing(tmp_path)
 
 
 def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
-    from tff_pfl.data import pipeline
-    from tff_pfl.data import sources
+    from tff_pfl.data import pipeline, sources
 
-    prepared = pipeline.prepare(str(tmp_path / 'data'), dataset=f'npz:{tiny_npz}', partition_name='iid',
-                                num_clients=4, seed=1, public_examples=50)
+    prepared = pipeline.prepare(
+        str(tmp_path / 'data'),
+        dataset=f'npz:{tiny_npz}',
+        partition_name='iid',
+        num_clients=4,
+        seed=1,
+        public_examples=50,
+    )
     spec = prepared.spec
     assert spec.public_size == 50 and prepared.class_histogram.sum() == 320 - 50
     pool = sources.load_npz(str(tiny_npz))

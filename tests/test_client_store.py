@@ -7,9 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints
-from tff_pfl.program import experiment
-from tff_pfl.program import training_loop
+from tff_pfl.program import checkpoints, experiment, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 
@@ -93,23 +91,56 @@ def _crash_at(label):
     def log(line):
         if line.startswith(label):
             raise KeyboardInterrupt(line)
+
     return log
 
 
-@pytest.mark.parametrize('algorithm,extra', [
-    ('persfl', dict(partition='ds1', classes_per_client=2, client_fraction=0.5, temperatures=(1.0, 3.0),
-                    imitations=(0.0, 0.5), distill_epochs=1, eval_every=2)),
-    ('kdpdfl', dict(partition='kd_dirichlet', kd_split_sizes=(5, 15, 5, 10), exchange_interval=3,
-                    kd_mean_neighbours=2.0, kd_max_neighbours=2, eval_every=2)),
-])
-def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(algorithm, extra, tiny_npz, tmp_path,
-                                                                      monkeypatch, tff_runtime):
+@pytest.mark.parametrize(
+    'algorithm,extra',
+    [
+        (
+            'persfl',
+            dict(
+                partition='ds1',
+                classes_per_client=2,
+                client_fraction=0.5,
+                temperatures=(1.0, 3.0),
+                imitations=(0.0, 0.5),
+                distill_epochs=1,
+                eval_every=2,
+            ),
+        ),
+        (
+            'kdpdfl',
+            dict(
+                partition='kd_dirichlet',
+                kd_split_sizes=(5, 15, 5, 10),
+                exchange_interval=3,
+                kd_mean_neighbours=2.0,
+                kd_max_neighbours=2,
+                eval_every=2,
+            ),
+        ),
+    ],
+)
+def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
+    algorithm, extra, tiny_npz, tmp_path, monkeypatch, tff_runtime
+):
     """Store memory-mapped, evaluation and personalization 3 clients per call, crash after round 5: same numbers."""
 
     def config(out):
         return experiment.ExperimentConfig(
-            output_dir=str(out), algorithm=algorithm, dataset=f'npz:{tiny_npz}', num_clients=4, model='mnist_dnn',
-            rounds=6, checkpoint_every=2, batch_size=8, client_learning_rate=0.1, **extra)
+            output_dir=str(out),
+            algorithm=algorithm,
+            dataset=f'npz:{tiny_npz}',
+            num_clients=4,
+            model='mnist_dnn',
+            rounds=6,
+            checkpoint_every=2,
+            batch_size=8,
+            client_learning_rate=0.1,
+            **extra,
+        )
 
     experiment.run_experiment(config(tmp_path / 'plain'), log=lambda line: None)
     monkeypatch.setattr(training_loop, 'SPILL_BYTES', 0)

@@ -4,10 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_pfl import losses
-from tff_pfl import models
-from tff_pfl.computations import distillation
-from tff_pfl.computations import local_training
+from tff_pfl import losses, models
+from tff_pfl.computations import distillation, local_training
 from tff_pfl.data import client_data
 from tff_pfl.models import stacked
 
@@ -35,7 +33,12 @@ def test_loss_by_hand(soft, temperature, imitation):
         soft_term = np.mean(-np.sum(pt * np.log(ps), axis=1))
     expected = (1 - imitation) * hard + imitation * temperature**2 * soft_term
     got = losses.persfl_loss(
-        tf.constant(STUDENT, tf.float32), tf.constant(TEACHER, tf.float32), tf.constant(LABELS), temperature, imitation, soft
+        tf.constant(STUDENT, tf.float32),
+        tf.constant(TEACHER, tf.float32),
+        tf.constant(LABELS),
+        temperature,
+        imitation,
+        soft,
     )
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5)
 
@@ -94,9 +97,14 @@ def test_full_batch_steps_match_numpy_gradients():
     # A_k with O_k), so the soft term acts from the second step on.
     config = local_training.TrainingConfig(epochs=3, batch_size=1000, learning_rate=0.5)
     result = distillation.distill_grid(
-        stacked.plan(model), [tf.constant(wt), tf.constant(bt)], train, val,
-        temperatures=tf.constant(temperatures), imitations=tf.constant(imitations),
-        config=config, seed=tf.constant([0, 0], tf.int64),
+        stacked.plan(model),
+        [tf.constant(wt), tf.constant(bt)],
+        train,
+        val,
+        temperatures=tf.constant(temperatures),
+        imitations=tf.constant(imitations),
+        config=config,
+        seed=tf.constant([0, 0], tf.int64),
     )
     x64, onehot = x.astype(np.float64), np.eye(3)[y]
     pt_logits = x64 @ wt + bt
@@ -110,8 +118,13 @@ def test_full_batch_steps_match_numpy_gradients():
         np.testing.assert_allclose(result.weights[1][g].numpy(), b, atol=1e-5)
         if lam == 1.0:  # pure imitation from the teacher's start: the teacher is a fixed point
             np.testing.assert_allclose(w, wt, atol=1e-6)
-    accuracy = [np.mean(np.argmax(val.features.numpy() @ result.weights[0][g].numpy() + result.weights[1][g].numpy(), 1)
-                        == val.labels.numpy()) for g in range(3)]
+    accuracy = [
+        np.mean(
+            np.argmax(val.features.numpy() @ result.weights[0][g].numpy() + result.weights[1][g].numpy(), 1)
+            == val.labels.numpy()
+        )
+        for g in range(3)
+    ]
     np.testing.assert_allclose(result.val_accuracy.numpy(), accuracy, rtol=1e-6)
     assert int(result.best) == int(np.argmax(accuracy))
 
@@ -123,9 +136,11 @@ def test_grid_equals_sequential(soft):
     teacher = [tf.constant(w) for w in model.get_weights()]
     temperatures, imitations = distillation.candidate_arrays(distillation.grid_candidates([1, 4, 9], [0, 0.5, 1]))
     kwargs = dict(
-        temperatures=tf.constant(temperatures), imitations=tf.constant(imitations),
+        temperatures=tf.constant(temperatures),
+        imitations=tf.constant(imitations),
         config=local_training.TrainingConfig(epochs=3, batch_size=8, learning_rate=0.1),
-        seed=tf.constant([5, 7], tf.int64), soft=soft,
+        seed=tf.constant([5, 7], tf.int64),
+        soft=soft,
     )
     layers = stacked.plan(model)
     grid = tf.function(lambda: distillation.distill_grid(layers, teacher, train, val, **kwargs))()

@@ -18,7 +18,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 MARKDOWN = sorted(
     [REPO / 'README.md', REPO / 'deploy' / 'README.md']
     + list((REPO / 'docs').rglob('*.md'))
-    + list((REPO / 'benchmarks' / 'results').rglob('*.md')))
+    + list((REPO / 'benchmarks' / 'results').rglob('*.md'))
+)
 NOTEBOOKS = sorted((REPO / 'notebooks').glob('*.ipynb'))
 _LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
 
@@ -48,9 +49,7 @@ def test_relative_links_resolve(path):
             continue
         file_part, _, anchor = target.partition('#')
         resolved = (path.parent / file_part).resolve() if file_part else path
-        if not resolved.exists():
-            broken.append(target)
-        elif anchor and resolved.suffix == '.md' and anchor not in _headings(resolved):
+        if not resolved.exists() or anchor and resolved.suffix == '.md' and anchor not in _headings(resolved):
             broken.append(target)
     assert not broken, f'{path.relative_to(REPO)}: broken links {broken}'
 
@@ -96,14 +95,16 @@ def _train_commands():
             match = re.search(r'tff-pfl-train\s(.*)', line)
             if match:
                 command = re.split(r'[`|]|&&', match.group(1))[0]
-                args = [a for a in shlex.split(command)
-                        if re.fullmatch(r'--\w+(=\S*)?', a) and not a.startswith('--help')]
+                args = [
+                    a for a in shlex.split(command) if re.fullmatch(r'--\w+(=\S*)?', a) and not a.startswith('--help')
+                ]
                 if args:
                     yield path, args
 
 
 def test_documented_training_commands_are_valid_configurations():
     from absl import flags
+
     from tff_pfl.cli import train
     from tff_pfl.program import experiment
 

@@ -13,17 +13,24 @@ import tensorflow_federated as tff
 from deploy import loader
 from tff_pfl import models
 from tff_pfl.computations import device_state
-from tff_pfl.program import algorithms
-from tff_pfl.program import experiment
-from tff_pfl.program import export
+from tff_pfl.program import algorithms, experiment, export
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(out, algorithm, **kwargs):
     return experiment.ExperimentConfig(
-        output_dir=str(out), algorithm=algorithm, dataset='synthetic', num_clients=4, batch_size=16,
-        temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, finetune_epochs=2, **kwargs)
+        output_dir=str(out),
+        algorithm=algorithm,
+        dataset='synthetic',
+        num_clients=4,
+        batch_size=16,
+        temperatures=(1.0, 5.0),
+        imitations=(0.0, 0.5),
+        distill_epochs=1,
+        finetune_epochs=2,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope='module')
@@ -48,6 +55,7 @@ def _in_process(export_dir, config):
     with open(os.path.join(export_dir, 'manifest.json')) as f:
         root = json.load(f)['client_data_root']
     from tff_pfl.data import client_data
+
     spec = client_data.load_client_data_spec(root)
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
     return algorithms.build(config, spec, model_fn), spec
@@ -71,11 +79,19 @@ def _assert_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize('algorithm, form', [
-    ('fedavg', 'map_reduce'), ('fedavg', 'distribute_aggregate'),
-    ('persfl', 'map_reduce'), ('persfl', 'distribute_aggregate'),
-    ('local', 'map_reduce'), ('feddf', 'distribute_aggregate'),
-    ('ktpfl', 'map_reduce'), ('ktpfl_homo', 'distribute_aggregate')])
+@pytest.mark.parametrize(
+    'algorithm, form',
+    [
+        ('fedavg', 'map_reduce'),
+        ('fedavg', 'distribute_aggregate'),
+        ('persfl', 'map_reduce'),
+        ('persfl', 'distribute_aggregate'),
+        ('local', 'map_reduce'),
+        ('feddf', 'distribute_aggregate'),
+        ('ktpfl', 'map_reduce'),
+        ('ktpfl_homo', 'distribute_aggregate'),
+    ],
+)
 def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form, exports, tmp_path, tff_runtime):
     export_dir, config = exports[algorithm]
     exported = loader.Export(export_dir)
@@ -106,13 +122,15 @@ def test_exported_round_step_by_step_equals_the_in_process_round(algorithm, form
             _assert_equal(states[c], exported.load_client_state(devices[c]))
     evaluations = process.evaluate(state, [states[c] for c in ids])
     exported_evaluations = device_state.in_client_order(
-        exported.evaluate(exported_state, [devices[c] for c in ids]), ids)
+        exported.evaluate(exported_state, [devices[c] for c in ids]), ids
+    )
     _assert_equal(evaluations, exported_evaluations)
 
 
 @pytest.mark.parametrize('algorithm', ['fedavg', 'persfl', 'local', 'feddf', 'ktpfl', 'ktpfl_homo'])
 def test_device_form_sends_the_server_what_the_in_process_round_does(algorithm, exports):
     from tff_pfl.computations import audit
+
     process, _ = _in_process(*exports[algorithm])
     device = process.device
 
@@ -151,17 +169,24 @@ def test_manifest_records_types_hashes_and_versions(exports):
     assert manifest['algorithm'] == 'persfl'
     assert manifest['versions']['tensorflow-federated'] == tff.__version__
     assert set(manifest['computations']) == {
-        'initialize', 'initial_client_state', 'next', 'evaluate', 'personalize',
-        'client_work', 'client_evaluate', 'client_personalize'}
+        'initialize',
+        'initial_client_state',
+        'next',
+        'evaluate',
+        'personalize',
+        'client_work',
+        'client_evaluate',
+        'client_personalize',
+    }
     # The exported round takes device inputs and returns nothing CLIENTS-placed.
-    assert manifest['computations']['next']['type_signature'].startswith(
-        '(<state=<model=<float32')
+    assert manifest['computations']['next']['type_signature'].startswith('(<state=<model=<float32')
     assert '{<client_id=str,state_file=str>}@CLIENTS' in manifest['computations']['next']['type_signature']
     assert '@CLIENTS' not in manifest['computations']['next']['type_signature'].split('->')[1]
     assert manifest['phases'] == ['next']
     assert list(manifest['forms']['map_reduce_form']['phases']['next']) == list(export.MAP_REDUCE_PIECES)
-    assert list(manifest['forms']['distribute_aggregate_form']['phases']['next']) == \
-        list(export.DISTRIBUTE_AGGREGATE_PIECES)
+    assert list(manifest['forms']['distribute_aggregate_form']['phases']['next']) == list(
+        export.DISTRIBUTE_AGGREGATE_PIECES
+    )
 
 
 def test_ktpfl_round_is_exported_as_two_phases(exports):
@@ -175,14 +200,24 @@ def test_ktpfl_round_is_exported_as_two_phases(exports):
         signature = exported.computations[phase].type_signature
         assert signature.parameter[0].is_equivalent_to(state_type)
         assert signature.result['state'].is_equivalent_to(state_type)
-    metric_names = {phase: [name for name, _ in tff.structure.iter_elements(
-        exported.computations[phase].type_signature.result['metrics'].member)] for phase in exported.phases}
-    assert metric_names == {'share': ['train_loss', 'train_accuracy', 'num_examples', 'num_clients'],
-                            'distill': ['distill_kl']}
+    metric_names = {
+        phase: [
+            name
+            for name, _ in tff.structure.iter_elements(
+                exported.computations[phase].type_signature.result['metrics'].member
+            )
+        ]
+        for phase in exported.phases
+    }
+    assert metric_names == {
+        'share': ['train_loss', 'train_accuracy', 'num_examples', 'num_clients'],
+        'distill': ['distill_kl'],
+    }
 
 
 def test_altered_or_foreign_exports_are_refused(exports, tmp_path):
     import shutil
+
     copy = tmp_path / 'copy'
     shutil.copytree(exports['fedavg'][0], copy)
     with open(copy / 'map_reduce_form' / 'next' / 'work.pb', 'ab') as f:
@@ -215,18 +250,22 @@ def _run(*args):
 
 
 def test_loader_binary_runs_rounds(exports, tmp_path):
-    result = _run('-m', 'deploy.loader', f'--export_dir={exports["fedavg"][0]}', f'--state_dir={tmp_path}/s',
-                  '--rounds=2')
+    result = _run(
+        '-m', 'deploy.loader', f'--export_dir={exports["fedavg"][0]}', f'--state_dir={tmp_path}/s', '--rounds=2'
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert [line.split()[:2] for line in lines] == [['round', '1/2'], ['round', '2/2']]
     assert sorted(os.listdir(tmp_path / 's')) == [f'client_{i:05d}.state' for i in range(4)]
 
 
-@pytest.mark.parametrize('args, message', [
-    (['--algorithm=fedavg'], 'tff-pfl-export: error: --output_dir is required'),
-    (['--algorithm=nope', '--output_dir={out}'], "tff-pfl-export: error: unknown algorithm 'nope'"),
-])
+@pytest.mark.parametrize(
+    'args, message',
+    [
+        (['--algorithm=fedavg'], 'tff-pfl-export: error: --output_dir is required'),
+        (['--algorithm=nope', '--output_dir={out}'], "tff-pfl-export: error: unknown algorithm 'nope'"),
+    ],
+)
 def test_export_binary_bad_input(args, message, tmp_path):
     out = tmp_path / 'out'
     result = _run('-m', 'tff_pfl.cli.export', *[a.format(out=out) for a in args])
@@ -240,9 +279,17 @@ def test_export_binary_bad_input(args, message, tmp_path):
 def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
     extra = {'public_examples': 40} if algorithm.startswith(('ktpfl', 'feddf', 'pfeddf')) else {}
     config = experiment.ExperimentConfig(
-        output_dir=str(tmp_path / 'out'), algorithm=algorithm, dataset=f'npz:{tiny_npz}', partition='iid',
-        num_clients=3, model='mnist_dnn', batch_size=16, finetune_epochs=1 if algorithm == 'fedavg_ft' else 0,
-        architectures=('logistic', 'mnist_dnn') if algorithm in ('ktpfl', 'feddf', 'pfeddf') else (), **extra)
+        output_dir=str(tmp_path / 'out'),
+        algorithm=algorithm,
+        dataset=f'npz:{tiny_npz}',
+        partition='iid',
+        num_clients=3,
+        model='mnist_dnn',
+        batch_size=16,
+        finetune_epochs=1 if algorithm == 'fedavg_ft' else 0,
+        architectures=('logistic', 'mnist_dnn') if algorithm in ('ktpfl', 'feddf', 'pfeddf') else (),
+        **extra,
+    )
     manifest = export.export(config, log=lambda line: None)
     limit = algorithms.get(algorithm).not_one_aggregation
     for form in ('map_reduce_form', 'distribute_aggregate_form'):
@@ -262,7 +309,8 @@ def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
 
 def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
     config = experiment.ExperimentConfig(
-        output_dir=str(tmp_path / 'out'), algorithm='fedper', dataset='synthetic', num_clients=3, personal_layers=1)
+        output_dir=str(tmp_path / 'out'), algorithm='fedper', dataset='synthetic', num_clients=3, personal_layers=1
+    )
     with pytest.raises(experiment.ConfigError, match='personal_layers must be in'):
         export.export(config, log=lambda line: None)
     assert not (tmp_path / 'out').exists()

@@ -10,8 +10,7 @@ import tensorflow_federated as tff
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, local_training
 from tff_pfl.data import client_data
 
 SEED = 7

@@ -6,12 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from processes import fedavg
-from processes import feddf
+from processes import fedavg, feddf
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import distillation
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, distillation, local_training
 from tff_pfl.data import pipeline
 
 CONFIG = local_training.TrainingConfig(1, 16, 0.1)
@@ -19,8 +16,14 @@ CONFIG = local_training.TrainingConfig(1, 16, 0.1)
 
 @pytest.fixture(scope='module')
 def spec(tiny_npz, tmp_path_factory):
-    return pipeline.prepare(str(tmp_path_factory.mktemp('feddf') / 'data'), dataset=f'npz:{tiny_npz}',
-                            partition_name='iid', num_clients=3, seed=0, public_examples=40).spec
+    return pipeline.prepare(
+        str(tmp_path_factory.mktemp('feddf') / 'data'),
+        dataset=f'npz:{tiny_npz}',
+        partition_name='iid',
+        num_clients=3,
+        seed=0,
+        public_examples=40,
+    ).spec
 
 
 def test_average_prototypes():
@@ -39,18 +42,21 @@ def test_distill_towards_fits_targets_and_keeps_a_model_equal_to_them():
     own = tf.nn.softmax(student(x) / 2.0).numpy()
     before = [w.numpy() for w in student.trainable_weights]
     seed = tf.constant([0, 1], tf.int64)
-    kl = distillation.distill_towards(student, x, tf.constant(own), temperature=2.0, epochs=2, batch_size=16,
-                                      learning_rate=0.5, seed=seed)
+    kl = distillation.distill_towards(
+        student, x, tf.constant(own), temperature=2.0, epochs=2, batch_size=16, learning_rate=0.5, seed=seed
+    )
     assert abs(float(kl)) < 1e-5  # already at its targets: zero loss, zero gradient
     for b, w in zip(before, student.trainable_weights):
         np.testing.assert_allclose(w.numpy(), b, atol=1e-6)
     with models.seeded(1):
         teacher = models.get('logistic')((5,), 3)
     targets = tf.nn.softmax(3.0 * teacher(x))  # reachable by the student
-    first = distillation.distill_towards(student, x, targets, temperature=1.0, epochs=1, batch_size=16,
-                                         learning_rate=0.5, seed=seed)
-    last = distillation.distill_towards(student, x, targets, temperature=1.0, epochs=30, batch_size=16,
-                                        learning_rate=0.5, seed=seed)
+    first = distillation.distill_towards(
+        student, x, targets, temperature=1.0, epochs=1, batch_size=16, learning_rate=0.5, seed=seed
+    )
+    last = distillation.distill_towards(
+        student, x, targets, temperature=1.0, epochs=30, batch_size=16, learning_rate=0.5, seed=seed
+    )
     assert float(last) < 0.3 * float(first)
 
 
@@ -59,8 +65,9 @@ def _packed(weights):
 
 
 def test_without_distillation_one_architecture_is_fedavg(spec, tff_runtime):
-    proc = feddf.build_feddf_process(spec, ['logistic'] * 3, local_config=CONFIG, server_distill_epochs=0,
-                                     public_batch=20, seed=3)
+    proc = feddf.build_feddf_process(
+        spec, ['logistic'] * 3, local_config=CONFIG, server_distill_epochs=0, public_batch=20, seed=3
+    )
     model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
     reference = fedavg.build_fedavg_process(spec, model_fn, local_config=CONFIG, seed=3)
     state, ref_state = proc.initialize(), reference.initialize()
@@ -80,15 +87,22 @@ def test_without_distillation_one_architecture_is_fedavg(spec, tff_runtime):
 
 @pytest.fixture(scope='module')
 def heterogeneous(spec):
-    return feddf.build_feddf_process(spec, ['logistic', 'mnist_dnn', 'logistic'], local_config=CONFIG,
-                                     server_distill_epochs=2, distill_batch_size=10, public_batch=20,
-                                     finetune_epochs=2)
+    return feddf.build_feddf_process(
+        spec,
+        ['logistic', 'mnist_dnn', 'logistic'],
+        local_config=CONFIG,
+        server_distill_epochs=2,
+        distill_batch_size=10,
+        public_batch=20,
+        finetune_epochs=2,
+    )
 
 
 def test_heterogeneous_round_distils_and_pfeddf_finetunes(spec, heterogeneous, tff_runtime):
     proc = heterogeneous
-    plain = feddf.build_feddf_process(spec, ['logistic', 'mnist_dnn', 'logistic'], local_config=CONFIG,
-                                      server_distill_epochs=0, public_batch=20)
+    plain = feddf.build_feddf_process(
+        spec, ['logistic', 'mnist_dnn', 'logistic'], local_config=CONFIG, server_distill_epochs=0, public_batch=20
+    )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     assert [int(s['architecture']) for s in states] == [0, 1, 0]
@@ -128,10 +142,22 @@ def test_experiment_runs(tiny_npz, tmp_path, algorithm):
 
     out = tmp_path / 'run'
     config = experiment.ExperimentConfig(
-        output_dir=str(out), algorithm=algorithm, dataset=f'npz:{tiny_npz}', partition='kt_case2', num_clients=4,
-        examples_per_class=20, rounds=2, batch_size=16, client_learning_rate=0.1,
-        architectures=('logistic', 'mnist_dnn'), public_examples=40, public_batch=20, distill_epochs=1,
-        distill_batch_size=10, finetune_epochs=1)
+        output_dir=str(out),
+        algorithm=algorithm,
+        dataset=f'npz:{tiny_npz}',
+        partition='kt_case2',
+        num_clients=4,
+        examples_per_class=20,
+        rounds=2,
+        batch_size=16,
+        client_learning_rate=0.1,
+        architectures=('logistic', 'mnist_dnn'),
+        public_examples=40,
+        public_batch=20,
+        distill_epochs=1,
+        distill_batch_size=10,
+        finetune_epochs=1,
+    )
     result = experiment.run_experiment(config, log=lambda line: None)
     assert (out / 'communication.csv').exists()
     models_reported = set(result.summary)

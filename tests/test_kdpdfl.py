@@ -8,11 +8,10 @@ import pytest
 import tensorflow as tf
 
 from processes import kdpdfl
-from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
-from tff_pfl.data import client_data
 from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import audit, local_training
+from tff_pfl.data import client_data
 
 
 def test_draw_neighbours_mean_and_cap():
@@ -49,8 +48,9 @@ def test_connectivity_update_eq2(mu1, mu2):
     row = np.array([0.2, 0.0, 0.2, 0.2, 0.2, 0.2], np.float32)  # client 1 is the star: w_ii = 0
     ids, present = np.array([0, 4, 5, -1], np.int32), np.array([1, 1, 1, 0], np.float32)
     d = np.array([0.05, 0.4, 0.9, 0.0], np.float32)
-    got = kdpdfl.connectivity_update(tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d),
-                                     mu1=mu1, mu2=mu2).numpy()
+    got = kdpdfl.connectivity_update(
+        tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=mu1, mu2=mu2
+    ).numpy()
     np.testing.assert_allclose(got, _numpy_connectivity(row, ids, present, d, mu1, mu2), atol=1e-6)
     assert got[1] == 0 and got[2] == row[2] and got[3] == row[3]  # the star and non-neighbours untouched
     if mu1 == mu2 == 0:
@@ -88,15 +88,25 @@ def _softmax(z):
 def test_exchange_against_numpy(problem, tff_runtime, mode):
     spec, model_fn = problem
     config = local_training.TrainingConfig(1, 8, 0.3)
-    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=config, max_neighbours=3, mu1=2.0, mu2=0.5,
-                                       c_base=100.0, distance_batch=1000, mode=mode)
+    proc = kdpdfl.build_kdpdfl_process(
+        spec,
+        model_fn,
+        local_config=config,
+        max_neighbours=3,
+        mu1=2.0,
+        mu2=0.5,
+        c_base=100.0,
+        distance_batch=1000,
+        mode=mode,
+    )
     ids = spec.client_ids
     states = [proc.initial_client_state(c) for c in ids]
     # Make the clients differ: one interval of local work (4 slots each).
     states, _ = proc.local_work(states, [4, 4, 4, 4], np.int32(0))
     star, neighbours = 2, [0, 3]
-    server_state = collections.OrderedDict(star=states[star], neighbours=np.array([0, 3, -1], np.int32),
-                                           exchange_num=np.int32(0))
+    server_state = collections.OrderedDict(
+        star=states[star], neighbours=np.array([0, 3, -1], np.int32), exchange_num=np.int32(0)
+    )
     output = proc.next(server_state, [states[j] for j in neighbours])
     new_star = output.state['star']
 
@@ -125,8 +135,9 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
 
 def test_only_models_of_invited_neighbours_reach_the_star(problem):
     spec, model_fn = problem
-    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3),
-                                       max_neighbours=3)
+    proc = kdpdfl.build_kdpdfl_process(
+        spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3), max_neighbours=3
+    )
     moved = audit.clients_to_server_values(proc.next)
     assert {uri for uri, _ in moved} == {'federated_sum'}
     shapes = {str(t.member) for _, t in moved}
@@ -141,11 +152,18 @@ def test_driver_runs_every_mode(problem, tff_runtime):
     spec, model_fn = problem
     results = {}
     for mode in ('kdpdfl', 'fedavg', 'local'):
-        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3),
-                                           max_neighbours=2, mode=mode, distance_batch=16)
-        results[mode] = decentralized.run(proc, spec.client_ids, intervals=3, exchange_interval=3, seed=0,
-                                          mean_reachable=2.0, log=lambda line: None)
-    for mode, result in results.items():
+        proc = kdpdfl.build_kdpdfl_process(
+            spec,
+            model_fn,
+            local_config=local_training.TrainingConfig(1, 8, 0.3),
+            max_neighbours=2,
+            mode=mode,
+            distance_batch=16,
+        )
+        results[mode] = decentralized.run(
+            proc, spec.client_ids, intervals=3, exchange_interval=3, seed=0, mean_reachable=2.0, log=lambda line: None
+        )
+    for result in results.values():
         assert len(result.rounds) == 3 and 0 <= result.summary['personalized_model']['mean'] <= 1
     assert 'exchange_num_neighbours' not in results['local'].rounds[0]
     assert any('exchange_num_neighbours' in r for r in results['kdpdfl'].rounds)
@@ -158,9 +176,20 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
 
     out = tmp_path / 'run'
     config = experiment.ExperimentConfig(
-        output_dir=str(out), algorithm='kdpdfl', dataset=f'npz:{tiny_npz}', partition='kd_dirichlet',
-        num_clients=4, kd_split_sizes=(5, 15, 5, 10), model='mnist_dnn', rounds=3, exchange_interval=3,
-        kd_mean_neighbours=2.0, kd_max_neighbours=2, batch_size=8, client_learning_rate=0.1)
+        output_dir=str(out),
+        algorithm='kdpdfl',
+        dataset=f'npz:{tiny_npz}',
+        partition='kd_dirichlet',
+        num_clients=4,
+        kd_split_sizes=(5, 15, 5, 10),
+        model='mnist_dnn',
+        rounds=3,
+        exchange_interval=3,
+        kd_mean_neighbours=2.0,
+        kd_max_neighbours=2,
+        batch_size=8,
+        client_learning_rate=0.1,
+    )
     result = experiment.run_experiment(config, log=lambda line: None)
     graph = np.loadtxt(out / 'collaboration_graph.csv', delimiter=',', skiprows=1, usecols=range(1, 5))
     assert graph.shape == (4, 4) and (np.diag(graph) == 0).all() and (graph >= 0).all()
@@ -177,13 +206,15 @@ def test_without_mu_kdpdfl_is_decentralized_fedavg(problem, tff_runtime):
     states = None
     outputs = {}
     for mode in ('kdpdfl', 'fedavg'):
-        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=config, max_neighbours=3, mu1=0.0, mu2=0.0,
-                                           c_base=1.0, mode=mode)
+        proc = kdpdfl.build_kdpdfl_process(
+            spec, model_fn, local_config=config, max_neighbours=3, mu1=0.0, mu2=0.0, c_base=1.0, mode=mode
+        )
         if states is None:
             states = [proc.initial_client_state(c) for c in spec.client_ids]
             states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
-        server_state = collections.OrderedDict(star=states[1], neighbours=np.array([0, 2, 3], np.int32),
-                                               exchange_num=np.int32(0))
+        server_state = collections.OrderedDict(
+            star=states[1], neighbours=np.array([0, 2, 3], np.int32), exchange_num=np.int32(0)
+        )
         outputs[mode] = proc.next(server_state, [states[0], states[2], states[3]]).state['star']
     np.testing.assert_allclose(outputs['kdpdfl']['connectivity'], states[1]['connectivity'])
     for a, b in zip(outputs['kdpdfl']['model'], outputs['fedavg']['model']):
@@ -194,12 +225,19 @@ def test_distances_at_a_hidden_layer(problem, tff_runtime):
     """The MidGetter at a shared hidden layer compares raw activations."""
     spec, _ = problem
     model_fn = functools.partial(models.get('mnist_dnn'), spec.feature_shape, spec.num_classes)
-    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1),
-                                       max_neighbours=2, distance_layer=2, distance_batch=1000)
+    proc = kdpdfl.build_kdpdfl_process(
+        spec,
+        model_fn,
+        local_config=local_training.TrainingConfig(1, 8, 0.1),
+        max_neighbours=2,
+        distance_layer=2,
+        distance_batch=1000,
+    )
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
-    server_state = collections.OrderedDict(star=states[0], neighbours=np.array([3, -1], np.int32),
-                                           exchange_num=np.int32(0))
+    server_state = collections.OrderedDict(
+        star=states[0], neighbours=np.array([3, -1], np.int32), exchange_num=np.int32(0)
+    )
     output = proc.next(server_state, [states[3]])
     x, _ = client_data.read_split_numpy(spec, spec.client_ids[0], 'train')
 
@@ -210,5 +248,6 @@ def test_distances_at_a_hidden_layer(problem, tff_runtime):
     want = ((hidden(states[3]) - hidden(states[0])) ** 2).sum(-1).mean()
     np.testing.assert_allclose(output.metrics['mean_distance'], want, rtol=1e-4)
     with pytest.raises(ValueError, match='distance_layer'):
-        kdpdfl.build_kdpdfl_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1),
-                                    distance_layer=9)
+        kdpdfl.build_kdpdfl_process(
+            spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1), distance_layer=9
+        )

@@ -7,8 +7,7 @@ import tensorflow_federated as tff
 
 from processes import ktpfl
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, local_training
 from tff_pfl.data import pipeline
 
 
@@ -54,12 +53,22 @@ def test_paper_update_is_a_gradient_step_of_eq4(predictions):
     sizes = np.array([10.0, 30.0, 60.0])
     f = lambda m: _numpy_paper_objective(m, s, sizes, 0.7, 1.0)  # noqa: E731
     want = np.maximum(c - 0.1 * _numeric_gradient(f, c), 0.0)
-    got = ktpfl.paper_update(tf.constant(c, tf.float32), tf.constant(s, tf.float32), tf.constant(sizes, tf.float32),
-                             learning_rate=0.1, rho=0.7, imitation=1.0)
+    got = ktpfl.paper_update(
+        tf.constant(c, tf.float32),
+        tf.constant(s, tf.float32),
+        tf.constant(sizes, tf.float32),
+        learning_rate=0.1,
+        rho=0.7,
+        imitation=1.0,
+    )
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
     np.testing.assert_allclose(
-        ktpfl.paper_objective(tf.constant(c, tf.float32), tf.constant(s, tf.float32), tf.constant(sizes, tf.float32),
-                              0.7, 1.0).numpy(), f(c), rtol=1e-5)
+        ktpfl.paper_objective(
+            tf.constant(c, tf.float32), tf.constant(s, tf.float32), tf.constant(sizes, tf.float32), 0.7, 1.0
+        ).numpy(),
+        f(c),
+        rtol=1e-5,
+    )
 
 
 def test_released_update(predictions):
@@ -90,11 +99,23 @@ def test_similarity_and_topk_coefficients(predictions):
 
 @pytest.mark.parametrize('c_update', ['fedmd', 'similarity', 'topk', 'released'])
 def test_baseline_modes_run(tiny_npz, tmp_path, tff_runtime, c_update):
-    prepared = pipeline.prepare(str(tmp_path / 'data'), dataset=f'npz:{tiny_npz}', partition_name='iid',
-                                num_clients=3, seed=0, public_examples=40)
+    prepared = pipeline.prepare(
+        str(tmp_path / 'data'),
+        dataset=f'npz:{tiny_npz}',
+        partition_name='iid',
+        num_clients=3,
+        seed=0,
+        public_examples=40,
+    )
     proc = ktpfl.build_ktpfl_process(
-        prepared.spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1),
-        public_batch=30, distill_batch_size=10, c_update=c_update, top_k=2)
+        prepared.spec,
+        ['logistic'] * 3,
+        local_config=local_training.TrainingConfig(1, 16, 0.1),
+        public_batch=30,
+        distill_batch_size=10,
+        c_update=c_update,
+        top_k=2,
+    )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in prepared.spec.client_ids]
     state, states, metrics = proc.next(state, states)
@@ -110,11 +131,21 @@ def test_baseline_modes_run(tiny_npz, tmp_path, tff_runtime, c_update):
 
 @pytest.fixture(scope='module')
 def process(tiny_npz, tmp_path_factory):
-    prepared = pipeline.prepare(str(tmp_path_factory.mktemp('kt') / 'data'), dataset=f'npz:{tiny_npz}',
-                                partition_name='iid', num_clients=3, seed=0, public_examples=40)
+    prepared = pipeline.prepare(
+        str(tmp_path_factory.mktemp('kt') / 'data'),
+        dataset=f'npz:{tiny_npz}',
+        partition_name='iid',
+        num_clients=3,
+        seed=0,
+        public_examples=40,
+    )
     proc = ktpfl.build_ktpfl_process(
-        prepared.spec, ['logistic', 'mnist_dnn', 'logistic'],
-        local_config=local_training.TrainingConfig(1, 16, 0.1), public_batch=30, distill_batch_size=10)
+        prepared.spec,
+        ['logistic', 'mnist_dnn', 'logistic'],
+        local_config=local_training.TrainingConfig(1, 16, 0.1),
+        public_batch=30,
+        distill_batch_size=10,
+    )
     return prepared.spec, proc
 
 
@@ -125,7 +156,11 @@ def test_only_soft_predictions_reach_the_server(process):
     assert {uri for uri, _ in moved} <= {'federated_sum', 'federated_mean'}
     largest = spec.num_clients * 30 * spec.num_classes  # the slot tensor of soft predictions
     for _, type_spec in moved:
-        for tensor in tff.structure.flatten(type_spec.member) if isinstance(type_spec.member, tff.StructType) else [type_spec.member]:
+        for tensor in (
+            tff.structure.flatten(type_spec.member)
+            if isinstance(type_spec.member, tff.StructType)
+            else [type_spec.member]
+        ):
             assert int(np.prod(tensor.shape)) <= largest, type_spec  # no weights (mnist_dnn has 3.6k+)
     assert proc.communication['soft_prediction_bytes_up_per_client'] == 30 * 4 * 4
 
@@ -156,8 +191,9 @@ def test_bad_arguments(process):
     with pytest.raises(ValueError, match='one architecture per client'):
         ktpfl.build_ktpfl_process(spec, ['logistic'], local_config=local_training.TrainingConfig(1, 16, 0.1))
     with pytest.raises(ValueError, match='c_update'):
-        ktpfl.build_ktpfl_process(spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1),
-                                  c_update='mine')
+        ktpfl.build_ktpfl_process(
+            spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1), c_update='mine'
+        )
 
 
 def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
@@ -165,9 +201,20 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
 
     out = tmp_path / 'run'
     config = experiment.ExperimentConfig(
-        output_dir=str(out), algorithm='ktpfl', dataset=f'npz:{tiny_npz}', partition='iid', num_clients=3,
-        rounds=2, batch_size=16, client_learning_rate=0.1, architectures=('logistic', 'mnist_dnn'),
-        public_examples=40, public_batch=20, distill_epochs=1, distill_batch_size=10)
+        output_dir=str(out),
+        algorithm='ktpfl',
+        dataset=f'npz:{tiny_npz}',
+        partition='iid',
+        num_clients=3,
+        rounds=2,
+        batch_size=16,
+        client_learning_rate=0.1,
+        architectures=('logistic', 'mnist_dnn'),
+        public_examples=40,
+        public_batch=20,
+        distill_epochs=1,
+        distill_batch_size=10,
+    )
     result = experiment.run_experiment(config, log=lambda line: None)
     assert (out / 'knowledge_coefficients.png').stat().st_size > 0
     assert len((out / 'knowledge_coefficients.csv').read_text().splitlines()) == 4
@@ -189,8 +236,14 @@ def test_homogeneous_update_is_a_gradient_step_of_eq11():
     sizes = np.array([5.0, 10.0, 20.0])
     f = lambda m: _numpy_homogeneous_objective(m, params, sizes, 0.6, 1.0)  # noqa: E731
     want = np.maximum(c - 0.05 * _numeric_gradient(f, c), 0.0)
-    got = ktpfl.homogeneous_update(tf.constant(c, tf.float32), tf.constant(params, tf.float32),
-                                   tf.constant(sizes, tf.float32), learning_rate=0.05, rho=0.6, imitation=1.0)
+    got = ktpfl.homogeneous_update(
+        tf.constant(c, tf.float32),
+        tf.constant(params, tf.float32),
+        tf.constant(sizes, tf.float32),
+        learning_rate=0.05,
+        rho=0.6,
+        imitation=1.0,
+    )
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
 
 
@@ -213,8 +266,14 @@ def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, t
     spec, model_fn = equal_clients
     config = local_training.TrainingConfig(2, 8, 0.3)
     proc = ktpfl.build_ktpfl_homogeneous_process(
-        spec, model_fn, local_config=config, transfer_steps=1, transfer_learning_rate=1.0,
-        coefficient_learning_rate=0.0, seed=5)
+        spec,
+        model_fn,
+        local_config=config,
+        transfer_steps=1,
+        transfer_learning_rate=1.0,
+        coefficient_learning_rate=0.0,
+        seed=5,
+    )
     reference = fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=5)
     state, ref_state = proc.initialize(), reference.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
@@ -232,8 +291,14 @@ def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, t
 def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     spec, model_fn = equal_clients
     proc = ktpfl.build_ktpfl_homogeneous_process(
-        spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3), transfer_steps=1,
-        transfer_learning_rate=0.5, coefficient_learning_rate=0.05, rho=0.6)
+        spec,
+        model_fn,
+        local_config=local_training.TrainingConfig(1, 8, 0.3),
+        transfer_steps=1,
+        transfer_learning_rate=0.5,
+        coefficient_learning_rate=0.05,
+        rho=0.6,
+    )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     state, states, _ = proc.next(state, states)

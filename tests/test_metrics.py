@@ -12,8 +12,31 @@ from tff_pfl import metrics
 TEN = [0.5, 0.9, 0.1, 0.7, 0.3, 0.2, 0.8, 0.4, 1.0, 0.6]
 # 1, 2, ..., 25 in a fixed shuffled order.
 TWENTY_FIVE = [
-    13, 7, 25, 1, 19, 4, 22, 10, 16, 2, 24, 8, 14,
-    20, 3, 11, 23, 6, 17, 9, 21, 5, 12, 18, 15,
+    13,
+    7,
+    25,
+    1,
+    19,
+    4,
+    22,
+    10,
+    16,
+    2,
+    24,
+    8,
+    14,
+    20,
+    3,
+    11,
+    23,
+    6,
+    17,
+    9,
+    21,
+    5,
+    12,
+    18,
+    15,
 ]
 
 
@@ -21,7 +44,13 @@ def test_summarize_ten_clients():
     summary = metrics.summarize(TEN)
     assert isinstance(summary, collections.OrderedDict)
     assert list(summary) == [
-        'mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'min', 'max',
+        'mean',
+        'weighted_mean',
+        'std',
+        'worst_10',
+        'best_10',
+        'min',
+        'max',
         'num_clients',
     ]
     assert summary['mean'] == pytest.approx(0.55)
@@ -114,29 +143,19 @@ WEIGHTS = [5, 1, 9, 3, 9, 2, 7, 4, 6, 8]
 def test_top_by_weight_mean_breaks_ties_by_index():
     # k = 1; weight 9 is shared by indices 2 and 4, index 2 wins.
     assert metrics.top_by_weight_mean(VALUES, WEIGHTS) == pytest.approx(30.0)
-    assert metrics.top_by_weight_mean(
-        VALUES, [1] * 10, fraction=0.1
-    ) == pytest.approx(10.0)
+    assert metrics.top_by_weight_mean(VALUES, [1] * 10, fraction=0.1) == pytest.approx(10.0)
 
 
 def test_top_by_weight_mean_larger_fractions():
     # k = 2: indices 2 and 4, (9 * 30 + 9 * 50) / 18.
-    assert metrics.top_by_weight_mean(
-        VALUES, WEIGHTS, fraction=0.2
-    ) == pytest.approx(40.0)
+    assert metrics.top_by_weight_mean(VALUES, WEIGHTS, fraction=0.2) == pytest.approx(40.0)
     # k = 3: adds index 9 (weight 8), (270 + 450 + 800) / 26.
-    assert metrics.top_by_weight_mean(
-        VALUES, WEIGHTS, fraction=0.3
-    ) == pytest.approx(1520 / 26)
+    assert metrics.top_by_weight_mean(VALUES, WEIGHTS, fraction=0.3) == pytest.approx(1520 / 26)
     # k = ceil(0.25 * 10) = 3 as well.
-    assert metrics.top_by_weight_mean(
-        VALUES, WEIGHTS, fraction=0.25
-    ) == pytest.approx(1520 / 26)
+    assert metrics.top_by_weight_mean(VALUES, WEIGHTS, fraction=0.25) == pytest.approx(1520 / 26)
     # All clients: the plain weighted mean.
     expected = np.dot(VALUES, WEIGHTS) / np.sum(WEIGHTS)
-    assert metrics.top_by_weight_mean(
-        np.array(VALUES), np.array(WEIGHTS), fraction=1.0
-    ) == pytest.approx(expected)
+    assert metrics.top_by_weight_mean(np.array(VALUES), np.array(WEIGHTS), fraction=1.0) == pytest.approx(expected)
 
 
 def test_top_by_weight_mean_count_is_exact_for_decimal_fractions():
@@ -144,15 +163,11 @@ def test_top_by_weight_mean_count_is_exact_for_decimal_fractions():
     values = np.arange(30, dtype=float)
     weights = np.arange(30, 0, -1)  # Client 0 has the most samples.
     expected = (30 * 0 + 29 * 1 + 28 * 2) / (30 + 29 + 28)
-    assert metrics.top_by_weight_mean(values, weights) == pytest.approx(
-        expected
-    )
+    assert metrics.top_by_weight_mean(values, weights) == pytest.approx(expected)
 
 
 def test_top_by_weight_mean_tiny_fraction_keeps_one_client():
-    assert metrics.top_by_weight_mean(
-        VALUES, WEIGHTS, fraction=1e-9
-    ) == pytest.approx(30.0)
+    assert metrics.top_by_weight_mean(VALUES, WEIGHTS, fraction=1e-9) == pytest.approx(30.0)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ def test_mnist_dnn_is_784_100_10():
 def test_persfl_cnn_on_cifar_shapes():
     model = models.get('persfl_cnn')((32, 32, 3), 10)
     # conv 5x5x3x6, conv 5x5x6x16, then 400-120-84-10.
-    assert _params(model) == (5 * 5 * 3 * 6 + 6) + (5 * 5 * 6 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (84 * 10 + 10)
+    assert _params(model) == (5 * 5 * 3 * 6 + 6) + (5 * 5 * 6 * 16 + 16) + (400 * 120 + 120) + (120 * 84 + 84) + (
+        84 * 10 + 10
+    )
     assert model(tf.zeros([2, 32, 32, 3])).shape == (2, 10)
 
 
@@ -33,7 +35,16 @@ def test_persfl_cnn_on_mnist_projects_to_400():
 def test_logistic_regression_and_registry():
     model = models.get('logistic')((60,), 10)
     assert _params(model) == 60 * 10 + 10
-    assert models.names() == ['alexnet_small', 'gaussian_mean', 'lenet', 'logistic', 'mnist_dnn', 'persfl_cnn', 'resnet_small', 'shufflenet_small']
+    assert models.names() == [
+        'alexnet_small',
+        'gaussian_mean',
+        'lenet',
+        'logistic',
+        'mnist_dnn',
+        'persfl_cnn',
+        'resnet_small',
+        'shufflenet_small',
+    ]
     with pytest.raises(ValueError, match='unknown model'):
         models.get('resnet999')
     with pytest.raises(ValueError, match='image inputs'):

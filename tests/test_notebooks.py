@@ -6,7 +6,6 @@ directory. Their cells assert what they show (e.g. personalized accuracy
 above the global model's), so a notebook that runs but shows nonsense fails.
 """
 
-import os
 import pathlib
 
 import nbformat
@@ -36,8 +35,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     monkeypatch.setenv('TFF_PFL_RUNS', str(tmp_path))
     monkeypatch.setenv('TF_CPP_MIN_LOG_LEVEL', '3')
     notebook = nbformat.read(path, as_version=4)
-    client = NotebookClient(notebook, timeout=600, kernel_name='python3',
-                            resources={'metadata': {'path': str(NOTEBOOKS)}})
+    client = NotebookClient(
+        notebook, timeout=600, kernel_name='python3', resources={'metadata': {'path': str(NOTEBOOKS)}}
+    )
     client.execute()  # raises CellExecutionError, with the failing cell, on any error
     errors = [o for c in notebook.cells if c.cell_type == 'code' for o in c.outputs if o.output_type == 'error']
     assert not errors

@@ -35,9 +35,7 @@ def test_iid_splits_evenly_with_extra_to_first_clients(labels):
     parts = partition.iid(labels, 7, seed=0)
     assert_valid(parts, labels.size)
     assert sizes(parts) == [86] * 5 + [85] * 2
-    np.testing.assert_array_equal(
-        np.sort(np.concatenate(parts)), np.arange(labels.size)
-    )
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
 
 
 def test_iid_fixed_size(labels):
@@ -47,9 +45,7 @@ def test_iid_fixed_size(labels):
 
 
 def test_ds1_exact_size_and_k_classes(labels):
-    parts = partition.persfl_ds1(
-        labels, 8, seed=0, k=3, examples_per_client=20
-    )
+    parts = partition.persfl_ds1(labels, 8, seed=0, k=3, examples_per_client=20)
     assert_valid(parts, labels.size)
     assert sizes(parts) == [20] * 8
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
@@ -64,51 +60,38 @@ def test_ds1_automatic_size_matches_explicit(labels):
     size = len(parts[0])
     assert sizes(parts) == [size] * 20
     assert 4 <= size <= labels.size // 20
-    explicit = partition.persfl_ds1(
-        labels, 20, seed=3, k=4, examples_per_client=size
-    )
+    explicit = partition.persfl_ds1(labels, 20, seed=3, k=4, examples_per_client=size)
     for a, b in zip(parts, explicit):
         np.testing.assert_array_equal(a, b)
 
 
 def test_ds1_all_classes_is_close_to_iid(labels):
-    parts = partition.persfl_ds1(
-        labels, 5, seed=0, k=NUM_CLASSES, examples_per_client=50
-    )
+    parts = partition.persfl_ds1(labels, 5, seed=0, k=NUM_CLASSES, examples_per_client=50)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     assert np.all(histogram > 0)
 
 
-@pytest.mark.parametrize('partitioner', [partition.dirichlet_over_clients,
-                                         partition.persfl_ds2])
+@pytest.mark.parametrize('partitioner', [partition.dirichlet_over_clients, partition.persfl_ds2])
 def test_ds2_assigns_every_example(labels, partitioner):
     parts = partitioner(labels, 8, seed=0, min_examples=20)
     assert_valid(parts, labels.size)
-    np.testing.assert_array_equal(
-        np.sort(np.concatenate(parts)), np.arange(labels.size)
-    )
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
     assert min(sizes(parts)) >= 20
     assert len(set(sizes(parts))) > 1
 
 
 def test_dirichlet_labels_sizes(labels):
-    parts = partition.dirichlet_labels(
-        labels, 6, seed=0, alpha=0.5, examples_per_client=25
-    )
+    parts = partition.dirichlet_labels(labels, 6, seed=0, alpha=0.5, examples_per_client=25)
     assert_valid(parts, labels.size)
     assert sizes(parts) == [25] * 6
     varied = [5, 10, 15, 20, 25, 30]
-    parts = partition.dirichlet_labels(
-        labels, 6, seed=0, alpha=0.5, examples_per_client=varied
-    )
+    parts = partition.dirichlet_labels(labels, 6, seed=0, alpha=0.5, examples_per_client=varied)
     assert_valid(parts, labels.size)
     assert sizes(parts) == varied
 
 
 def test_ds3_classes_and_total(labels):
-    parts = partition.persfl_ds3(
-        labels, 10, seed=0, sigma=0.5, total_examples=200
-    )
+    parts = partition.persfl_ds3(labels, 10, seed=0, sigma=0.5, total_examples=200)
     assert_valid(parts, labels.size)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     assert np.all((histogram > 0).sum(axis=1) == 2)
@@ -177,9 +160,7 @@ def test_determinism_and_dispatch(labels, name, params):
     assert len(first) == 8
     for a, b in zip(first, again):
         np.testing.assert_array_equal(a, b)
-    assert any(
-        a.shape != b.shape or np.any(a != b) for a, b in zip(first, other)
-    )
+    assert any(a.shape != b.shape or np.any(a != b) for a, b in zip(first, other))
 
 
 def _error_cases():
@@ -187,61 +168,37 @@ def _error_cases():
     return [
         (lambda: partition.iid(labels, 0, 0), 'num_clients must be >= 1'),
         (lambda: partition.iid(labels, 41, 0), '41 clients requested'),
-        (lambda: partition.iid(labels, 5, 0, examples_per_client=9),
-         'exceeds'),
+        (lambda: partition.iid(labels, 5, 0, examples_per_client=9), 'exceeds'),
         (lambda: partition.iid(np.array([0.5, 1.0]), 1, 0), 'integers'),
         (lambda: partition.iid(np.array([0, -1]), 1, 0), '>= 0'),
         (lambda: partition.persfl_ds1(labels, 2, 0, k=5), 'k must be in'),
         (lambda: partition.persfl_ds1(labels, 2, 0, k=0), 'k must be in'),
-        (lambda: partition.persfl_ds1(labels, 2, 0, k=2,
-                                      examples_per_client=1), '>= k'),
-        (lambda: partition.persfl_ds1(labels, 4, 0, k=4,
-                                      examples_per_client=12), 'runs out'),
-        (lambda: partition.persfl_ds1(labels, 40, 0, k=4),
-         'cannot give 40 clients'),
-        (lambda: partition.dirichlet_over_clients(labels, 2, 0, alpha=0),
-         'alpha must be > 0'),
-        (lambda: partition.dirichlet_over_clients(labels, 4, 0,
-                                                  min_examples=11), 'exceeds'),
-        (lambda: partition.dirichlet_over_clients(labels, 8, 0, alpha=0.01,
-                                                  min_examples=5),
-         'Dirichlet draws'),
-        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=-1,
-                                            examples_per_client=5),
-         'alpha must be > 0'),
-        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
-                                            examples_per_client=[5]),
-         '1 entries for 2 clients'),
-        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
-                                            examples_per_client=0), '>= 1'),
-        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1,
-                                            examples_per_client=20),
-         'runs out'),
-        (lambda: partition.persfl_ds3(labels, 2, 0, classes_per_client=5),
-         'classes_per_client must be in'),
-        (lambda: partition.persfl_ds3(labels, 2, 0, min_examples=1),
-         'must be >= classes_per_client'),
-        (lambda: partition.persfl_ds3(labels, 5, 0, total_examples=41),
-         'total_examples must be in'),
-        (lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4, class_assignment='random'),
-         'cannot give 4 clients'),
+        (lambda: partition.persfl_ds1(labels, 2, 0, k=2, examples_per_client=1), '>= k'),
+        (lambda: partition.persfl_ds1(labels, 4, 0, k=4, examples_per_client=12), 'runs out'),
+        (lambda: partition.persfl_ds1(labels, 40, 0, k=4), 'cannot give 40 clients'),
+        (lambda: partition.dirichlet_over_clients(labels, 2, 0, alpha=0), 'alpha must be > 0'),
+        (lambda: partition.dirichlet_over_clients(labels, 4, 0, min_examples=11), 'exceeds'),
+        (lambda: partition.dirichlet_over_clients(labels, 8, 0, alpha=0.01, min_examples=5), 'Dirichlet draws'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=-1, examples_per_client=5), 'alpha must be > 0'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=[5]), '1 entries for 2 clients'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=0), '>= 1'),
+        (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=20), 'runs out'),
+        (lambda: partition.persfl_ds3(labels, 2, 0, classes_per_client=5), 'classes_per_client must be in'),
+        (lambda: partition.persfl_ds3(labels, 2, 0, min_examples=1), 'must be >= classes_per_client'),
+        (lambda: partition.persfl_ds3(labels, 5, 0, total_examples=41), 'total_examples must be in'),
+        (
+            lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4, class_assignment='random'),
+            'cannot give 4 clients',
+        ),
         (lambda: partition.shards(labels, 21, 0), '42 shards'),
-        (lambda: partition.shards(labels, 2, 0, shards_per_client=0),
-         'shards_per_client must be >= 1'),
-        (lambda: partition.build_partition('nope', labels, 2, 0),
-         'unknown partition .* iid, ds1'),
-        (lambda: partition.build_partition('iid', labels, 2, 0, k=3),
-         'bad parameters'),
-        (lambda: partition.split_client(np.arange(2), labels),
-         'no test examples'),
-        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)),
-         '3 positive numbers'),
-        (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)),
-         '3 positive numbers'),
-        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.3, 0.3)),
-         'sum to 1'),
-        (lambda: partition.class_histogram([np.arange(40)], labels, 3),
-         'outside'),
+        (lambda: partition.shards(labels, 2, 0, shards_per_client=0), 'shards_per_client must be >= 1'),
+        (lambda: partition.build_partition('nope', labels, 2, 0), 'unknown partition .* iid, ds1'),
+        (lambda: partition.build_partition('iid', labels, 2, 0, k=3), 'bad parameters'),
+        (lambda: partition.split_client(np.arange(2), labels), 'no test examples'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)), '3 positive numbers'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)), '3 positive numbers'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.3, 0.3)), 'sum to 1'),
+        (lambda: partition.class_histogram([np.arange(40)], labels, 3), 'outside'),
     ]
 
 
@@ -295,9 +252,7 @@ def test_split_client_determinism(labels):
 
 def test_class_histogram():
     labels = np.array([0, 1, 1, 2, 2, 2])
-    histogram = partition.class_histogram(
-        [np.array([0, 1]), np.array([2, 3, 4, 5])], labels, 4
-    )
+    histogram = partition.class_histogram([np.array([0, 1]), np.array([2, 3, 4, 5])], labels, 4)
     assert histogram.dtype == np.int64
     np.testing.assert_array_equal(histogram, [[1, 1, 0, 0], [0, 1, 3, 0]])
 

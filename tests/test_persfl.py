@@ -9,8 +9,7 @@ import tensorflow_federated as tff
 from processes import persfl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit
-from tff_pfl.computations import local_training
+from tff_pfl.computations import audit, local_training
 from tff_pfl.data import client_data
 from tff_pfl.program import training_loop
 
@@ -35,10 +34,14 @@ def problem(tmp_path_factory):
 def _build(problem, **kwargs):
     spec, model_fn = problem
     return persfl.build_persfl_process(
-        spec, model_fn,
+        spec,
+        model_fn,
         local_config=local_training.TrainingConfig(1, 8, 0.5),
         distill_config=local_training.TrainingConfig(2, 8, 0.1),
-        seed=3, **GRID, **kwargs)
+        seed=3,
+        **GRID,
+        **kwargs,
+    )
 
 
 def test_teacher_selection_matches_numpy(problem, tff_runtime):
@@ -109,7 +112,11 @@ def test_teachers_and_personalized_models_stay_at_clients(problem):
     assert 'teacher' not in str(next_type.result.state) and 'personalized' not in str(next_type.result.state)
     assert 'teacher' not in str(next_type.result.metrics)
     assert next_type.result.client_states.placement is tff.CLIENTS
-    assert audit.clients_to_server_intrinsics(process.next) <= {'federated_sum', 'federated_mean', 'federated_weighted_mean'}
+    assert audit.clients_to_server_intrinsics(process.next) <= {
+        'federated_sum',
+        'federated_mean',
+        'federated_weighted_mean',
+    }
     personalize_type = process.personalize.type_signature
     assert personalize_type.result.placement is tff.CLIENTS
     assert audit.clients_to_server_intrinsics(process.personalize) == set()
@@ -127,12 +134,27 @@ def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
 
     out = tmp_path / 'run'
     config = experiment.ExperimentConfig(
-        output_dir=str(out), algorithm='persfl_gd', dataset=f'npz:{tiny_npz}', partition='ds1',
-        classes_per_client=2, num_clients=3, rounds=2, batch_size=8, client_learning_rate=0.1,
-        distill_epochs=1, temperatures=(1.0, 4.0), imitations=(0.0, 0.5, 1.0))
+        output_dir=str(out),
+        algorithm='persfl_gd',
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=2,
+        num_clients=3,
+        rounds=2,
+        batch_size=8,
+        client_learning_rate=0.1,
+        distill_epochs=1,
+        temperatures=(1.0, 4.0),
+        imitations=(0.0, 0.5, 1.0),
+    )
     result = experiment.run_experiment(config, log=lambda line: None)
-    for name in ('teacher_rounds.png', 'chosen_temperature.png', 'chosen_imitation.png',
-                 'distillation_grid.png', 'distillation_grid.csv'):
+    for name in (
+        'teacher_rounds.png',
+        'chosen_temperature.png',
+        'chosen_imitation.png',
+        'distillation_grid.png',
+        'distillation_grid.csv',
+    ):
         assert (out / name).stat().st_size > 0, name
     assert set(result.summary) == {'global_model', 'personalized_model'}
     row = result.clients[0]

@@ -15,8 +15,10 @@ from tff_pfl.program import experiment
 def two_workers():
     """Two `worker_binary`s on loopback ports, started here and ended by PID."""
     ports = [portpicker.pick_unused_port() for _ in range(2)]
-    processes = [subprocess.Popen(runtime._worker_command(port, 2), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL) for port in ports]
+    processes = [
+        subprocess.Popen(runtime._worker_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in ports
+    ]
     try:
         for port in ports:
             runtime.check_worker(f'localhost:{port}', timeout=60)
@@ -39,15 +41,26 @@ def _rows(path):
 
 def _config(out, algorithm='persfl', **kwargs):
     return experiment.ExperimentConfig(
-        output_dir=str(out), algorithm=algorithm, dataset='synthetic', num_clients=5, rounds=2, eval_every=1,
-        batch_size=16, temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, **kwargs)
+        output_dir=str(out),
+        algorithm=algorithm,
+        dataset='synthetic',
+        num_clients=5,
+        rounds=2,
+        eval_every=1,
+        batch_size=16,
+        temperatures=(1.0, 5.0),
+        imitations=(0.0, 0.5),
+        distill_epochs=1,
+        **kwargs,
+    )
 
 
 def _assert_same_results(first, second):
     for name in ('clients.csv', 'metrics.csv'):
         drop = {'round_seconds', 'personalize_seconds'}
-        assert [{k: v for k, v in r.items() if k not in drop} for r in _rows(second / name)] == \
-            [{k: v for k, v in r.items() if k not in drop} for r in _rows(first / name)]
+        assert [{k: v for k, v in r.items() if k not in drop} for r in _rows(second / name)] == [
+            {k: v for k, v in r.items() if k not in drop} for r in _rows(first / name)
+        ]
 
 
 def test_remote_worker_gives_the_local_runtimes_numbers(worker, tmp_path):
@@ -58,17 +71,15 @@ def test_remote_worker_gives_the_local_runtimes_numbers(worker, tmp_path):
     assert not os.path.exists(tmp_path / 'remote' / 'worker.log')
 
 
-@pytest.mark.parametrize('algorithm, extra', [
-    ('fedavg', {}), ('persfl', {}),
-    ('ktpfl_homo', {'public_examples': 50, 'partition': 'iid'})])  # a round of two phases
+@pytest.mark.parametrize(
+    'algorithm, extra', [('fedavg', {}), ('persfl', {}), ('ktpfl_homo', {'public_examples': 50, 'partition': 'iid'})]
+)  # a round of two phases
 def test_two_workers_give_the_local_runtimes_numbers(algorithm, extra, two_workers, tmp_path):
     experiment.run_experiment(_config(tmp_path / 'local', algorithm, **extra), log=lambda line: None)
-    experiment.run_experiment(_config(tmp_path / 'two', algorithm, workers=two_workers, **extra),
-                              log=lambda line: None)
+    experiment.run_experiment(_config(tmp_path / 'two', algorithm, workers=two_workers, **extra), log=lambda line: None)
     _assert_same_results(tmp_path / 'local', tmp_path / 'two')
     # The client states stayed with the devices: one state file per client.
-    assert sorted(os.listdir(tmp_path / 'two' / 'client_states')) == [
-        f'client_{i:05d}.state' for i in range(5)]
+    assert sorted(os.listdir(tmp_path / 'two' / 'client_states')) == [f'client_{i:05d}.state' for i in range(5)]
     assert not os.path.exists(tmp_path / 'local' / 'client_states')
 
 
@@ -79,20 +90,23 @@ def test_unreachable_worker_is_refused_before_anything_is_written(tmp_path):
     assert not os.path.exists(tmp_path / 'out')
 
 
-@pytest.mark.parametrize('workers, message', [
-    (('localhost',), 'worker address must be host:port'),
-    (('localhost:70000',), 'worker address must be host:port'),
-    (('a:1', 'a:1'), 'an address repeats: a:1,a:1'),
-])
+@pytest.mark.parametrize(
+    'workers, message',
+    [
+        (('localhost',), 'worker address must be host:port'),
+        (('localhost:70000',), 'worker address must be host:port'),
+        (('a:1', 'a:1'), 'an address repeats: a:1,a:1'),
+    ],
+)
 def test_bad_worker_flags_are_refused(workers, message, tmp_path):
     with pytest.raises(experiment.ConfigError, match=message):
         _config(tmp_path / 'out', workers=workers).validate()
 
 
-@pytest.mark.parametrize('algorithm, extra', [
-    ('kdpdfl', {}), ('kdpdfl_fedavg', {}), ('kdpdfl_local', {})])
+@pytest.mark.parametrize('algorithm, extra', [('kdpdfl', {}), ('kdpdfl_fedavg', {}), ('kdpdfl_local', {})])
 def test_rounds_with_more_than_one_aggregation_are_refused_on_several_workers(algorithm, extra, tmp_path):
-    with pytest.raises(experiment.ConfigError, match=f'{algorithm} cannot be split over several workers: .*; '
-                                                     'give one worker'):
+    with pytest.raises(
+        experiment.ConfigError, match=f'{algorithm} cannot be split over several workers: .*; give one worker'
+    ):
         _config(tmp_path / 'out', algorithm, workers=('a:1', 'b:2'), **extra).validate()
     _config(tmp_path / 'out', algorithm, workers=('a:1',), **extra).validate()

@@ -6,9 +6,9 @@ import struct
 import subprocess
 import sys
 
-from matplotlib import pyplot as plt
 import numpy as np
 import pytest
+from matplotlib import pyplot as plt
 
 from tff_pfl.program import reports
 
@@ -77,10 +77,7 @@ def test_plot_curves(tmp_path):
         {'round': 4, 'train_loss': 0.4, 'val_loss': 0.6},
     ]
     path = str(tmp_path / 'plots' / 'loss.png')
-    reports.plot_curves(
-        rows, 'round', ['train_loss', 'val_loss', 'absent'], path, 'Loss',
-        'loss'
-    )
+    reports.plot_curves(rows, 'round', ['train_loss', 'val_loss', 'absent'], path, 'Loss', 'loss')
     assert_png(path)
 
 
@@ -106,8 +103,7 @@ def test_plot_client_bars(tmp_path, num_clients):
 def test_plot_client_bars_rejects_wrong_length(tmp_path):
     with pytest.raises(ValueError, match='2 values for 3 clients'):
         reports.plot_client_bars(
-            ['a', 'b', 'c'], {'global model': [0.1, 0.2]},
-            str(tmp_path / 'bars.png'), 'Accuracy', 'accuracy'
+            ['a', 'b', 'c'], {'global model': [0.1, 0.2]}, str(tmp_path / 'bars.png'), 'Accuracy', 'accuracy'
         )
     assert plt.get_fignums() == []
 
@@ -156,18 +152,13 @@ def test_per_client_figures_of_4000_clients_keep_a_drawable_size(tmp_path):
 
 def test_plot_class_histogram_rejects_vector(tmp_path):
     with pytest.raises(ValueError, match='clients, classes'):
-        reports.plot_class_histogram(
-            np.arange(4), str(tmp_path / 'h.png'), 'Partition'
-        )
+        reports.plot_class_histogram(np.arange(4), str(tmp_path / 'h.png'), 'Partition')
 
 
 def test_plot_heatmap(tmp_path):
     matrix = np.arange(12, dtype=float).reshape(3, 4)
     path = str(tmp_path / 'heat.png')
-    reports.plot_heatmap(
-        matrix, path, 'Similarity', row_labels=['a', 'b', 'c'],
-        col_labels=['w', 'x', 'y', 'z']
-    )
+    reports.plot_heatmap(matrix, path, 'Similarity', row_labels=['a', 'b', 'c'], col_labels=['w', 'x', 'y', 'z'])
     assert_png(path)
     path2 = str(tmp_path / 'heat2.png')
     reports.plot_heatmap(matrix, path2, 'No labels')
@@ -176,21 +167,14 @@ def test_plot_heatmap(tmp_path):
 
 def test_plot_heatmap_rejects_bad_labels(tmp_path):
     with pytest.raises(ValueError, match='2 row labels for 3 rows'):
-        reports.plot_heatmap(
-            np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', row_labels=['a', 'b']
-        )
+        reports.plot_heatmap(np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', row_labels=['a', 'b'])
     with pytest.raises(ValueError, match='column labels'):
-        reports.plot_heatmap(
-            np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', col_labels=['a']
-        )
+        reports.plot_heatmap(np.zeros((3, 4)), str(tmp_path / 'h.png'), 't', col_labels=['a'])
 
 
 def test_plots_do_not_accumulate_figures(tmp_path):
     for i in range(5):
-        reports.plot_curves(
-            [{'r': 1, 'v': 1.0}], 'r', ['v'], str(tmp_path / f'{i}.png'),
-            't', 'v'
-        )
+        reports.plot_curves([{'r': 1, 'v': 1.0}], 'r', ['v'], str(tmp_path / f'{i}.png'), 't', 'v')
     assert plt.get_fignums() == []
 
 
@@ -201,15 +185,9 @@ def test_markdown_table():
         {'name': 'd', 'acc': np.float32(0.25), 'n': 12},
     ]
     assert reports.markdown_table(rows, ['name', 'acc', 'n']) == (
-        '| name | acc | n |\n'
-        '| --- | --- | --- |\n'
-        '| a\\|b | 0.5000 | 3 |\n'
-        '| c |  |  |\n'
-        '| d | 0.2500 | 12 |'
+        '| name | acc | n |\n| --- | --- | --- |\n| a\\|b | 0.5000 | 3 |\n| c |  |  |\n| d | 0.2500 | 12 |'
     )
-    assert reports.markdown_table(
-        rows[:1], ['acc'], float_format='{:.1%}'
-    ) == '| acc |\n| --- |\n| 50.0% |'
+    assert reports.markdown_table(rows[:1], ['acc'], float_format='{:.1%}') == '| acc |\n| --- |\n| 50.0% |'
 
 
 def test_format_table():
@@ -229,11 +207,7 @@ def test_format_table():
 
 def test_format_table_header_wider_than_values():
     rows = [{'accuracy': 0.5, 'name': 'x'}]
-    assert reports.format_table(rows, ['name', 'accuracy']) == (
-        'name  accuracy\n'
-        '----  --------\n'
-        'x       0.5000'
-    )
+    assert reports.format_table(rows, ['name', 'accuracy']) == ('name  accuracy\n----  --------\nx       0.5000')
 
 
 def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_released_again(tmp_path):
@@ -249,8 +223,12 @@ def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_re
     release.close()  # a second close does nothing
     with pytest.raises(RuntimeError, match='closed'):
         release({'round': 4, 'loss': 0.1})
-    assert read_csv(path) == [['round', 'name', 'loss', 'acc'], ['1', 'x', '0.666667', ''], ['2', 'y', '0.5', ''],
-                              ['3', 'z', '0.25', '0.75']]
+    assert read_csv(path) == [
+        ['round', 'name', 'loss', 'acc'],
+        ['1', 'x', '0.666667', ''],
+        ['2', 'y', '0.5', ''],
+        ['3', 'z', '0.25', '0.75'],
+    ]
     resumed = reports.RoundRelease(path, logdir)
     resumed({'round': 2, 'loss': 0.125, 'name': 'again'})  # a resumed run releases round 2 again
     resumed.close()
@@ -260,16 +238,29 @@ def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_re
         for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, name)):
             for value in event.summary.value:
                 found.append((event.step, value.tag, round(float(tf.make_ndarray(value.tensor)), 6)))
-    assert sorted(found) == [(1, 'loss', 0.666667), (2, 'loss', 0.125), (2, 'loss', 0.5), (3, 'acc', 0.75),
-                             (3, 'loss', 0.25)]
+    assert sorted(found) == [
+        (1, 'loss', 0.666667),
+        (2, 'loss', 0.125),
+        (2, 'loss', 0.5),
+        (3, 'acc', 0.75),
+        (3, 'loss', 0.25),
+    ]
 
 
 def test_importing_and_plotting_leave_pyplot_and_its_backend_alone(tmp_path):
     # A notebook's inline backend must survive `import reports` and a plot.
-    code = ('import sys; from tff_pfl.program import reports; '
-            f'reports.plot_curves([{{"round": 1, "a": 0.5}}], "round", ["a"], {str(tmp_path / "c.png")!r}, "t", "y"); '
-            'assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"; print("ok")')
-    result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=REPO), cwd=REPO)
+    code = (
+        'import sys; from tff_pfl.program import reports; '
+        f'reports.plot_curves([{{"round": 1, "a": 0.5}}], "round", ["a"], {str(tmp_path / "c.png")!r}, "t", "y"); '
+        'assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"; print("ok")'
+    )
+    result = subprocess.run(
+        [sys.executable, '-c', code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        cwd=REPO,
+    )
     assert result.stdout.strip() == 'ok', result.stderr[-2000:]
     assert (tmp_path / 'c.png').stat().st_size > 0

@@ -10,8 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints
-from tff_pfl.program import experiment
+from tff_pfl.program import checkpoints, experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'round_seconds', 'personalize_seconds'}
@@ -19,17 +18,37 @@ TIMING = {'round_seconds', 'personalize_seconds'}
 
 def _flags(tiny_npz, out, rounds=30, **extra):
     flags = dict(
-        algorithm='persfl', dataset=f'npz:{tiny_npz}', partition='ds1', classes_per_client=2, num_clients=4,
-        rounds=rounds, eval_every=5, batch_size=8, client_learning_rate=0.1, client_fraction=0.5,
-        checkpoint_every=2, temperatures='1,3', imitations='0,0.5', distill_epochs=1, output_dir=out)
+        algorithm='persfl',
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=2,
+        num_clients=4,
+        rounds=rounds,
+        eval_every=5,
+        batch_size=8,
+        client_learning_rate=0.1,
+        client_fraction=0.5,
+        checkpoint_every=2,
+        temperatures='1,3',
+        imitations='0,0.5',
+        distill_epochs=1,
+        output_dir=out,
+    )
     flags.update(extra)
     return [f'--{k}={v}' for k, v in flags.items()]
 
 
 def _train(*flags, **popen):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-    return subprocess.Popen([sys.executable, '-m', 'tff_pfl.cli.train', *flags], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, '-m', 'tff_pfl.cli.train', *flags],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def _rows(path):
@@ -83,7 +102,8 @@ def test_changing_the_configuration_of_a_run_is_refused(tiny_npz, uninterrupted,
     assert process.returncode == 2
     assert stderr.strip().splitlines() == [
         f'tff-pfl-train: error: output_dir {uninterrupted} holds a run with another configuration '
-        '(rounds: 30 -> 31); pass --overwrite to replace it']
+        '(rounds: 30 -> 31); pass --overwrite to replace it'
+    ]
     assert before == {name: (uninterrupted / name).read_bytes() for name in before}
 
 
@@ -97,9 +117,12 @@ def test_a_finished_run_is_not_run_again(tiny_npz, uninterrupted):
 def test_a_crash_while_writing_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     store = checkpoints.RunCheckpoints(str(tmp_path))
     server = {'model': [np.ones((2, 2), np.float32)], 'round_num': np.int32(2)}
-    clients = {'a': {'client_id': b'a', 'w': np.zeros(3, np.float32)},
-               'b': {'client_id': b'b', 'w': np.ones(3, np.float32)}}
+    clients = {
+        'a': {'client_id': b'a', 'w': np.zeros(3, np.float32)},
+        'b': {'client_id': b'b', 'w': np.ones(3, np.float32)},
+    }
     store.save(2, server, *checkpoints.stack_states(clients), {'state': 1}, [{'round': 1}, {'round': 2}])
+
     def crash(file, **arrays):
         file.write(b'half a checkpoint')
         raise OSError('disk gone')
@@ -122,9 +145,22 @@ def test_same_seed_same_results(tiny_npz, uninterrupted, tmp_path):
     """Partition, sampling and training repeat exactly for the same configuration."""
     again = tmp_path / 'again'
     config = experiment.ExperimentConfig(
-        output_dir=str(again), algorithm='persfl', dataset=f'npz:{tiny_npz}', partition='ds1', classes_per_client=2,
-        num_clients=4, rounds=30, eval_every=5, batch_size=8, client_learning_rate=0.1, client_fraction=0.5,
-        checkpoint_every=2, temperatures=(1.0, 3.0), imitations=(0.0, 0.5), distill_epochs=1)
+        output_dir=str(again),
+        algorithm='persfl',
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=2,
+        num_clients=4,
+        rounds=30,
+        eval_every=5,
+        batch_size=8,
+        client_learning_rate=0.1,
+        client_fraction=0.5,
+        checkpoint_every=2,
+        temperatures=(1.0, 3.0),
+        imitations=(0.0, 0.5),
+        distill_epochs=1,
+    )
     experiment.run_experiment(config, log=lambda line: None)
     for name in ('partition.csv', 'metrics.csv', 'clients.csv'):
         assert _rows(again / name) == _rows(uninterrupted / name), name
@@ -148,8 +184,9 @@ def test_device_state_files_written_in_python_are_what_the_device_reads(tmp_path
         return state
 
     read = device_state.reading(show, initial, [tff.TensorType(np.int32)])
-    state = collections.OrderedDict(client_id=b'c1', count=np.int32(7),
-                                    weights=[np.arange(6, dtype=np.float32).reshape(2, 3)])
+    state = collections.OrderedDict(
+        client_id=b'c1', count=np.int32(7), weights=[np.arange(6, dtype=np.float32).reshape(2, 3)]
+    )
     device = device_state.device_input('c1', str(tmp_path))
     device_state.save(device['state_file'], state)
     seen = read(np.int32(0), device)['result']

@@ -26,8 +26,9 @@ except runtime.RuntimeStartError:
 def _probe(address):
     """Whether a TFF worker answers at `address`, asked from a second process."""
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-    result = subprocess.run([sys.executable, '-c', PROBE, address], capture_output=True, text=True, env=env,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, '-c', PROBE, address], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     return result.stdout.strip().splitlines()[-1]
 
 
@@ -68,9 +69,24 @@ def test_the_binary_runs_its_worker_in_a_private_network_namespace(tiny_npz, tmp
     out = tmp_path / 'run'
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
     train = subprocess.Popen(
-        [sys.executable, '-m', 'tff_pfl.cli.train', f'--dataset=npz:{tiny_npz}', '--partition=iid', '--num_clients=4',
-         '--rounds=400', '--eval_every=0', '--batch_size=8', f'--output_dir={out}'],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            '-m',
+            'tff_pfl.cli.train',
+            f'--dataset=npz:{tiny_npz}',
+            '--partition=iid',
+            '--num_clients=4',
+            '--rounds=400',
+            '--eval_every=0',
+            '--batch_size=8',
+            f'--output_dir={out}',
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         # A finished round (a row after the header) means the worker runs; the

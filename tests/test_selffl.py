@@ -11,8 +11,7 @@ import tensorflow_federated as tff
 from processes import selffl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import aggregators
-from tff_pfl.computations import audit
+from tff_pfl.computations import aggregators, audit
 from tff_pfl.reference import selffl_gaussian as reference
 
 
@@ -39,13 +38,16 @@ def test_aggregator_matches_numpy(tff_runtime):
 
 def test_fixed_sigma0_is_kept(tff_runtime):
     process = aggregators.PrecisionWeightedMeanFactory(5, fixed_sigma0_sq=2.0).create(
-        tff.TensorType(np.float32), tff.TensorType(np.float32))
+        tff.TensorType(np.float32), tff.TensorType(np.float32)
+    )
     out = process.next(process.initialize(), [1.0, 3.0], [0.0, 2.0])
     np.testing.assert_allclose(out.result, (1 / 2 * 1 + 1 / 4 * 3) / (1 / 2 + 1 / 4), rtol=1e-6)
     assert out.state['sigma0_sq'] == 2.0
 
 
-@pytest.mark.parametrize('eta, sigma_sq, others', [(0.001, 0.02, 30.0), (0.01, 0.2, 5.0), (0.05, 0.01, 100.0), (0.03, 1e-4, 2.0)])
+@pytest.mark.parametrize(
+    'eta, sigma_sq, others', [(0.001, 0.02, 30.0), (0.01, 0.2, 5.0), (0.05, 0.01, 100.0), (0.03, 1e-4, 2.0)]
+)
 def test_local_steps_match_numpy(eta, sigma_sq, others):
     steps, exact_eta, defined = selffl.local_steps(eta, tf.constant(sigma_sq), tf.constant(others), 40)
     want_steps, rho = reference.local_steps(eta, sigma_sq, others, 40)
@@ -65,8 +67,14 @@ def test_network_rule_is_calibrated_on_a_typical_client():
     def steps_for(sigma_sq, others=500.0, typical_sigma_sq=0.04):
         rho = lambda s: others / (1 / s + others)  # noqa: E731
         steps, _, defined = selffl.local_steps(
-            0.03, tf.constant(sigma_sq), tf.constant(others), 40, quadratic=False,
-            typical_rho=tf.constant(rho(typical_sigma_sq)), default_steps=20)
+            0.03,
+            tf.constant(sigma_sq),
+            tf.constant(others),
+            40,
+            quadratic=False,
+            typical_rho=tf.constant(rho(typical_sigma_sq)),
+            default_steps=20,
+        )
         assert not bool(defined)
         want = min(max(round(20 * np.log(rho(sigma_sq)) / np.log(rho(typical_sigma_sq))), 1), 40)
         assert int(steps) == want
@@ -85,7 +93,9 @@ def test_initialization_and_welford():
     history = np.random.default_rng(1).normal(size=(6, 2, 3))
     count, mean, m2 = tf.constant(0.0), [tf.zeros(3), tf.zeros(3)], tf.constant(0.0)
     for h in history:
-        count, mean, m2 = selffl.welford_update(count, mean, m2, [tf.constant(h[0], tf.float32), tf.constant(h[1], tf.float32)])
+        count, mean, m2 = selffl.welford_update(
+            count, mean, m2, [tf.constant(h[0], tf.float32), tf.constant(h[1], tf.float32)]
+        )
     flat = history.reshape(6, -1)
     np.testing.assert_allclose(float(m2) / (float(count) - 1), flat.var(0, ddof=1).sum(), rtol=1e-5)
 
@@ -93,8 +103,15 @@ def test_initialization_and_welford():
 def _gaussian_process(spec, **kwargs):
     model_fn = functools.partial(models.gaussian_mean, spec.feature_shape, 1)
     return selffl.build_selffl_process(
-        spec, model_fn, learning_rate=0.001, batch_size=1, loss='gaussian', known_sigma0_sq=1.0,
-        gaussian_noise_var=1.0, **kwargs)
+        spec,
+        model_fn,
+        learning_rate=0.001,
+        batch_size=1,
+        loss='gaussian',
+        known_sigma0_sq=1.0,
+        gaussian_noise_var=1.0,
+        **kwargs,
+    )
 
 
 def test_tff_process_matches_numpy_iteration(tff_runtime, tmp_path):
@@ -161,9 +178,19 @@ def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
 
     out = tmp_path / 'run'
     config = experiment.ExperimentConfig(
-        output_dir=str(out), algorithm='selffl', dataset=f'npz:{tiny_npz}', partition='ds1',
-        classes_per_client=2, num_clients=4, rounds=3, client_fraction=0.5, batch_size=8,
-        client_learning_rate=0.05, selffl_max_steps=8, selffl_default_steps=4)
+        output_dir=str(out),
+        algorithm='selffl',
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=2,
+        num_clients=4,
+        rounds=3,
+        client_fraction=0.5,
+        batch_size=8,
+        client_learning_rate=0.05,
+        selffl_max_steps=8,
+        selffl_default_steps=4,
+    )
     result = experiment.run_experiment(config, log=lambda line: None)
     for name in ('local_steps.png', 'intra_client_variance.png'):
         assert (out / name).stat().st_size > 0, name
@@ -176,7 +203,8 @@ def test_warm_start_rounds_are_plain(tff_runtime, tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
     process = selffl.build_selffl_process(
-        spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=3, warmup_rounds=3)
+        spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=3, warmup_rounds=3
+    )
     state = process.initialize()
     states = [process.initial_client_state(c) for c in spec.client_ids]
     active = []

@@ -66,17 +66,17 @@ def _npz_error_cases():
     inf_x[0, 0, 0] = np.inf
     return [
         ('missing_key', {'y_test': None}, 'lacks key.*y_test'),
-        ('length', {'y_train': np.array([0, 1, 2])},
-         'x_train has 5 examples but y_train has 3'),
-        ('float_labels', {'y_train': np.array([0.0, 1, 2, 1, 0])},
-         'integer labels'),
+        ('length', {'y_train': np.array([0, 1, 2])}, 'x_train has 5 examples but y_train has 3'),
+        ('float_labels', {'y_train': np.array([0.0, 1, 2, 1, 0])}, 'integer labels'),
         ('negative', {'y_test': np.array([0, -1, 1])}, 'negative label -1'),
         ('nan', {'x_train': nan_x}, 'NaN or infinite'),
         ('inf', {'x_test': inf_x}, 'NaN or infinite'),
-        ('empty', {'x_test': np.zeros((0, 4, 3), dtype=np.uint8),
-                   'y_test': np.zeros(0, dtype=np.int64)}, "'test' is empty"),
-        ('shapes', {'x_test': np.zeros((3, 4, 4), dtype=np.uint8)},
-         'feature shape of split .test.'),
+        (
+            'empty',
+            {'x_test': np.zeros((0, 4, 3), dtype=np.uint8), 'y_test': np.zeros(0, dtype=np.int64)},
+            "'test' is empty",
+        ),
+        ('shapes', {'x_test': np.zeros((3, 4, 4), dtype=np.uint8)}, 'feature shape of split .test.'),
         ('strings', {'x_train': np.array(['a'] * 5)}, 'must be numeric'),
     ]
 
@@ -139,13 +139,10 @@ def test_load_source_errors(spec, message):
 def _reference_synthetic(alpha, beta, num_clients, dim, num_classes, seed):
     """Independent recomputation from the documented draw order."""
     rng = np.random.default_rng(seed)
-    sizes = [
-        min(int(s) + 50, 5000)
-        for s in rng.lognormal(mean=4.0, sigma=2.0, size=num_clients)
-    ]
+    sizes = [min(int(s) + 50, 5000) for s in rng.lognormal(mean=4.0, sigma=2.0, size=num_clients)]
     u = rng.normal(0.0, np.sqrt(alpha), size=num_clients)
     big_b = rng.normal(0.0, np.sqrt(beta), size=num_clients)
-    sigma = np.diag([j ** -1.2 for j in range(1, dim + 1)])
+    sigma = np.diag([j**-1.2 for j in range(1, dim + 1)])
     clients = []
     for k in range(num_clients):
         v = rng.normal(big_b[k], 1.0, size=dim)
@@ -180,9 +177,7 @@ def test_synthetic_shapes_and_ranges():
     assert all(50 <= size <= 5000 for size in sizes)
     assert pool.y.min() >= 0 and pool.y.max() < 10
     assert pool.num_classes == 10
-    np.testing.assert_array_equal(
-        np.concatenate(pool.natural_partition), np.arange(len(pool.y))
-    )
+    np.testing.assert_array_equal(np.concatenate(pool.natural_partition), np.arange(len(pool.y)))
     assert np.isfinite(pool.x).all()
 
 
@@ -217,17 +212,13 @@ def test_image_folder(tmp_path):
             os.makedirs(tmp_path / split / label)
             for i in range(2):
                 image = np.full((4, 5, 3), value, dtype=np.uint8)
-                image_module.fromarray(image).save(
-                    tmp_path / split / label / f'{i}.png'
-                )
+                image_module.fromarray(image).save(tmp_path / split / label / f'{i}.png')
     pool = sources.load_source(f'folder:{tmp_path}')
     assert pool.x.shape == (8, 4, 5, 3)
     assert pool.num_classes == 2
     # Label 1 ('dog', sorted second) images are white, label 0 black.
     np.testing.assert_array_equal(pool.x.reshape(8, -1).max(axis=1), pool.y)
-    image_module.fromarray(np.zeros((6, 5, 3), np.uint8)).save(
-        tmp_path / 'test' / 'dog' / 'big.png'
-    )
+    image_module.fromarray(np.zeros((6, 5, 3), np.uint8)).save(tmp_path / 'test' / 'dog' / 'big.png')
     with pytest.raises(sources.DataError, match='differ in size'):
         sources.load_image_folder(str(tmp_path))
 

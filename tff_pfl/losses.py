@@ -28,9 +28,7 @@ def hard_cross_entropy(student_logits, labels):
       The batch-mean loss, `[...]`.
     """
     labels = tf.broadcast_to(labels, tf.shape(student_logits)[:-1])
-    return tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=student_logits), axis=-1
-    )
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=student_logits), axis=-1)
 
 
 def soft_kl(teacher_logits, student_logits, temperature):

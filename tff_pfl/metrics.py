@@ -23,14 +23,13 @@ give).
 """
 
 import collections
-from collections.abc import Sequence
 import fractions
 import math
-from typing import Optional, Union
+from collections.abc import Sequence
 
 import numpy as np
 
-ArrayLike = Union[Sequence[float], np.ndarray]
+ArrayLike = Sequence[float] | np.ndarray
 
 _TAIL_FRACTION = 0.1
 
@@ -68,10 +67,7 @@ def _as_vector(values: ArrayLike, name: str) -> np.ndarray:
     except (TypeError, ValueError) as e:
         raise ValueError(f'{name} must be numbers: {e}') from e
     if array.ndim != 1:
-        raise ValueError(
-            f'{name} must be a vector (one value per client), got shape '
-            f'{array.shape}'
-        )
+        raise ValueError(f'{name} must be a vector (one value per client), got shape {array.shape}')
     if array.size == 0:
         raise ValueError(f'{name} must not be empty')
     if np.isnan(array).any():
@@ -95,10 +91,7 @@ def _as_weights(weights: ArrayLike, num_values: int) -> np.ndarray:
     """
     array = _as_vector(weights, 'weights')
     if array.size != num_values:
-        raise ValueError(
-            f'weights has length {array.size}, but there are {num_values} '
-            'values'
-        )
+        raise ValueError(f'weights has length {array.size}, but there are {num_values} values')
     if not np.isfinite(array).all():
         raise ValueError('weights must be finite')
     if (array < 0).any():
@@ -113,9 +106,7 @@ def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> float:
     return float(np.sum(weights * values) / np.sum(weights))
 
 
-def summarize(
-    values: ArrayLike, weights: Optional[ArrayLike] = None
-) -> collections.OrderedDict:
+def summarize(values: ArrayLike, weights: ArrayLike | None = None) -> collections.OrderedDict:
     """Summarizes one metric's per-client values.
 
     Args:
@@ -161,9 +152,7 @@ def summarize(
     )
 
 
-def top_by_weight_mean(
-    values: ArrayLike, weights: ArrayLike, fraction: float = 0.1
-) -> float:
+def top_by_weight_mean(values: ArrayLike, weights: ArrayLike, fraction: float = 0.1) -> float:
     """The weighted mean over the clients with the largest weights.
 
     With `weights` the clients' numbers of samples, this is the metric over

@@ -32,7 +32,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import IO, Iterator, Optional
+from collections.abc import Iterator
+from typing import IO
 
 import grpc
 import portpicker
@@ -40,9 +41,9 @@ import tensorflow_federated as tff
 
 _GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
 _GRPC_OPTIONS = [
-        ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
-        ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
-        ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
+    ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
+    ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
+    ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
 ]
 _READY_TIMEOUT_S = 60.0
 
@@ -69,9 +70,7 @@ class NoRuntimeContext(tff.framework.SyncContext):
             RuntimeError: always, naming `local_runtime` as the fix.
         """
         del comp, arg
-        raise RuntimeError(
-            'no TFF runtime is running: wrap the calls in `with tff_pfl.runtime.local_runtime():`'
-        )
+        raise RuntimeError('no TFF runtime is running: wrap the calls in `with tff_pfl.runtime.local_runtime():`')
 
 
 tff.framework.set_default_context(NoRuntimeContext())
@@ -94,7 +93,7 @@ def worker_binary_path() -> str:
 # from round 5 to 39); with 2 it held level (878 -> 878 MB, and 927 -> 986 MB
 # in a second run): benchmarks/results/scale_clients.md.
 # MALLOC_ARENA_MAX in the environment wins; None leaves glibc's default.
-WORKER_MALLOC_ARENAS: Optional[int] = 2
+WORKER_MALLOC_ARENAS: int | None = 2
 
 
 def _worker_env() -> dict:
@@ -107,9 +106,9 @@ def _worker_env() -> dict:
 
 def _worker_command(port: int, max_concurrent_computation_calls: int) -> list[str]:
     command = [
-            worker_binary_path(),
-            f'--port={port}',
-            f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
+        worker_binary_path(),
+        f'--port={port}',
+        f'--max_concurrent_computation_calls={max_concurrent_computation_calls}',
     ]
     setpriv = shutil.which('setpriv')
     if setpriv is not None:
@@ -120,7 +119,7 @@ def _worker_command(port: int, max_concurrent_computation_calls: int) -> list[st
 
 
 def _wait_until_ready(
-        address: str, timeout: float, process: Optional[subprocess.Popen] = None
+    address: str, timeout: float, process: subprocess.Popen | None = None
 ) -> 'tff.framework.RemoteExecutorGrpcStub':
     """A stub for the worker at `address`, once it answers.
 
@@ -155,10 +154,10 @@ def _execution_context(stub, asynchronous: bool = False):
 
     context_class = tff.framework.AsyncExecutionContext if asynchronous else tff.framework.SyncExecutionContext
     return context_class(
-            executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
-            compiler_fn=tff.backends.native.desugar_and_transform_to_native,
-            transform_args=tff.tensorflow.transform_args,
-            transform_result=tff.tensorflow.transform_result,
+        executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
+        compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+        transform_args=tff.tensorflow.transform_args,
+        transform_result=tff.tensorflow.transform_result,
     )
 
 
@@ -256,7 +255,8 @@ class RemoteRuntime:
             self.context = _execution_context(stubs[0])
         else:
             self.context = tff.backends.native.create_mergeable_comp_execution_context(
-                [_execution_context(stub, asynchronous=True) for stub in stubs])
+                [_execution_context(stub, asynchronous=True) for stub in stubs]
+            )
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
 
@@ -298,10 +298,10 @@ class LocalRuntime:
     """
 
     def __init__(
-            self,
-            *,
-            max_concurrent_computation_calls: int = 2,
-            log_path: Optional[str] = None,
+        self,
+        *,
+        max_concurrent_computation_calls: int = 2,
+        log_path: str | None = None,
     ):
         """Starts a worker and installs it as TFF's default execution context.
 
@@ -320,19 +320,17 @@ class LocalRuntime:
         if not os.path.isfile(binary):
             raise RuntimeStartError(f'TFF worker binary not found at {binary}')
         self.port = portpicker.pick_unused_port()
-        self._log: Optional[IO[bytes]] = (
-                open(log_path, 'ab') if log_path else None
-        )
+        self._log: IO[bytes] | None = open(log_path, 'ab') if log_path else None
         sink = self._log if self._log is not None else subprocess.DEVNULL
-        self._process: Optional[subprocess.Popen] = subprocess.Popen(
-                _worker_command(self.port, max_concurrent_computation_calls),
-                stdin=subprocess.DEVNULL,
-                stdout=sink,
-                stderr=sink,
-                close_fds=True,
-                env=_worker_env(),
+        self._process: subprocess.Popen | None = subprocess.Popen(
+            _worker_command(self.port, max_concurrent_computation_calls),
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=sink,
+            close_fds=True,
+            env=_worker_env(),
         )
-        self.pid: Optional[int] = self._process.pid
+        self.pid: int | None = self._process.pid
         atexit.register(self.close)
         try:
             stub = _wait_until_ready(f'localhost:{self.port}', _READY_TIMEOUT_S, self._process)
@@ -416,8 +414,9 @@ def _namespaces_allowed() -> bool:
     unshare = shutil.which('unshare')
     if unshare is None:
         return False
-    probe = subprocess.run([unshare, '--net', '--map-root-user', 'true'], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, check=False)
+    probe = subprocess.run(
+        [unshare, '--net', '--map-root-user', 'true'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
+    )
     return probe.returncode == 0
 
 
@@ -460,9 +459,11 @@ def isolate_network(prog: str, argv: list, log=None) -> None:
         _bring_loopback_up()
         return
     if not _namespaces_allowed():
-        message = (f'{prog}: warning: cannot run in a private network namespace (unshare --net --map-root-user '
-                   'failed); the local TFF worker will accept unauthenticated connections on all interfaces; '
-                   'see docs/runtime.md#security')
+        message = (
+            f'{prog}: warning: cannot run in a private network namespace (unshare --net --map-root-user '
+            'failed); the local TFF worker will accept unauthenticated connections on all interfaces; '
+            'see docs/runtime.md#security'
+        )
         (log or (lambda line: print(line, file=sys.stderr)))(message)
         return
     sys.stdout.flush()

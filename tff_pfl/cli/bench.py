@@ -20,24 +20,25 @@ import tomllib
 # As in tff-pfl-train: TensorFlow's C++ start-up chatter is not for users.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
 from tff_pfl.cli import common
 
 _SUITE = flags.DEFINE_string('suite', None, 'Suite TOML file, e.g. benchmarks/suites/persfl_mnist.toml.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'Output directory; default runs/bench/<suite name>.')
-_SEEDS = flags.DEFINE_list('seeds', None, 'Run only these seeds (default: all of the suite\'s).')
+_SEEDS = flags.DEFINE_list('seeds', None, "Run only these seeds (default: all of the suite's).")
 _ALGORITHMS = flags.DEFINE_list('algorithms', None, 'Run only these algorithm labels (default: all).')
 _PARTITIONS = flags.DEFINE_list('partitions', None, 'Run only these partition labels (default: all).')
 _ISOLATE_NETWORK = flags.DEFINE_bool(
-    'isolate_network', True,
+    'isolate_network',
+    True,
     'Run in a private network namespace, so that nothing else can reach the local TFF worker (docs/runtime.md); '
-    'turn off for suites that download datasets.')
+    'turn off for suites that download datasets.',
+)
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the complete runs into the report.')
 _OVERWRITE = flags.DEFINE_bool(
-    'overwrite', False, 'Discard the output directory\'s contents first (needed for a different suite).')
+    'overwrite', False, "Discard the output directory's contents first (needed for a different suite)."
+)
 
 _PROG = 'tff-pfl-bench'
 
@@ -101,10 +102,8 @@ def main(argv) -> None:
     seeds = _seeds()
     text = _read_suite(_SUITE.value)
     from tff_pfl import runtime
-    from tff_pfl.data import partition
-    from tff_pfl.data import sources
-    from tff_pfl.program import bench
-    from tff_pfl.program import experiment
+    from tff_pfl.data import partition, sources
+    from tff_pfl.program import bench, experiment
 
     logging.set_verbosity(logging.WARNING)
     errors = (bench.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
@@ -127,8 +126,15 @@ def main(argv) -> None:
         else:
             command = ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
             bench.run_suite(
-                suite, output_dir, seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value,
-                overwrite=_OVERWRITE.value, command=command, log=_log)
+                suite,
+                output_dir,
+                seeds=seeds,
+                algorithms=_ALGORITHMS.value,
+                partitions=_PARTITIONS.value,
+                overwrite=_OVERWRITE.value,
+                command=command,
+                log=_log,
+            )
     except errors as e:
         _fail(str(e))
     except KeyboardInterrupt:

@@ -15,12 +15,12 @@ import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from absl import app
-from absl import flags
-from absl import logging
+from absl import app, flags, logging
 
-from tff_pfl.cli import common
-from tff_pfl.cli import train  # defines the shared flags
+from tff_pfl.cli import (
+    common,
+    train,  # defines the shared flags
+)
 from tff_pfl.program import experiment
 
 _PROG = 'tff-pfl-export'
@@ -39,8 +39,7 @@ def main(argv) -> None:
         common.fail(_PROG, f'unexpected arguments: {" ".join(argv[1:])}')
     if not flags.FLAGS['output_dir'].value:
         common.fail(_PROG, '--output_dir is required')
-    from tff_pfl.data import partition
-    from tff_pfl.data import sources
+    from tff_pfl.data import partition, sources
     from tff_pfl.program import export
 
     logging.set_verbosity(logging.WARNING)

@@ -9,7 +9,6 @@ sum of squares, count), so it composes with secure aggregation.
 """
 
 import collections
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -43,7 +42,7 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
     squares small.
     """
 
-    def __init__(self, num_clients: int, *, fixed_sigma0_sq: Optional[float] = None, ddof: int = 1):
+    def __init__(self, num_clients: int, *, fixed_sigma0_sq: float | None = None, ddof: int = 1):
         """Configures the factory.
 
         Args:
@@ -124,7 +123,8 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
                 sigma0_sq = tf.where(count > ddof, variance, state['sigma0_sq'])
             # Precisions are only defined once sigma0_sq was known when weighting.
             total_precision = tf.where(
-                state['sigma0_sq'] > 0.0, sums['precision'] * num_clients / tf.maximum(count, 1.0), 0.0)
+                state['sigma0_sq'] > 0.0, sums['precision'] * num_clients / tf.maximum(count, 1.0), 0.0
+            )
             new_state = collections.OrderedDict(
                 sigma0_sq=sigma0_sq,
                 total_precision=total_precision,

@@ -11,16 +11,12 @@ optionally a clients-only personalization stage).
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks
-from tff_pfl.computations import device_state
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import building_blocks, device_state, local_training, template
 
 # Builds `personalize` from the server state type and the client state type.
 PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
@@ -59,11 +55,11 @@ def build_averaging_process(
     client_work: tff.Computation,
     initial_client_state: tff.Computation,
     evaluate_client: tff.Computation,
-    server_optimizer: Optional[tff.learning.optimizers.Optimizer] = None,
-    model_aggregator: Optional[tff.aggregators.WeightedAggregationFactory] = None,
-    personalize_builder: Optional[PersonalizeBuilder] = None,
-    server_info: Optional[Callable[[tff.Type], tff.Computation]] = None,
-    shared_indices: Optional[Sequence[int]] = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory | None = None,
+    personalize_builder: PersonalizeBuilder | None = None,
+    server_info: Callable[[tff.Type], tff.Computation] | None = None,
+    shared_indices: Sequence[int] | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds a FedAvg-shaped `PersonalizedProcess` around `client_work`.
@@ -206,12 +202,18 @@ def build_averaging_process(
     personalize_input = personalize_client = None
     if personalize_fn is not None:
         personalize_input, personalize_client = device_state.field_and_round(
-            server_state_type.member, 'model', personalize_fn, client_state_type)
+            server_state_type.member, 'model', personalize_fn, client_state_type
+        )
 
     device = device_state.build_device_process(
-        initialize, initial_client_state, phases=[device_state.Phase('next', server_broadcast, client_step, finish)],
-        evaluate_input=evaluate_input, evaluate_client=evaluate_client,
-        personalize_input=personalize_input, personalize_client=personalize_client)
+        initialize,
+        initial_client_state,
+        phases=[device_state.Phase('next', server_broadcast, client_step, finish)],
+        evaluate_input=evaluate_input,
+        evaluate_client=evaluate_client,
+        personalize_input=personalize_input,
+        personalize_client=personalize_client,
+    )
 
     return template.PersonalizedProcess(
         initialize,

@@ -17,8 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import local_training
-from tff_pfl.computations import template
+from tff_pfl.computations import local_training, template
 from tff_pfl.data import client_data
 
 ModelFn = Callable[[], tf.keras.Model]

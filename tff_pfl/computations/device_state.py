@@ -17,16 +17,14 @@ state's TFF type, as one serialized `tf.string` tensor of serialized tensors
 
 import collections
 import os
-from collections.abc import Callable, Mapping, Sequence
-from typing import Optional
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
 # What a device holds and the exported round takes at CLIENTS.
-DEVICE_INPUT_TYPE = tff.StructWithPythonType(
-    [('client_id', np.str_), ('state_file', np.str_)], collections.OrderedDict)
+DEVICE_INPUT_TYPE = tff.StructWithPythonType([('client_id', np.str_), ('state_file', np.str_)], collections.OrderedDict)
 
 _GLOB_CHARACTERS = frozenset('*?[]\\')
 
@@ -49,8 +47,10 @@ def device_input(client_id: str, state_dir: str) -> collections.OrderedDict:
     state_file = os.path.join(state_dir, f'{client_id}.state')
     bad = sorted(_GLOB_CHARACTERS.intersection(state_file))
     if bad:
-        raise ValueError(f'client state path {state_file!r} contains {"".join(bad)!r}; '
-                         'device state paths may not contain * ? [ ] or \\')
+        raise ValueError(
+            f'client state path {state_file!r} contains {"".join(bad)!r}; '
+            'device state paths may not contain * ? [ ] or \\'
+        )
     return collections.OrderedDict(client_id=client_id, state_file=state_file)
 
 
@@ -184,8 +184,7 @@ def stateful(step: tff.Computation, initial_client_state: tff.Computation, leadi
     return _with_device_arg(body, leading_types)
 
 
-def stateful_update(update: tff.Computation, initial_client_state: tff.Computation,
-                    leading_types: Sequence[tff.Type]):
+def stateful_update(update: tff.Computation, initial_client_state: tff.Computation, leading_types: Sequence[tff.Type]):
     """Like `stateful` for a step that returns only the new client state.
 
     Args:
@@ -226,7 +225,8 @@ def reading(fn: tff.Computation, initial_client_state: tff.Computation, leading_
 
     def body(leading, device):
         return collections.OrderedDict(
-            client_id=device['client_id'], result=fn(*leading, read(device, initial_client_state)))
+            client_id=device['client_id'], result=fn(*leading, read(device, initial_client_state))
+        )
 
     return _with_device_arg(body, leading_types)
 
@@ -290,8 +290,8 @@ def build_device_process(
     phases: Sequence[Phase],
     evaluate_input: tff.Computation,
     evaluate_client: tff.Computation,
-    personalize_input: Optional[tff.Computation] = None,
-    personalize_client: Optional[tff.Computation] = None,
+    personalize_input: tff.Computation | None = None,
+    personalize_client: tff.Computation | None = None,
 ):
     """An algorithm's `template.DeviceProcess`, from the pieces of its round.
 
@@ -341,7 +341,8 @@ def build_device_process(
     device_personalize = None
     if personalize_client is not None:
         personalize_work = stateful_update(
-            personalize_client, initial_client_state, [personalize_input.type_signature.result])
+            personalize_client, initial_client_state, [personalize_input.type_signature.result]
+        )
 
         @tff.federated_computation(server_state_type, devices_type)
         def device_personalize(state, devices):
@@ -434,8 +435,10 @@ def load(state_file: str, template):
     like = [np.asarray(leaf) for leaf in flatten(template)]
     if len(serialized) != len(like):
         raise ValueError(f'{state_file}: {len(serialized)} tensors, expected {len(like)}')
-    leaves = [tf.io.parse_tensor(b, tf.string if t.dtype.kind in 'SUO' else tf.as_dtype(t.dtype)).numpy()
-              for b, t in zip(serialized, like)]
+    leaves = [
+        tf.io.parse_tensor(b, tf.string if t.dtype.kind in 'SUO' else tf.as_dtype(t.dtype)).numpy()
+        for b, t in zip(serialized, like)
+    ]
     return fill(template, iter(leaves))
 
 

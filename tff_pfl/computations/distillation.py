@@ -74,9 +74,7 @@ def _stacked_accuracy(layers, weights, data: client_data.ClientSplit, batch_size
         hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y[tf.newaxis, :])
         return stop, correct + tf.reduce_sum(tf.cast(hits, tf.float32), axis=1)
 
-    _, correct = tf.while_loop(
-        lambda start, _: start < num_examples, body, (tf.constant(0), tf.zeros([num_models]))
-    )
+    _, correct = tf.while_loop(lambda start, _: start < num_examples, body, (tf.constant(0), tf.zeros([num_models])))
     return correct
 
 
@@ -130,9 +128,7 @@ def distill_grid(
             tape.watch(weights)
             student_logits = stacked.forward(layers, list(weights), x)
             # Candidates are independent: the gradient of the sum is each one's own.
-            loss = tf.reduce_sum(
-                losses.persfl_loss(student_logits, teacher_logits, y, temperatures, imitations, soft)
-            )
+            loss = tf.reduce_sum(losses.persfl_loss(student_logits, teacher_logits, y, temperatures, imitations, soft))
         grads = tape.gradient(loss, weights)
         return (step + 1,) + tuple(w - learning_rate * g for w, g in zip(weights, grads))
 
@@ -168,9 +164,15 @@ def distill_sequential(layers, teacher_weights, train, val, *, temperatures, imi
     for g in range(int(temperatures.shape[0])):
         with tf.control_dependencies(previous):
             one = distill_grid(
-                layers, teacher_weights, train, val,
-                temperatures=temperatures[g : g + 1], imitations=imitations[g : g + 1],
-                config=config, seed=seed, soft=soft,
+                layers,
+                teacher_weights,
+                train,
+                val,
+                temperatures=temperatures[g : g + 1],
+                imitations=imitations[g : g + 1],
+                config=config,
+                seed=seed,
+                soft=soft,
             )
         trained.append(one.weights)
         accuracies.append(one.val_accuracy)
@@ -229,6 +231,12 @@ def distill_towards(model, inputs, targets, *, temperature, epochs, batch_size, 
         return scale * tf.reduce_mean(kl), log_q
 
     stats = local_training.train(
-        model, client_data.ClientSplit(inputs, rows), epochs=epochs, batch_size=batch_size,
-        learning_rate=learning_rate, seed=seed, loss_fn=kl_loss)
+        model,
+        client_data.ClientSplit(inputs, rows),
+        epochs=epochs,
+        batch_size=batch_size,
+        learning_rate=learning_rate,
+        seed=seed,
+        loss_fn=kl_loss,
+    )
     return stats.loss_sum / tf.maximum(stats.num_examples, 1.0) / scale

@@ -13,7 +13,6 @@ weights.
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +27,7 @@ LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Te
 Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples'])
 
 
-def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Optional[Sequence[int]] = None) -> tff.Type:
+def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
     """The TFF type of a model's trainable weights: a list of float tensors.
 
     Args:
@@ -46,9 +45,7 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Optional[Seque
     with tf.Graph().as_default():
         model = model_fn()
         if model.non_trainable_weights:
-            raise ValueError(
-                f'model {model.name!r} has non-trainable weights, which are not supported'
-            )
+            raise ValueError(f'model {model.name!r} has non-trainable weights, which are not supported')
         variables = model.trainable_weights
         if indices is not None:
             variables = [variables[i] for i in indices]
@@ -124,9 +121,7 @@ def supervised_loss(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
       `(loss, logits)`: the scalar mean loss and the `[B, num_classes]` logits.
     """
     logits = model(x, training=True)
-    loss = tf.reduce_mean(
-        tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-    )
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     return loss, logits
 
 
@@ -229,8 +224,7 @@ def sgd_steps(
         split = data.with_tensors(features, labels)
         batches_per_epoch, batch = batch_stream(split, epochs=epochs, batch_size=batch_size, seed=seed)
         epoch_count = tf.cast(epochs, tf.int32)
-        total_steps = tf.where(
-            epoch_count > 0, tf.maximum(epoch_count * batches_per_epoch // batches_per_step, 1), 0)
+        total_steps = tf.where(epoch_count > 0, tf.maximum(epoch_count * batches_per_epoch // batches_per_step, 1), 0)
         if max_steps is not None:
             total_steps = tf.minimum(total_steps, tf.cast(max_steps, tf.int32))
 
@@ -412,8 +406,13 @@ def finetune_on_validation(
     for epoch in range(1, max_epochs + 1):
         with tf.control_dependencies(best + [best_accuracy, best_epochs]):
             stats = train(
-                model, train_split, epochs=1, batch_size=batch_size, learning_rate=learning_rate,
-                seed=seed + tf.constant([epoch, 0], tf.int64))
+                model,
+                train_split,
+                epochs=1,
+                batch_size=batch_size,
+                learning_rate=learning_rate,
+                seed=seed + tf.constant([epoch, 0], tf.int64),
+            )
         with tf.control_dependencies(list(stats)):
             current = get_weights(model)
             with tf.control_dependencies(current):

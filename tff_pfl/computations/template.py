@@ -19,7 +19,6 @@ states into `next` and writes the returned ones back.
 """
 
 import collections
-from typing import Optional
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -42,7 +41,8 @@ RoundOutput = collections.namedtuple('RoundOutput', ['state', 'client_states', '
 #   client_computations: name -> the client-local `tff.tensorflow.computation`s
 #     a device runs (its work, evaluation, personalization), for export.
 DeviceProcess = collections.namedtuple(
-    'DeviceProcess', ['initialize', 'phases', 'evaluate', 'personalize', 'client_computations'])
+    'DeviceProcess', ['initialize', 'phases', 'evaluate', 'personalize', 'client_computations']
+)
 
 
 def client_metrics(stats) -> collections.OrderedDict:
@@ -74,8 +74,8 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         *,
         initial_client_state: tff.Computation,
         evaluate: tff.Computation,
-        personalize: Optional[tff.Computation] = None,
-        device: Optional[DeviceProcess] = None,
+        personalize: tff.Computation | None = None,
+        device: DeviceProcess | None = None,
     ):
         """Builds the process; see the module docstring for the signatures.
 
@@ -123,11 +123,11 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         return self._evaluate
 
     @property
-    def personalize(self) -> Optional[tff.Computation]:
+    def personalize(self) -> tff.Computation | None:
         """The clients-only personalization stage, or None."""
         return self._personalize
 
     @property
-    def device(self) -> Optional[DeviceProcess]:
+    def device(self) -> DeviceProcess | None:
         """The same algorithm with device-held client states, or None."""
         return self._device

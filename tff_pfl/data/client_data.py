@@ -27,7 +27,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import Optional
 
 import numpy as np
 import tensorflow as tf
@@ -118,7 +117,7 @@ def write_client_data(
     y: np.ndarray,
     num_classes: int,
     client_splits: Sequence[Mapping[str, np.ndarray]],
-    public_indices: Optional[np.ndarray] = None,
+    public_indices: np.ndarray | None = None,
 ) -> ClientDataSpec:
     """Writes every client's splits under `root`, atomically.
 

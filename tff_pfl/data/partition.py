@@ -7,9 +7,8 @@ example is given to two clients. All randomness comes from
 Impossible requests raise `PartitionError` with a one-line message.
 """
 
-from collections.abc import Sequence
 import inspect
-from typing import Optional, Union
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -23,9 +22,7 @@ class PartitionError(ValueError):
     """Raised when a requested partition cannot be built."""
 
 
-def _check_labels(
-    labels: np.ndarray, num_clients: int, num_classes: Optional[int] = None
-) -> tuple[np.ndarray, int]:
+def _check_labels(labels: np.ndarray, num_clients: int, num_classes: int | None = None) -> tuple[np.ndarray, int]:
     """Validates partitioner inputs.
 
     Args:
@@ -42,42 +39,28 @@ def _check_labels(
     """
     labels = np.asarray(labels)
     if labels.ndim != 1 or labels.size == 0:
-        raise PartitionError(
-            f'labels must be a non-empty vector, got shape {labels.shape}'
-        )
+        raise PartitionError(f'labels must be a non-empty vector, got shape {labels.shape}')
     if not np.issubdtype(labels.dtype, np.integer):
-        raise PartitionError(
-            f'labels must be integers, got dtype {labels.dtype}'
-        )
+        raise PartitionError(f'labels must be integers, got dtype {labels.dtype}')
     if labels.min() < 0:
         raise PartitionError(f'labels must be >= 0, got {labels.min()}')
     if num_classes is None:
         num_classes = int(labels.max()) + 1
     elif labels.max() >= num_classes:
-        raise PartitionError(
-            f'label {labels.max()} out of range for {num_classes} classes'
-        )
+        raise PartitionError(f'label {labels.max()} out of range for {num_classes} classes')
     if num_clients < 1:
         raise PartitionError(f'num_clients must be >= 1, got {num_clients}')
     if num_clients > labels.size:
-        raise PartitionError(
-            f'{num_clients} clients requested but only {labels.size} examples'
-        )
+        raise PartitionError(f'{num_clients} clients requested but only {labels.size} examples')
     return labels.astype(np.int64), num_classes
 
 
-def _class_pools(
-    labels: np.ndarray, num_classes: int, rng: np.random.Generator
-) -> list[np.ndarray]:
+def _class_pools(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Returns each class's example indices in a random order."""
-    return [
-        rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)
-    ]
+    return [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
 
 
-def _class_demand(
-    client_classes: np.ndarray, client_counts: np.ndarray, num_classes: int
-) -> np.ndarray:
+def _class_demand(client_classes: np.ndarray, client_counts: np.ndarray, num_classes: int) -> np.ndarray:
     """Returns the total number of examples requested from each class."""
     return np.bincount(
         client_classes.ravel(),
@@ -127,9 +110,7 @@ def _draw_from_pools(
     return partition
 
 
-def _random_class_sets(
-    rng: np.random.Generator, num_clients: int, num_classes: int, k: int
-) -> np.ndarray:
+def _random_class_sets(rng: np.random.Generator, num_clients: int, num_classes: int, k: int) -> np.ndarray:
     """Returns `[num_clients, k]` distinct random classes for each client."""
     return np.argsort(rng.random((num_clients, num_classes)), axis=1)[:, :k]
 
@@ -157,7 +138,7 @@ def iid(
     labels: np.ndarray,
     num_clients: int,
     seed: int,
-    examples_per_client: Optional[int] = None,
+    examples_per_client: int | None = None,
 ) -> list[np.ndarray]:
     """Partitions examples uniformly at random.
 
@@ -183,21 +164,15 @@ def iid(
         sizes[: n % num_clients] += 1
     else:
         if examples_per_client < 1:
-            raise PartitionError(
-                f'examples_per_client must be >= 1, got {examples_per_client}'
-            )
+            raise PartitionError(f'examples_per_client must be >= 1, got {examples_per_client}')
         if num_clients * examples_per_client > n:
             raise PartitionError(
-                f'{num_clients} clients x {examples_per_client} examples'
-                f' exceeds the {n} examples available'
+                f'{num_clients} clients x {examples_per_client} examples exceeds the {n} examples available'
             )
         sizes = np.full(num_clients, examples_per_client)
     order = np.random.default_rng(seed).permutation(n)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [
-        np.sort(order[start:end]).astype(np.int64)
-        for start, end in zip(bounds[:-1], bounds[1:])
-    ]
+    return [np.sort(order[start:end]).astype(np.int64) for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def persfl_ds1(
@@ -205,8 +180,8 @@ def persfl_ds1(
     num_clients: int,
     seed: int,
     k: int = 4,
-    examples_per_client: Optional[int] = None,
-    num_classes: Optional[int] = None,
+    examples_per_client: int | None = None,
+    num_classes: int | None = None,
 ) -> list[np.ndarray]:
     """PersFL DS-1 (from FedPer): equal sizes, `k` random classes per client.
 
@@ -245,9 +220,7 @@ def persfl_ds1(
     if not 1 <= k <= num_classes:
         raise PartitionError(f'k must be in [1, {num_classes}], got {k}')
     if examples_per_client is not None and examples_per_client < k:
-        raise PartitionError(
-            f'examples_per_client ({examples_per_client}) must be >= k ({k})'
-        )
+        raise PartitionError(f'examples_per_client ({examples_per_client}) must be >= k ({k})')
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
     classes = _random_class_sets(rng, num_clients, num_classes, k)
@@ -255,20 +228,15 @@ def persfl_ds1(
     counts_seed = int(rng.integers(2**32))
 
     def counts_for(size: int) -> np.ndarray:
-        extra = np.random.default_rng(counts_seed).multinomial(
-            size - k, proportions
-        )
+        extra = np.random.default_rng(counts_seed).multinomial(size - k, proportions)
         return 1 + extra
 
     if examples_per_client is None:
         size = labels.size // num_clients
-        while size < k or not _fits(
-            _class_demand(classes, counts_for(size), num_classes), pools
-        ):
+        while size < k or not _fits(_class_demand(classes, counts_for(size), num_classes), pools):
             if size <= k:
                 raise PartitionError(
-                    f'class pools cannot give {num_clients} clients {k}'
-                    ' classes each; use fewer clients or a smaller k'
+                    f'class pools cannot give {num_clients} clients {k} classes each; use fewer clients or a smaller k'
                 )
             size = max(k, min(size - 1, int(size * _DS1_SHRINK_FACTOR)))
         examples_per_client = size
@@ -280,7 +248,7 @@ def dirichlet_over_clients(
     num_clients: int,
     seed: int,
     alpha: float = 0.9,
-    num_classes: Optional[int] = None,
+    num_classes: int | None = None,
     min_examples: int = 10,
 ) -> list[np.ndarray]:
     """PersFL DS-2: each class is split over clients by Dirichlet proportions.
@@ -313,8 +281,7 @@ def dirichlet_over_clients(
         raise PartitionError(f'min_examples must be >= 1, got {min_examples}')
     if num_clients * min_examples > labels.size:
         raise PartitionError(
-            f'{num_clients} clients x {min_examples} min_examples exceeds the'
-            f' {labels.size} examples available'
+            f'{num_clients} clients x {min_examples} min_examples exceeds the {labels.size} examples available'
         )
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
@@ -344,8 +311,8 @@ def dirichlet_labels(
     num_clients: int,
     seed: int,
     alpha: float,
-    examples_per_client: Union[int, Sequence[int]],
-    num_classes: Optional[int] = None,
+    examples_per_client: int | Sequence[int],
+    num_classes: int | None = None,
 ) -> list[np.ndarray]:
     """Gives each client a Dirichlet-distributed label mix of a fixed size.
 
@@ -377,14 +344,9 @@ def dirichlet_labels(
     if sizes.ndim == 0:
         sizes = np.full(num_clients, sizes)
     if sizes.shape != (num_clients,):
-        raise PartitionError(
-            f'examples_per_client has {sizes.size} entries for'
-            f' {num_clients} clients'
-        )
+        raise PartitionError(f'examples_per_client has {sizes.size} entries for {num_clients} clients')
     if sizes.min() < 1:
-        raise PartitionError(
-            f'examples_per_client must be >= 1, got {sizes.min()}'
-        )
+        raise PartitionError(f'examples_per_client must be >= 1, got {sizes.min()}')
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
     proportions = rng.dirichlet(np.full(num_classes, alpha), size=num_clients)
@@ -400,9 +362,9 @@ def persfl_ds3(
     classes_per_client: int = 2,
     mu: float = 0.0,
     sigma: float = 2.0,
-    total_examples: Optional[int] = None,
+    total_examples: int | None = None,
     min_examples: int = 10,
-    num_classes: Optional[int] = None,
+    num_classes: int | None = None,
     class_assignment: str = 'cyclic',
 ) -> list[np.ndarray]:
     """PersFL DS-3 (pFedMe style): few classes, log-normal client sizes.
@@ -448,15 +410,9 @@ def persfl_ds3(
     """
     labels, num_classes = _check_labels(labels, num_clients, num_classes)
     if not 1 <= classes_per_client <= num_classes:
-        raise PartitionError(
-            f'classes_per_client must be in [1, {num_classes}], got'
-            f' {classes_per_client}'
-        )
+        raise PartitionError(f'classes_per_client must be in [1, {num_classes}], got {classes_per_client}')
     if min_examples < classes_per_client:
-        raise PartitionError(
-            f'min_examples ({min_examples}) must be >= classes_per_client'
-            f' ({classes_per_client})'
-        )
+        raise PartitionError(f'min_examples ({min_examples}) must be >= classes_per_client ({classes_per_client})')
     if total_examples is None:
         total_examples = labels.size
     floor_total = num_clients * min_examples
@@ -469,24 +425,16 @@ def persfl_ds3(
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
     if class_assignment == 'cyclic':
-        classes = (
-            np.arange(num_clients)[:, np.newaxis] + np.arange(classes_per_client)
-        ) % num_classes
+        classes = (np.arange(num_clients)[:, np.newaxis] + np.arange(classes_per_client)) % num_classes
     elif class_assignment == 'random':
-        classes = _random_class_sets(
-            rng, num_clients, num_classes, classes_per_client
-        )
+        classes = _random_class_sets(rng, num_clients, num_classes, classes_per_client)
     else:
-        raise PartitionError(
-            f"class_assignment must be 'cyclic' or 'random', got {class_assignment!r}"
-        )
+        raise PartitionError(f"class_assignment must be 'cyclic' or 'random', got {class_assignment!r}")
     weights = rng.lognormal(mu, sigma, size=num_clients)
 
     def counts_for(total: int) -> np.ndarray:
         sizes = min_examples + _apportion(total - floor_total, weights)
-        counts = np.repeat(
-            (sizes // classes_per_client)[:, np.newaxis], classes_per_client, 1
-        )
+        counts = np.repeat((sizes // classes_per_client)[:, np.newaxis], classes_per_client, 1)
         counts[:, 0] += sizes % classes_per_client
         return counts
 
@@ -537,27 +485,21 @@ def shards(
     """
     labels, _ = _check_labels(labels, num_clients)
     if shards_per_client < 1:
-        raise PartitionError(
-            f'shards_per_client must be >= 1, got {shards_per_client}'
-        )
+        raise PartitionError(f'shards_per_client must be >= 1, got {shards_per_client}')
     num_shards = num_clients * shards_per_client
     if num_shards > labels.size:
-        raise PartitionError(
-            f'{num_shards} shards requested but only {labels.size} examples'
-        )
+        raise PartitionError(f'{num_shards} shards requested but only {labels.size} examples')
     rng = np.random.default_rng(seed)
     shuffled = rng.permutation(labels.size)
     ordered = shuffled[np.argsort(labels[shuffled], kind='stable')]
     shard_size = labels.size // num_shards
     shard_list = ordered[: num_shards * shard_size].reshape(num_shards, -1)
     assignment = rng.permutation(num_shards).reshape(num_clients, -1)
-    return [
-        np.sort(shard_list[ids].ravel()).astype(np.int64) for ids in assignment
-    ]
+    return [np.sort(shard_list[ids].ravel()).astype(np.int64) for ids in assignment]
 
 
 def natural(
-    pool_natural_partition: Optional[Sequence[np.ndarray]],
+    pool_natural_partition: Sequence[np.ndarray] | None,
 ) -> list[np.ndarray]:
     """Returns a dataset's own client partition after validating it.
 
@@ -580,16 +522,11 @@ def natural(
         if indices.ndim != 1 or indices.size == 0:
             raise PartitionError(f'natural client {client} has no examples')
         if not np.issubdtype(indices.dtype, np.integer) or indices.min() < 0:
-            raise PartitionError(
-                f'natural client {client} has invalid indices; expected'
-                ' non-negative integers'
-            )
+            raise PartitionError(f'natural client {client} has invalid indices; expected non-negative integers')
         partition.append(np.sort(indices).astype(np.int64))
     merged = np.concatenate(partition)
     if np.unique(merged).size != merged.size:
-        raise PartitionError(
-            'natural partition gives an example to two clients'
-        )
+        raise PartitionError('natural partition gives an example to two clients')
     return partition
 
 
@@ -599,7 +536,7 @@ def ktpfl_case1(
     seed: int,
     major: int = 450,
     minor: int = 150,
-    num_classes: Optional[int] = None,
+    num_classes: int | None = None,
 ) -> list[np.ndarray]:
     """KT-pFL's non-IID case 1: two groups of clients, every class, opposite skews.
 
@@ -640,7 +577,7 @@ def ktpfl_case2(
     seed: int,
     classes_per_client: int = 2,
     examples_per_class: int = 300,
-    num_classes: Optional[int] = None,
+    num_classes: int | None = None,
 ) -> list[np.ndarray]:
     """KT-pFL's non-IID case 2: each client draws two random classes, 300 examples each.
 
@@ -679,8 +616,8 @@ def kdpdfl_dirichlet(
     max_train: int = 100,
     val_examples: int = 20,
     test_examples: int = 100,
-    max_labels: Optional[int] = 4,
-    num_classes: Optional[int] = None,
+    max_labels: int | None = 4,
+    num_classes: int | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """KD-PDFL's setting: Dirichlet(alpha) labels, small training sets, fixed test sets.
 
@@ -759,9 +696,7 @@ _PARTITIONERS = {
 }
 
 
-def build_partition(
-    name: str, labels: np.ndarray, num_clients: int, seed: int, **params
-) -> list[np.ndarray]:
+def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, **params) -> list[np.ndarray]:
     """Builds the partition named `name`.
 
     Names: `iid` (`iid`), `ds1` (`persfl_ds1`), `ds2` (`persfl_ds2`), `ds3`
@@ -787,17 +722,12 @@ def build_partition(
         partitioner, or the partitioner fails.
     """
     if name not in _PARTITIONERS:
-        raise PartitionError(
-            f'unknown partition {name!r}; choose one of '
-            + ', '.join(_PARTITIONERS)
-        )
+        raise PartitionError(f'unknown partition {name!r}; choose one of ' + ', '.join(_PARTITIONERS))
     partitioner = _PARTITIONERS[name]
     try:
         inspect.signature(partitioner).bind(labels, num_clients, seed, **params)
     except TypeError as e:
-        raise PartitionError(
-            f'bad parameters for partition {name!r}: {e}'
-        ) from e
+        raise PartitionError(f'bad parameters for partition {name!r}: {e}') from e
     return partitioner(labels, num_clients, seed, **params)
 
 
@@ -837,47 +767,30 @@ def split_client(
     """
     fractions = np.asarray(fractions, dtype=np.float64)
     if fractions.shape != (3,) or fractions.min() <= 0:
-        raise PartitionError(
-            'split fractions must be 3 positive numbers, got'
-            f' {fractions.tolist()}'
-        )
+        raise PartitionError(f'split fractions must be 3 positive numbers, got {fractions.tolist()}')
     if abs(fractions.sum() - 1.0) > 1e-6:
-        raise PartitionError(
-            f'split fractions must sum to 1, got {fractions.sum():.6g}'
-        )
+        raise PartitionError(f'split fractions must sum to 1, got {fractions.sum():.6g}')
     indices = np.asarray(indices, dtype=np.int64)
     if indices.size == 0:
         raise PartitionError('client has no examples to split')
     rng = np.random.default_rng(seed)
     client_labels = np.asarray(labels)[indices]
-    members = [
-        rng.permutation(indices[client_labels == c])
-        for c in np.unique(client_labels)
-    ]
-    quantiles = np.concatenate(
-        [(np.arange(m.size) + 0.5) / m.size for m in members]
-    )
+    members = [rng.permutation(indices[client_labels == c]) for c in np.unique(client_labels)]
+    quantiles = np.concatenate([(np.arange(m.size) + 0.5) / m.size for m in members])
     tie_breaks = rng.random(indices.size)
     ordered = np.concatenate(members)[np.lexsort((tie_breaks, quantiles))]
     cumulative = np.concatenate([[0.0], np.cumsum(fractions)])
     cumulative[-1] = 1.0
     cuts = np.floor(cumulative * indices.size + 0.5).astype(np.int64)
     splits = {}
-    for s, (key, description) in enumerate(
-        zip(_SPLIT_NAMES, _SPLIT_DESCRIPTIONS)
-    ):
+    for s, (key, description) in enumerate(zip(_SPLIT_NAMES, _SPLIT_DESCRIPTIONS)):
         splits[key] = np.sort(ordered[cuts[s] : cuts[s + 1]])
         if splits[key].size == 0:
-            raise PartitionError(
-                f'client has no {description} examples; give it more data or'
-                ' change --split_fractions'
-            )
+            raise PartitionError(f'client has no {description} examples; give it more data or change --split_fractions')
     return splits
 
 
-def class_histogram(
-    partition: Sequence[np.ndarray], labels: np.ndarray, num_classes: int
-) -> np.ndarray:
+def class_histogram(partition: Sequence[np.ndarray], labels: np.ndarray, num_classes: int) -> np.ndarray:
     """Counts each client's examples per class.
 
     Args:
@@ -895,11 +808,7 @@ def class_histogram(
     histogram = np.zeros((len(partition), num_classes), dtype=np.int64)
     for client, indices in enumerate(partition):
         client_labels = labels[np.asarray(indices, dtype=np.int64)]
-        if client_labels.size and (
-            client_labels.min() < 0 or client_labels.max() >= num_classes
-        ):
-            raise PartitionError(
-                f'client {client} holds labels outside [0, {num_classes})'
-            )
+        if client_labels.size and (client_labels.min() < 0 or client_labels.max() >= num_classes):
+            raise PartitionError(f'client {client} holds labels outside [0, {num_classes})')
         histogram[client] = np.bincount(client_labels, minlength=num_classes)
     return histogram

@@ -2,13 +2,10 @@
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Optional
 
 import numpy as np
 
-from tff_pfl.data import client_data
-from tff_pfl.data import partition
-from tff_pfl.data import sources
+from tff_pfl.data import client_data, partition, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +31,8 @@ def prepare(
     num_clients: int,
     seed: int,
     split_fractions: Sequence[float] = (0.6, 0.2, 0.2),
-    partition_params: Optional[Mapping[str, object]] = None,
-    data_dir: Optional[str] = None,
+    partition_params: Mapping[str, object] | None = None,
+    data_dir: str | None = None,
     download: bool = False,
     public_examples: int = 0,
 ) -> PreparedData:
@@ -64,9 +61,7 @@ def prepare(
       sources.DataError, partition.PartitionError: on bad data or an
         impossible partition (nothing is written then).
     """
-    pool = sources.load_source(
-        dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients
-    )
+    pool = sources.load_source(dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients)
     public = None
     labels = pool.y
     if public_examples:
@@ -74,7 +69,8 @@ def prepare(
             raise partition.PartitionError('public data cannot be set aside from a natural partition')
         if public_examples >= len(pool.y):
             raise partition.PartitionError(
-                f'public_examples ({public_examples}) must be smaller than the dataset ({len(pool.y)})')
+                f'public_examples ({public_examples}) must be smaller than the dataset ({len(pool.y)})'
+            )
         order = np.random.default_rng([seed, 0x9B]).permutation(len(pool.y))
         public = np.sort(order[:public_examples])
         # Clients are partitioned from the rest only.
@@ -82,21 +78,16 @@ def prepare(
         labels = pool.y[keep]
     if partition_name == 'natural':
         if pool.natural_partition is None:
-            raise partition.PartitionError(
-                f'dataset {pool.name!r} has no natural client partition; choose --partition'
-            )
+            raise partition.PartitionError(f'dataset {pool.name!r} has no natural client partition; choose --partition')
         clients = partition.natural(pool.natural_partition)
         if len(clients) != num_clients:
             raise partition.PartitionError(
                 f'dataset {pool.name!r} has {len(clients)} natural clients, not {num_clients}'
             )
     else:
-        clients = partition.build_partition(
-            partition_name, labels, num_clients, seed, **dict(partition_params or {})
-        )
+        clients = partition.build_partition(partition_name, labels, num_clients, seed, **dict(partition_params or {}))
         if public is not None:
-            clients = [
-                {k: keep[v] for k, v in c.items()} if isinstance(c, dict) else keep[c] for c in clients]
+            clients = [{k: keep[v] for k, v in c.items()} if isinstance(c, dict) else keep[c] for c in clients]
     splits = []
     for index, indices in enumerate(clients):
         if isinstance(indices, dict):  # the partition split the client itself

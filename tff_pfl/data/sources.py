@@ -9,7 +9,6 @@ one-line message suitable for a command-line tool.
 import dataclasses
 import os
 import zipfile
-from typing import Optional
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -46,7 +45,7 @@ class Pool:
     y: np.ndarray
     num_classes: int
     name: str
-    natural_partition: Optional[tuple[np.ndarray, ...]] = None
+    natural_partition: tuple[np.ndarray, ...] | None = None
 
 
 def _one_line(error: BaseException) -> str:
@@ -110,7 +109,7 @@ def _as_labels(y: np.ndarray, what: str) -> np.ndarray:
 
 def _pool_splits(
     splits: list[tuple[str, np.ndarray, np.ndarray]],
-    num_classes: Optional[int],
+    num_classes: int | None,
     name: str,
 ) -> Pool:
     """Validates split arrays and concatenates them, in order, into a `Pool`.
@@ -134,10 +133,7 @@ def _pool_splits(
         x = _as_features(x, f'{name}: x_{split}')
         y = _as_labels(y, f'{name}: y_{split}')
         if len(x) != len(y):
-            raise DataError(
-                f'{name}: x_{split} has {len(x)} examples but y_{split} has'
-                f' {len(y)}'
-            )
+            raise DataError(f'{name}: x_{split} has {len(x)} examples but y_{split} has {len(y)}')
         if xs and x.shape[1:] != xs[0].shape[1:]:
             raise DataError(
                 f'{name}: feature shape of split {split!r} {x.shape[1:]}'
@@ -149,12 +145,8 @@ def _pool_splits(
     if num_classes is None:
         num_classes = int(y.max()) + 1
     elif y.max() >= num_classes:
-        raise DataError(
-            f'{name}: label {y.max()} out of range for {num_classes} classes'
-        )
-    return Pool(
-        x=np.concatenate(xs), y=y, num_classes=int(num_classes), name=name
-    )
+        raise DataError(f'{name}: label {y.max()} out of range for {num_classes} classes')
+    return Pool(x=np.concatenate(xs), y=y, num_classes=int(num_classes), name=name)
 
 
 def load_npz(path: str) -> Pool:
@@ -190,16 +182,11 @@ def load_npz(path: str) -> Pool:
     with archive:
         missing = [key for key in _NPZ_KEYS if key not in archive.files]
         if missing:
-            raise DataError(
-                f'{path} lacks key(s) {", ".join(missing)}; expected'
-                f' {", ".join(_NPZ_KEYS)}'
-            )
+            raise DataError(f'{path} lacks key(s) {", ".join(missing)}; expected {", ".join(_NPZ_KEYS)}')
         try:
             arrays = {key: archive[key] for key in _NPZ_KEYS}
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise DataError(
-                f'cannot read npz file {path}: {_one_line(e)}'
-            ) from e
+            raise DataError(f'cannot read npz file {path}: {_one_line(e)}') from e
     return _pool_splits(
         [
             ('train', arrays['x_train'], arrays['y_train']),
@@ -210,9 +197,7 @@ def load_npz(path: str) -> Pool:
     )
 
 
-def load_tfds(
-    name: str, data_dir: Optional[str] = None, download: bool = False
-) -> Pool:
+def load_tfds(name: str, data_dir: str | None = None, download: bool = False) -> Pool:
     """Loads the train and test splits of a TFDS dataset into a `Pool`.
 
     Supported names are `mnist`, `fashion_mnist`, `cifar10`, `cifar100` and
@@ -233,10 +218,7 @@ def load_tfds(
       DataError: If `name` is not supported or the dataset cannot be loaded.
     """
     if name.split('/')[0] not in _TFDS_NAMES:
-        raise DataError(
-            f'unsupported tfds dataset {name!r}; supported: '
-            + ', '.join(_TFDS_NAMES)
-        )
+        raise DataError(f'unsupported tfds dataset {name!r}; supported: ' + ', '.join(_TFDS_NAMES))
     try:
         (train, test), info = tfds.load(
             name,
@@ -250,13 +232,8 @@ def load_tfds(
         (x_train, y_train), (x_test, y_test) = tfds.as_numpy((train, test))
     except Exception as e:  # TFDS raises many unrelated exception types.
         where = data_dir or 'the default TFDS data_dir'
-        hint = (
-            '' if download else '; pass --download or a data_dir that holds it'
-        )
-        raise DataError(
-            f'cannot load tfds dataset {name!r} from {where}{hint}'
-            f' ({_one_line(e)})'
-        ) from e
+        hint = '' if download else '; pass --download or a data_dir that holds it'
+        raise DataError(f'cannot load tfds dataset {name!r} from {where}{hint} ({_one_line(e)})') from e
     return _pool_splits(
         [('train', x_train, y_train), ('test', x_test, y_test)],
         num_classes=info.features['label'].num_classes,
@@ -292,21 +269,13 @@ def load_image_folder(root: str) -> Pool:
             dataset = builder.as_dataset(split=split, as_supervised=True)
             loaded.append((split, list(tfds.as_numpy(dataset))))
     except Exception as e:  # Decoding errors surface as many exception types.
-        raise DataError(
-            f'cannot read image folder {root}: {_one_line(e)}'
-        ) from e
+        raise DataError(f'cannot read image folder {root}: {_one_line(e)}') from e
     loaded = [(split, examples) for split, examples in loaded if examples]
     if not loaded:
-        raise DataError(
-            f'no images found under {root}; expected'
-            ' root/<split>/<label>/*.png|jpg'
-        )
+        raise DataError(f'no images found under {root}; expected root/<split>/<label>/*.png|jpg')
     shapes = {image.shape for _, examples in loaded for image, _ in examples}
     if len(shapes) > 1:
-        raise DataError(
-            f'images under {root} differ in size: '
-            + ', '.join(str(shape) for shape in sorted(shapes))
-        )
+        raise DataError(f'images under {root} differ in size: ' + ', '.join(str(shape) for shape in sorted(shapes)))
     splits = [
         (
             split,
@@ -367,18 +336,14 @@ def synthetic_fedprox(
         or `num_classes` is too small.
     """
     if alpha < 0 or beta < 0:
-        raise DataError(
-            f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}'
-        )
+        raise DataError(f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
     if num_clients < 1 or dim < 1 or num_classes < 2:
         raise DataError(
-            'synthetic needs num_clients >= 1, dim >= 1 and num_classes >= 2,'
-            f' got {num_clients}, {dim}, {num_classes}'
+            f'synthetic needs num_clients >= 1, dim >= 1 and num_classes >= 2, got {num_clients}, {dim}, {num_classes}'
         )
     rng = np.random.default_rng(seed)
     sizes = np.minimum(
-        rng.lognormal(mean=4.0, sigma=2.0, size=num_clients).astype(np.int64)
-        + 50,
+        rng.lognormal(mean=4.0, sigma=2.0, size=num_clients).astype(np.int64) + 50,
         _SYNTHETIC_MAX_CLIENT_SIZE,
     )
     model_means = rng.normal(0.0, np.sqrt(alpha), size=num_clients)
@@ -398,17 +363,14 @@ def synthetic_fedprox(
         y=np.concatenate(ys).astype(np.int32),
         num_classes=num_classes,
         name=f'synthetic({alpha:g},{beta:g})',
-        natural_partition=tuple(
-            np.arange(start, end, dtype=np.int64)
-            for start, end in zip(bounds[:-1], bounds[1:])
-        ),
+        natural_partition=tuple(np.arange(start, end, dtype=np.int64) for start, end in zip(bounds[:-1], bounds[1:])),
     )
 
 
 def load_source(
     spec: str,
     *,
-    data_dir: Optional[str] = None,
+    data_dir: str | None = None,
     download: bool = False,
     seed: int = 0,
     num_clients: int = 30,
@@ -445,10 +407,7 @@ def load_source(
         try:
             alpha, beta = (float(v) for v in arg.split(','))
         except ValueError as e:
-            raise DataError(
-                f'bad synthetic spec {spec!r}; expected'
-                ' synthetic:<alpha>,<beta>'
-            ) from e
+            raise DataError(f'bad synthetic spec {spec!r}; expected synthetic:<alpha>,<beta>') from e
         return synthetic_fedprox(alpha, beta, num_clients=num_clients, seed=seed)
     if spec.endswith('.npz'):
         return load_npz(spec)

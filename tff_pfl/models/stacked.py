@@ -105,7 +105,9 @@ def _conv2d(h, params, config):
     k = tf.transpose(kernel, [1, 2, 3, 0, 4])  # [kh, kw, C, G, F]
     filters = kernel.shape[-1]
     k = tf.reshape(k, [kernel.shape[1], kernel.shape[2], channels, num_models * filters])
-    y = tf.nn.conv2d(x, k, strides=config['strides'], padding=config['padding'].upper(), dilations=config['dilation_rate'])
+    y = tf.nn.conv2d(
+        x, k, strides=config['strides'], padding=config['padding'].upper(), dilations=config['dilation_rate']
+    )
     out_shape = tf.shape(y)
     y = tf.reshape(y, tf.concat([out_shape[:3], [num_models, filters]], axis=0))
     y = tf.transpose(y, [3, 0, 1, 2, 4])  # [G, B, H', W', F]

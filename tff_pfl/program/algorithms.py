@@ -9,7 +9,6 @@ import collections
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Optional
 
 import numpy as np
 import tensorflow_federated as tff
@@ -38,10 +37,10 @@ class Algorithm:
     """
 
     build: Callable
-    client_columns: Optional[Callable[[Mapping], Mapping]] = None
-    plots: Optional[Callable] = None
-    run: Optional[Callable] = None
-    not_one_aggregation: Optional[str] = None
+    client_columns: Callable[[Mapping], Mapping] | None = None
+    plots: Callable | None = None
+    run: Callable | None = None
+    not_one_aggregation: str | None = None
 
 
 def _short_ids(client_ids):
@@ -53,7 +52,8 @@ def _local_config(config):
     if config.local_steps:
         # "l local steps": enough epochs for them, capped at l.
         return local_training.TrainingConfig(
-            config.local_steps, config.batch_size, config.client_learning_rate, max_steps=config.local_steps)
+            config.local_steps, config.batch_size, config.client_learning_rate, max_steps=config.local_steps
+        )
     return local_training.TrainingConfig(config.local_epochs, config.batch_size, config.client_learning_rate)
 
 
@@ -65,8 +65,11 @@ def _fedavg(config, spec, model_fn):
     from processes import fedavg
 
     return fedavg.build_fedavg_process(
-        spec, model_fn, local_config=_local_config(config),
-        server_optimizer=_server_optimizer(config), seed=config.seed,
+        spec,
+        model_fn,
+        local_config=_local_config(config),
+        server_optimizer=_server_optimizer(config),
+        seed=config.seed,
     )
 
 
@@ -75,10 +78,12 @@ def _persfl_builder(soft_loss):
         from processes import persfl
 
         return persfl.build_persfl_process(
-            spec, model_fn,
+            spec,
+            model_fn,
             local_config=_local_config(config),
             distill_config=local_training.TrainingConfig(
-                config.distill_epochs, config.distill_batch_size, config.distill_learning_rate),
+                config.distill_epochs, config.distill_batch_size, config.distill_learning_rate
+            ),
             temperatures=config.temperatures,
             imitations=config.imitations,
             soft_loss=soft_loss,
@@ -104,19 +109,35 @@ def _persfl_plots(out, result, process):
     client_ids, states = list(result.client_states), list(result.client_states.values())
     short = _short_ids(client_ids)
     reports.plot_client_bars(
-        short, {'teacher round': [int(s['teacher_round']) for s in states]},
-        os.path.join(out, 'teacher_rounds.png'), 'Round of each client\'s optimal teacher', 'round')
+        short,
+        {'teacher round': [int(s['teacher_round']) for s in states]},
+        os.path.join(out, 'teacher_rounds.png'),
+        "Round of each client's optimal teacher",
+        'round',
+    )
     reports.plot_client_bars(
-        short, {'T (temperature)': [float(s['temperature']) for s in states]},
-        os.path.join(out, 'chosen_temperature.png'), 'Chosen temperature T per client', 'T')
+        short,
+        {'T (temperature)': [float(s['temperature']) for s in states]},
+        os.path.join(out, 'chosen_temperature.png'),
+        'Chosen temperature T per client',
+        'T',
+    )
     reports.plot_client_bars(
-        short, {'lambda (imitation)': [float(s['imitation']) for s in states]},
-        os.path.join(out, 'chosen_imitation.png'), 'Chosen imitation lambda per client', 'lambda')
+        short,
+        {'lambda (imitation)': [float(s['imitation']) for s in states]},
+        os.path.join(out, 'chosen_imitation.png'),
+        'Chosen imitation lambda per client',
+        'lambda',
+    )
     grid = np.stack([np.asarray(s['grid_val_accuracy']) for s in states])
-    labels = [f'T={t:g}, λ={l:g}' for t, l in process.grid_candidates]
+    labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.grid_candidates]
     reports.plot_heatmap(
-        grid, os.path.join(out, 'distillation_grid.png'),
-        'Validation accuracy of each (T, lambda) candidate', row_labels=short, col_labels=labels)
+        grid,
+        os.path.join(out, 'distillation_grid.png'),
+        'Validation accuracy of each (T, lambda) candidate',
+        row_labels=short,
+        col_labels=labels,
+    )
     header = ['client_id'] + labels
     rows = [dict(zip(header, [c] + [float(v) for v in row])) for c, row in zip(client_ids, grid)]
     reports.write_csv(os.path.join(out, 'distillation_grid.csv'), rows)
@@ -132,7 +153,8 @@ def _selffl(config, spec, model_fn):
     from processes import selffl
 
     return selffl.build_selffl_process(
-        spec, model_fn,
+        spec,
+        model_fn,
         learning_rate=config.client_learning_rate,
         batch_size=config.batch_size,
         l_max=config.selffl_max_steps,
@@ -159,11 +181,19 @@ def _selffl_plots(out, result, process):
     if len(order) > 60:  # a readable sample of clients, spread over the range
         order = [order[int(i)] for i in np.linspace(0, len(order) - 1, 60)]
     reports.plot_client_bars(
-        [short[i] for i in order], {'local steps (last round)': [int(states[i]['local_steps']) for i in order]},
-        os.path.join(out, 'local_steps.png'), 'Self-FL local steps per client (sorted by sigma_m^2)', 'steps')
+        [short[i] for i in order],
+        {'local steps (last round)': [int(states[i]['local_steps']) for i in order]},
+        os.path.join(out, 'local_steps.png'),
+        'Self-FL local steps per client (sorted by sigma_m^2)',
+        'steps',
+    )
     reports.plot_client_bars(
-        [short[i] for i in order], {'sigma_m^2': [float(states[i]['sigma_m_sq']) for i in order]},
-        os.path.join(out, 'intra_client_variance.png'), 'Intra-client uncertainty sigma_m^2', 'sigma_m^2')
+        [short[i] for i in order],
+        {'sigma_m^2': [float(states[i]['sigma_m_sq']) for i in order]},
+        os.path.join(out, 'intra_client_variance.png'),
+        'Intra-client uncertainty sigma_m^2',
+        'sigma_m^2',
+    )
     return [('Local steps per client', 'local_steps.png'), ('Intra-client uncertainty', 'intra_client_variance.png')]
 
 
@@ -223,7 +253,8 @@ def _ktpfl_homogeneous(config, spec, model_fn):
     from processes import ktpfl
 
     return ktpfl.build_ktpfl_homogeneous_process(
-        spec, model_fn,
+        spec,
+        model_fn,
         local_config=_local_config(config),
         transfer_steps=config.distill_epochs,
         transfer_learning_rate=config.distill_learning_rate,
@@ -236,19 +267,27 @@ def _ktpfl_homogeneous(config, spec, model_fn):
 def _client_matrix(out, name, title, matrix, client_ids, row_labels=None):
     """A client x client matrix as `<name>.png` (heatmap) and `<name>.csv`."""
     short = _short_ids(client_ids)
-    reports.plot_heatmap(matrix, os.path.join(out, f'{name}.png'), title,
-                         row_labels=row_labels or short, col_labels=short)
-    reports.write_csv(os.path.join(out, f'{name}.csv'),
-                      [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)})
-                       for c, row in zip(client_ids, matrix)])
+    reports.plot_heatmap(
+        matrix, os.path.join(out, f'{name}.png'), title, row_labels=row_labels or short, col_labels=short
+    )
+    reports.write_csv(
+        os.path.join(out, f'{name}.csv'),
+        [dict(client_id=c, **{m: float(v) for m, v in zip(short, row)}) for c, row in zip(client_ids, matrix)],
+    )
 
 
 def _ktpfl_plots(out, result, process):
     client_ids = list(result.client_states)
     architectures = getattr(process, 'architectures', None) or [''] * len(client_ids)
     labels = [f'{s} {a}'.strip() for s, a in zip(_short_ids(client_ids), architectures)]
-    _client_matrix(out, 'knowledge_coefficients', 'Knowledge coefficients c[n, m] (row n: client n\'s mix)',
-                   np.asarray(result.state['coefficients']), client_ids, row_labels=labels)
+    _client_matrix(
+        out,
+        'knowledge_coefficients',
+        "Knowledge coefficients c[n, m] (row n: client n's mix)",
+        np.asarray(result.state['coefficients']),
+        client_ids,
+        row_labels=labels,
+    )
     _communication_plots(out, result, process)
     return [('Knowledge coefficients', 'knowledge_coefficients.png')]
 
@@ -258,7 +297,8 @@ def _kdpdfl_builder(mode):
         from processes import kdpdfl
 
         return kdpdfl.build_kdpdfl_process(
-            spec, model_fn,
+            spec,
+            model_fn,
             local_config=_local_config(config),
             max_neighbours=config.kd_max_neighbours,
             mu1=config.kd_mu1,
@@ -279,7 +319,8 @@ def _decentralized_run(finetune):
         from tff_pfl.program import decentralized
 
         return decentralized.run(
-            process, spec.client_ids,
+            process,
+            spec.client_ids,
             intervals=config.rounds,
             exchange_interval=config.exchange_interval,
             seed=config.seed,
@@ -296,14 +337,20 @@ def _decentralized_run(finetune):
 
 def _kdpdfl_columns(state):
     return collections.OrderedDict(
-        num_exchanges=int(state['num_participations']), confidence=float(state['confidence']))
+        num_exchanges=int(state['num_participations']), confidence=float(state['confidence'])
+    )
 
 
 def _kdpdfl_plots(out, result, process):
     del process
     graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
-    _client_matrix(out, 'collaboration_graph', 'Collaboration weights w[i, j] (row i: client i\'s private vector)',
-                   graph, list(result.client_states))
+    _client_matrix(
+        out,
+        'collaboration_graph',
+        "Collaboration weights w[i, j] (row i: client i's private vector)",
+        graph,
+        list(result.client_states),
+    )
     return [('Collaboration graph W', 'collaboration_graph.png')]
 
 
@@ -311,8 +358,12 @@ def _fedavg_finetune(config, spec, model_fn):
     from processes import fedavg
 
     return fedavg.build_fedavg_process(
-        spec, model_fn, local_config=_local_config(config),
-        server_optimizer=_server_optimizer(config), finetune_epochs=config.finetune_epochs, seed=config.seed,
+        spec,
+        model_fn,
+        local_config=_local_config(config),
+        server_optimizer=_server_optimizer(config),
+        finetune_epochs=config.finetune_epochs,
+        seed=config.seed,
     )
 
 
@@ -320,8 +371,12 @@ def _finetune_plots(out, result, process):
     del process
     states = list(result.client_states.values())
     reports.plot_client_bars(
-        _short_ids(list(result.client_states)), {'fine-tuning epochs': [int(s['finetune_epochs']) for s in states]},
-        os.path.join(out, 'finetune_epochs.png'), 'Fine-tuning epochs chosen on validation', 'epochs')
+        _short_ids(list(result.client_states)),
+        {'fine-tuning epochs': [int(s['finetune_epochs']) for s in states]},
+        os.path.join(out, 'finetune_epochs.png'),
+        'Fine-tuning epochs chosen on validation',
+        'epochs',
+    )
     return [('Fine-tuning epochs per client', 'finetune_epochs.png')]
 
 
@@ -335,27 +390,44 @@ def _fedper(config, spec, model_fn):
     from processes import fedper
 
     return fedper.build_fedper_process(
-        spec, model_fn, local_config=_local_config(config), personal_layers=config.personal_layers,
-        server_optimizer=_server_optimizer(config), seed=config.seed)
+        spec,
+        model_fn,
+        local_config=_local_config(config),
+        personal_layers=config.personal_layers,
+        server_optimizer=_server_optimizer(config),
+        seed=config.seed,
+    )
 
 
 def _ditto(config, spec, model_fn):
     from processes import ditto
 
     return ditto.build_ditto_process(
-        spec, model_fn, local_config=_local_config(config),
+        spec,
+        model_fn,
+        local_config=_local_config(config),
         personal_config=local_training.TrainingConfig(
-            config.personal_epochs, config.batch_size, config.client_learning_rate),
-        ditto_lambda=config.ditto_lambda, server_optimizer=_server_optimizer(config), seed=config.seed)
+            config.personal_epochs, config.batch_size, config.client_learning_rate
+        ),
+        ditto_lambda=config.ditto_lambda,
+        server_optimizer=_server_optimizer(config),
+        seed=config.seed,
+    )
 
 
 def _pfedme(config, spec, model_fn):
     from processes import pfedme
 
     return pfedme.build_pfedme_process(
-        spec, model_fn, local_config=_local_config(config), pfedme_lambda=config.pfedme_lambda,
-        inner_steps=config.pfedme_inner_steps, personal_learning_rate=config.pfedme_personal_learning_rate,
-        beta=config.pfedme_beta, seed=config.seed)
+        spec,
+        model_fn,
+        local_config=_local_config(config),
+        pfedme_lambda=config.pfedme_lambda,
+        inner_steps=config.pfedme_inner_steps,
+        personal_learning_rate=config.pfedme_personal_learning_rate,
+        beta=config.pfedme_beta,
+        seed=config.seed,
+    )
 
 
 def _perfedavg_builder(variant):
@@ -363,8 +435,14 @@ def _perfedavg_builder(variant):
         from processes import perfedavg
 
         return perfedavg.build_perfedavg_process(
-            spec, model_fn, local_config=_local_config(config), alpha=config.perfedavg_alpha,
-            variant=variant, delta=config.perfedavg_delta, seed=config.seed)
+            spec,
+            model_fn,
+            local_config=_local_config(config),
+            alpha=config.perfedavg_alpha,
+            variant=variant,
+            delta=config.perfedavg_delta,
+            seed=config.seed,
+        )
 
     return build
 
@@ -373,9 +451,14 @@ def _apfl(config, spec, model_fn):
     from processes import apfl
 
     return apfl.build_apfl_process(
-        spec, model_fn, local_config=_local_config(config), initial_alpha=config.apfl_alpha,
-        alpha_learning_rate=config.apfl_alpha_learning_rate, server_optimizer=_server_optimizer(config),
-        seed=config.seed)
+        spec,
+        model_fn,
+        local_config=_local_config(config),
+        initial_alpha=config.apfl_alpha,
+        alpha_learning_rate=config.apfl_alpha_learning_rate,
+        server_optimizer=_server_optimizer(config),
+        seed=config.seed,
+    )
 
 
 def _apfl_plots(out, result, process):
@@ -383,44 +466,59 @@ def _apfl_plots(out, result, process):
     reports.plot_client_bars(
         _short_ids(list(result.client_states)),
         {'alpha': [float(s['alpha']) for s in result.client_states.values()]},
-        os.path.join(out, 'apfl_alpha.png'), 'APFL mixing weight alpha per client', 'alpha')
+        os.path.join(out, 'apfl_alpha.png'),
+        'APFL mixing weight alpha per client',
+        'alpha',
+    )
     return [('APFL alpha per client', 'apfl_alpha.png')]
 
 
-_KDPDFL_LIMIT = ('it is serverless: each exchange gathers every neighbour\'s own model at the star (one slot per '
-                 'neighbour) and sends the star\'s new model back for a second client stage, and its own run loop '
-                 'samples the star and its neighbours per time slot; a device form of two phases, like KT-pFL\'s, '
-                 'is not built')
+_KDPDFL_LIMIT = (
+    "it is serverless: each exchange gathers every neighbour's own model at the star (one slot per "
+    "neighbour) and sends the star's new model back for a second client stage, and its own run loop "
+    "samples the star and its neighbours per time slot; a device form of two phases, like KT-pFL's, "
+    'is not built'
+)
 
 _ALGORITHMS = {
     'fedavg': Algorithm(_fedavg),
     'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
     'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
     'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
-    'ktpfl': Algorithm(
-        _ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
+    'ktpfl': Algorithm(_ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
     'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots),
     'feddf': Algorithm(
-        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots
+    ),
     'pfeddf': Algorithm(
-        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots),
+        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots
+    ),
     'local': Algorithm(_local),
     'fedavg_ft': Algorithm(
-        _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots),
+        _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots
+    ),
     'fedper': Algorithm(_fedper),
     'ditto': Algorithm(_ditto),
     'pfedme': Algorithm(_pfedme),
     'perfedavg_fo': Algorithm(_perfedavg_builder('fo')),
     'perfedavg_hf': Algorithm(_perfedavg_builder('hf')),
     'apfl': Algorithm(_apfl, lambda state: {'alpha': float(state['alpha'])}, _apfl_plots),
-    'kdpdfl': Algorithm(_kdpdfl_builder('kdpdfl'), _kdpdfl_columns, _kdpdfl_plots, _decentralized_run(False),
-        not_one_aggregation=_KDPDFL_LIMIT),
-    'kdpdfl_fedavg': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False),
-        not_one_aggregation=_KDPDFL_LIMIT),
-    'kdpdfl_fedavg_plus': Algorithm(_kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True),
-        not_one_aggregation=_KDPDFL_LIMIT),
-    'kdpdfl_local': Algorithm(_kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False),
-        not_one_aggregation=_KDPDFL_LIMIT),
+    'kdpdfl': Algorithm(
+        _kdpdfl_builder('kdpdfl'),
+        _kdpdfl_columns,
+        _kdpdfl_plots,
+        _decentralized_run(False),
+        not_one_aggregation=_KDPDFL_LIMIT,
+    ),
+    'kdpdfl_fedavg': Algorithm(
+        _kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False), not_one_aggregation=_KDPDFL_LIMIT
+    ),
+    'kdpdfl_fedavg_plus': Algorithm(
+        _kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True), not_one_aggregation=_KDPDFL_LIMIT
+    ),
+    'kdpdfl_local': Algorithm(
+        _kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False), not_one_aggregation=_KDPDFL_LIMIT
+    ),
 }
 
 

@@ -71,14 +71,12 @@ import time
 import tomllib
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Optional
 
 import tensorflow_federated as tff
 
 from tff_pfl.computations import audit
 from tff_pfl.program import algorithms as algorithms_lib
-from tff_pfl.program import experiment
-from tff_pfl.program import reports
+from tff_pfl.program import experiment, reports
 
 RESULT_FILE = 'bench_result.json'
 SUITE_FILE = 'suite.toml'
@@ -182,13 +180,14 @@ class Suite:
     text: str
     defaults: Mapping
     seeds: tuple
-    target_accuracy: Optional[float]
+    target_accuracy: float | None
     partitions: tuple
     algorithms: tuple
     paper: Mapping
 
-    def config(self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int,
-               output_dir: str = '') -> experiment.ExperimentConfig:
+    def config(
+        self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
+    ) -> experiment.ExperimentConfig:
         """The run's configuration (not validated; `load_suite` did that).
 
         Args:
@@ -205,8 +204,7 @@ class Suite:
         values.update(partition.fields)
         values.update(algorithm.overrides)
         values.update(algorithm.partition_overrides.get(partition.name, {}))
-        return experiment.ExperimentConfig(
-            output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed, **values)
+        return experiment.ExperimentConfig(output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed, **values)
 
     def runs(self) -> list[Run]:
         """Every run, partition-major, then seed, then algorithm.
@@ -219,9 +217,9 @@ class Suite:
     def select(
         self,
         *,
-        seeds: Optional[Sequence[int]] = None,
-        algorithms: Optional[Sequence[str]] = None,
-        partitions: Optional[Sequence[str]] = None,
+        seeds: Sequence[int] | None = None,
+        algorithms: Sequence[str] | None = None,
+        partitions: Sequence[str] | None = None,
     ) -> list[Run]:
         """The runs of a subset of the suite.
 
@@ -240,7 +238,8 @@ class Suite:
         _check_selection('algorithm', algorithms, [a.name for a in self.algorithms])
         _check_selection('partition', partitions, [p.name for p in self.partitions])
         return [
-            run for run in self.runs()
+            run
+            for run in self.runs()
             if (seeds is None or run.seed in seeds)
             and (algorithms is None or run.algorithm.name in algorithms)
             and (partitions is None or run.partition.name in partitions)
@@ -332,8 +331,11 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
 
     defaults = _table(raw.get('defaults', {}), 'defaults', fail)
     seeds = defaults.get('seeds')
-    if (not isinstance(seeds, list) or not seeds
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)):
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+    ):
         fail('defaults.seeds', 'required, a non-empty list of non-negative integers')
     if len(set(seeds)) != len(seeds):
         fail('defaults.seeds', f'repeated seed in {seeds}')
@@ -344,7 +346,8 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
     if headline_model not in MODELS:
         fail('defaults.headline_model', f'must be one of {", ".join(MODELS)}, got {headline_model!r}')
     config_defaults = _config_fields(
-        {k: v for k, v in defaults.items() if k not in _DEFAULTS_EXTRA}, 'defaults', fail, _RESERVED)
+        {k: v for k, v in defaults.items() if k not in _DEFAULTS_EXTRA}, 'defaults', fail, _RESERVED
+    )
 
     partitions = []
     raw_partitions = raw.get('partitions')
@@ -358,7 +361,8 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         if not isinstance(entry.get('partition'), str):
             fail(f'{where}.partition', 'required, a string (ExperimentConfig.partition)')
         fields = _config_fields(
-            {k: v for k, v in entry.items() if k != 'name'}, where, fail, ('output_dir', 'algorithm', 'seed'))
+            {k: v for k, v in entry.items() if k != 'name'}, where, fail, ('output_dir', 'algorithm', 'seed')
+        )
         partitions.append(PartitionEntry(label, slug(label), fields))
     _unique_labels(partitions, 'partitions', fail)
     partition_names = [p.name for p in partitions]
@@ -382,10 +386,12 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         if model not in MODELS:
             fail(f'{where}.model', f'must be one of {", ".join(MODELS)}, got {model!r}')
         overrides = _config_fields(
-            _table(entry.get('overrides', {}), f'{where}.overrides', fail), f'{where}.overrides', fail, _RESERVED)
+            _table(entry.get('overrides', {}), f'{where}.overrides', fail), f'{where}.overrides', fail, _RESERVED
+        )
         per_partition = {}
         for partition_name, values in _table(
-                entry.get('partition_overrides', {}), f'{where}.partition_overrides', fail).items():
+            entry.get('partition_overrides', {}), f'{where}.partition_overrides', fail
+        ).items():
             key = f'{where}.partition_overrides.{partition_name}'
             if partition_name not in partition_names:
                 fail(key, f'unknown partition; the suite has {", ".join(partition_names)}')
@@ -408,9 +414,16 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
             paper[algorithm_name][partition_name] = (float(value[0]), float(value[1]))
 
     suite = Suite(
-        name=name, description=description, path=path, text=text, defaults=config_defaults,
-        seeds=tuple(seeds), target_accuracy=None if target is None else float(target),
-        partitions=tuple(partitions), algorithms=tuple(entries), paper=paper,
+        name=name,
+        description=description,
+        path=path,
+        text=text,
+        defaults=config_defaults,
+        seeds=tuple(seeds),
+        target_accuracy=None if target is None else float(target),
+        partitions=tuple(partitions),
+        algorithms=tuple(entries),
+        paper=paper,
     )
     _validate_configs(suite, fail)
     return suite
@@ -432,8 +445,11 @@ def _validate_configs(suite: Suite, fail) -> None:
                 continue
             for field, value in data.items():
                 if value != reference[1][field]:
-                    fail(where, f'changes the client data ({field} {value!r}, but {reference[1][field]!r} for '
-                                f'"{reference[0]}"); every algorithm of a partition must train on the same partition')
+                    fail(
+                        where,
+                        f'changes the client data ({field} {value!r}, but {reference[1][field]!r} for '
+                        f'"{reference[0]}"); every algorithm of a partition must train on the same partition',
+                    )
 
 
 def _data_key(config: experiment.ExperimentConfig) -> dict:
@@ -536,7 +552,7 @@ def _locked(path: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _stored_suite(output_dir: str) -> Optional[str]:
+def _stored_suite(output_dir: str) -> str | None:
     path = os.path.join(output_dir, SUITE_FILE)
     if not os.path.exists(path):
         return None
@@ -560,11 +576,14 @@ def _check_output_dir(suite: Suite, output_dir: str, overwrite: bool) -> None:
         stored = _stored_suite(output_dir)
         if not overwrite:
             if stored is None and os.listdir(output_dir):
-                raise SuiteError(f'output_dir {output_dir} is not empty and holds no benchmark; '
-                                 'pass --overwrite to replace it')
+                raise SuiteError(
+                    f'output_dir {output_dir} is not empty and holds no benchmark; pass --overwrite to replace it'
+                )
             if stored is not None and not _same_suite(stored, suite):
-                raise SuiteError(f'output_dir {output_dir} holds results of a different suite '
-                                 f'(see {os.path.join(output_dir, SUITE_FILE)}); pass --overwrite to replace them')
+                raise SuiteError(
+                    f'output_dir {output_dir} holds results of a different suite '
+                    f'(see {os.path.join(output_dir, SUITE_FILE)}); pass --overwrite to replace them'
+                )
         probe_dir = output_dir
     else:
         probe_dir = os.path.dirname(output_dir) or '.'
@@ -576,7 +595,7 @@ def _check_output_dir(suite: Suite, output_dir: str, overwrite: bool) -> None:
         raise SuiteError(f'output_dir {output_dir} is not writable: {e.strerror}') from None
 
 
-def _prepare_output_dir(suite: Suite, output_dir: str, overwrite: bool, command: Optional[str]) -> None:
+def _prepare_output_dir(suite: Suite, output_dir: str, overwrite: bool, command: str | None) -> None:
     _check_output_dir(suite, output_dir, overwrite)
     os.makedirs(output_dir, exist_ok=True)
     with _locked(os.path.join(output_dir, '.lock')):
@@ -612,8 +631,9 @@ def check_report_dir(suite: Suite, output_dir: str) -> None:
     if stored is None:
         raise SuiteError(f'output_dir {output_dir} holds no benchmark ({SUITE_FILE} is missing)')
     if not _same_suite(stored, suite):
-        raise SuiteError(f'output_dir {output_dir} holds results of a different suite '
-                         f'(see {os.path.join(output_dir, SUITE_FILE)})')
+        raise SuiteError(
+            f'output_dir {output_dir} holds results of a different suite (see {os.path.join(output_dir, SUITE_FILE)})'
+        )
 
 
 def _check_data(suite: Suite, runs: Sequence[Run]) -> None:
@@ -623,8 +643,10 @@ def _check_data(suite: Suite, runs: Sequence[Run]) -> None:
         kind, _, arg = dataset.partition(':')
         path = arg if kind in ('npz', 'folder') else (dataset if dataset.endswith('.npz') else None)
         if path is not None and not os.path.exists(path):
-            raise SuiteError(f'{suite.path}: dataset {dataset!r} of partitions "{run.partition.name}": '
-                             f'{path} not found (paths are relative to the working directory)')
+            raise SuiteError(
+                f'{suite.path}: dataset {dataset!r} of partitions "{run.partition.name}": '
+                f'{path} not found (paths are relative to the working directory)'
+            )
 
 
 # ----------------------------------------------------------------------------
@@ -651,7 +673,7 @@ class _RunLog:
             self._pending = []
 
 
-def _file_text(path: str) -> Optional[str]:
+def _file_text(path: str) -> str | None:
     try:
         with open(path, encoding='utf-8') as f:
             return f.read()
@@ -659,7 +681,7 @@ def _file_text(path: str) -> Optional[str]:
         return None
 
 
-def _reference_partition(suite: Suite, output_dir: str, run: Run) -> tuple[Optional[str], Optional[str]]:
+def _reference_partition(suite: Suite, output_dir: str, run: Run) -> tuple[str | None, str | None]:
     """`partition.csv` of the first complete run of the same (partition, seed)."""
     for other in suite.runs():
         if other.partition is run.partition and other.seed == run.seed and other != run:
@@ -669,16 +691,20 @@ def _reference_partition(suite: Suite, output_dir: str, run: Run) -> tuple[Optio
     return None, None
 
 
-def _check_process(run: Run, process, partition_text: Optional[str], reference) -> dict:
+def _check_process(run: Run, process, partition_text: str | None, reference) -> dict:
     """Before training: the chosen model exists, the partition is shared; communication."""
     models = [name for name, _ in tff.structure.iter_elements(process.evaluate.type_signature.result.member)]
     if run.algorithm.model not in models:
-        raise SuiteError(f'algorithms "{run.algorithm.name}" ({run.algorithm.algorithm}) evaluates '
-                         f'{", ".join(models)}, not model {run.algorithm.model!r}')
+        raise SuiteError(
+            f'algorithms "{run.algorithm.name}" ({run.algorithm.algorithm}) evaluates '
+            f'{", ".join(models)}, not model {run.algorithm.model!r}'
+        )
     reference_label, reference_text = reference
     if reference_text is not None and partition_text != reference_text:
-        raise SuiteError(f'run {run.label} trains on another partition than {reference_label} '
-                         '(partition.csv differs); every algorithm of a partition must share it')
+        raise SuiteError(
+            f'run {run.label} trains on another partition than {reference_label} '
+            '(partition.csv differs); every algorithm of a partition must share it'
+        )
     communication = {'has_personalize': process.personalize is not None}
     try:
         communication.update(audit.communication_bytes(process.next))
@@ -699,8 +725,9 @@ def _participants(config: experiment.ExperimentConfig, num_clients: int, row: Ma
     return max(1, int(math.ceil(config.client_fraction * num_clients)))
 
 
-def communication_totals(per_call: Mapping, config: experiment.ExperimentConfig, rounds: Sequence[Mapping],
-                         num_clients: int) -> dict:
+def communication_totals(
+    per_call: Mapping, config: experiment.ExperimentConfig, rounds: Sequence[Mapping], num_clients: int
+) -> dict:
     """Bytes of a whole run from the bytes of one call per client.
 
     Args:
@@ -731,8 +758,13 @@ def communication_totals(per_call: Mapping, config: experiment.ExperimentConfig,
         up += num_clients * per_call['personalize_bytes_up_per_client']
     result['bytes_down_per_client_per_round'] = result.pop('bytes_down_per_client')
     result['bytes_up_per_client_per_round'] = result.pop('bytes_up_per_client')
-    result.update(client_rounds=client_rounds, bytes_down_total=down, bytes_up_total=up,
-                  bytes_down_per_client=down / num_clients, bytes_up_per_client=up / num_clients)
+    result.update(
+        client_rounds=client_rounds,
+        bytes_down_total=down,
+        bytes_up_total=up,
+        bytes_down_per_client=down / num_clients,
+        bytes_up_per_client=up / num_clients,
+    )
     return result
 
 
@@ -749,15 +781,18 @@ def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool) -> list
       `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction.
     """
     key = f'test_{model}_accuracy_mean'
-    points = [{'round': int(row['round']), 'accuracy': float(row[key])}
-              for row in rounds if row.get(key) is not None and row.get(key) != '']
+    points = [
+        {'round': int(row['round']), 'accuracy': float(row[key])}
+        for row in rounds
+        if row.get(key) is not None and row.get(key) != ''
+    ]
     if final_only and points:
         last = int(rounds[-1]['round'])
         points = [p for p in points if p['round'] == last]
     return points
 
 
-def rounds_to_target(curve: Sequence[Mapping], target: Optional[float]) -> Optional[int]:
+def rounds_to_target(curve: Sequence[Mapping], target: float | None) -> int | None:
     """The first round of `curve` whose accuracy is >= `target`; None if none is.
 
     Args:
@@ -794,8 +829,10 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         summary={name: {k: float(v) for k, v in s.items()} for name, s in result.summary.items()},
         clients=[
             collections.OrderedDict(
-                client_id=row['client_id'], accuracy=float(row[f'{model}_accuracy']),
-                num_examples=int(row[f'{model}_num_examples']))
+                client_id=row['client_id'],
+                accuracy=float(row[f'{model}_accuracy']),
+                num_examples=int(row[f'{model}_num_examples']),
+            )
             for row in result.clients
         ],
         final_only=final_only,
@@ -812,11 +849,11 @@ def run_suite(
     suite: Suite,
     output_dir: str,
     *,
-    seeds: Optional[Sequence[int]] = None,
-    algorithms: Optional[Sequence[str]] = None,
-    partitions: Optional[Sequence[str]] = None,
+    seeds: Sequence[int] | None = None,
+    algorithms: Sequence[str] | None = None,
+    partitions: Sequence[str] | None = None,
     overwrite: bool = False,
-    command: Optional[str] = None,
+    command: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Runs the selected runs of a suite that are not complete, then writes the report.
@@ -874,8 +911,10 @@ def run_suite(
             spent, done = spent + seconds, done + 1
             eta = spent / done * (len(todo) - i)
             accuracy = record['summary'][run.algorithm.model]['mean']
-            log(f'run {i}/{len(todo)} {run.label}: {seconds:.1f}s  test_acc[{run.algorithm.model}] '
-                f'{accuracy:.4f}  ETA {_format_seconds(eta)}')
+            log(
+                f'run {i}/{len(todo)} {run.label}: {seconds:.1f}s  test_acc[{run.algorithm.model}] '
+                f'{accuracy:.4f}  ETA {_format_seconds(eta)}'
+            )
     return write_report(suite, output_dir, log=log)
 
 
@@ -932,12 +971,12 @@ def load_results(suite: Suite, output_dir: str) -> list[dict]:
     return records
 
 
-def _mean(values) -> Optional[float]:
+def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
 
 
-def _stdev(values) -> Optional[float]:
+def _stdev(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.stdev(values) if len(values) >= 2 else None
 
@@ -972,31 +1011,34 @@ def aggregate(suite: Suite, records: Sequence[Mapping]) -> list[dict]:
             num_clients = len(mine[0]['clients'])
             if any(len(r['clients']) != num_clients for r in mine):
                 raise SuiteError(f'runs of {partition.name}/{algorithm.name} have different numbers of clients')
-            per_client = [statistics.fmean(100 * r['clients'][i]['accuracy'] for r in mine)
-                          for i in range(num_clients)]
+            per_client = [statistics.fmean(100 * r['clients'][i]['accuracy'] for r in mine) for i in range(num_clients)]
             reached = [r['rounds_to_target'] for r in mine if r['rounds_to_target'] is not None]
             communication = [r['communication'] for r in mine]
-            rows.append(collections.OrderedDict(
-                partition=partition.name,
-                algorithm=algorithm.name,
-                model=model,
-                seeds=' '.join(str(r['seed']) for r in mine),
-                runs=f'{len(mine)}/{len(suite.seeds)}',
-                accuracy_mean=statistics.fmean(means),
-                accuracy_std_over_seeds=_stdev(means),
-                client_std=statistics.fmean(stds),
-                client_std_over_seeds=_stdev(stds),
-                worst_10=statistics.fmean(worst),
-                rounds=mine[0]['rounds'],
-                rounds_to_target=_mean(reached),
-                rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
-                bytes_down_per_client_per_round=_mean(c.get('bytes_down_per_client_per_round') for c in communication),
-                bytes_up_per_client_per_round=_mean(c.get('bytes_up_per_client_per_round') for c in communication),
-                bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
-                bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
-                minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
-                per_client=per_client,
-            ))
+            rows.append(
+                collections.OrderedDict(
+                    partition=partition.name,
+                    algorithm=algorithm.name,
+                    model=model,
+                    seeds=' '.join(str(r['seed']) for r in mine),
+                    runs=f'{len(mine)}/{len(suite.seeds)}',
+                    accuracy_mean=statistics.fmean(means),
+                    accuracy_std_over_seeds=_stdev(means),
+                    client_std=statistics.fmean(stds),
+                    client_std_over_seeds=_stdev(stds),
+                    worst_10=statistics.fmean(worst),
+                    rounds=mine[0]['rounds'],
+                    rounds_to_target=_mean(reached),
+                    rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
+                    bytes_down_per_client_per_round=_mean(
+                        c.get('bytes_down_per_client_per_round') for c in communication
+                    ),
+                    bytes_up_per_client_per_round=_mean(c.get('bytes_up_per_client_per_round') for c in communication),
+                    bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
+                    bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
+                    minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
+                    per_client=per_client,
+                )
+            )
     return rows
 
 
@@ -1015,14 +1057,26 @@ def write_report(suite: Suite, output_dir: str, *, log: Callable[[str], None] = 
     with _locked(os.path.join(output_dir, '.lock')):
         records = load_results(suite, output_dir)
         rows = aggregate(suite, records)
-        reports.write_csv(os.path.join(output_dir, 'results.csv'), [
-            collections.OrderedDict(
-                partition=r['partition'], algorithm=r['algorithm'], seed=r['seed'], client=i,
-                client_id=c['client_id'], model=r['model'], accuracy=c['accuracy'])
-            for r in records for i, c in enumerate(r['clients'])
-        ])
-        reports.write_csv(os.path.join(output_dir, 'summary.csv'),
-                          [{k: v for k, v in row.items() if k != 'per_client'} for row in rows])
+        reports.write_csv(
+            os.path.join(output_dir, 'results.csv'),
+            [
+                collections.OrderedDict(
+                    partition=r['partition'],
+                    algorithm=r['algorithm'],
+                    seed=r['seed'],
+                    client=i,
+                    client_id=c['client_id'],
+                    model=r['model'],
+                    accuracy=c['accuracy'],
+                )
+                for r in records
+                for i, c in enumerate(r['clients'])
+            ],
+        )
+        reports.write_csv(
+            os.path.join(output_dir, 'summary.csv'),
+            [{k: v for k, v in row.items() if k != 'per_client'} for row in rows],
+        )
         plots = _write_plots(suite, output_dir, records, rows)
         commands = (_file_text(os.path.join(output_dir, COMMANDS_FILE)) or '').splitlines()
         text = render_report(suite, output_dir, records, rows, plots, commands)
@@ -1049,22 +1103,35 @@ def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
                 curves[round_num][row['algorithm']] = statistics.fmean(values)
         curve_rows = [{'round': r, **curves[r]} for r in sorted(curves)]
         name = f'curves_{partition.slug}.png'
-        reports.plot_curves(curve_rows, 'round', labels, os.path.join(output_dir, name),
-                            f'{suite.name}, {partition.name}: test accuracy of each algorithm\'s model '
-                            '(mean over seeds)', 'test accuracy (%)')
+        reports.plot_curves(
+            curve_rows,
+            'round',
+            labels,
+            os.path.join(output_dir, name),
+            f"{suite.name}, {partition.name}: test accuracy of each algorithm's model (mean over seeds)",
+            'test accuracy (%)',
+        )
         plots.append((f'Test accuracy per round, {partition.name}', name))
         num_clients = max(len(row['per_client']) for row in mine)
         series = {row['algorithm']: row['per_client'] for row in mine if len(row['per_client']) == num_clients}
         name = f'clients_{partition.slug}.png'
-        reports.plot_client_bars([str(i) for i in range(num_clients)], series, os.path.join(output_dir, name),
-                                 f'{suite.name}, {partition.name}: test accuracy per client (mean over seeds)',
-                                 'test accuracy (%)')
+        reports.plot_client_bars(
+            [str(i) for i in range(num_clients)],
+            series,
+            os.path.join(output_dir, name),
+            f'{suite.name}, {partition.name}: test accuracy per client (mean over seeds)',
+            'test accuracy (%)',
+        )
         plots.append((f'Per-client accuracy, {partition.name}', name))
         name = f'std_{partition.slug}.png'
-        reports.plot_bars(labels, [row['client_std'] for row in mine], os.path.join(output_dir, name),
-                          f'{suite.name}, {partition.name}: std of accuracy across clients '
-                          '(error bar: std over seeds)', 'std across clients (%)',
-                          errors=[row['client_std_over_seeds'] for row in mine])
+        reports.plot_bars(
+            labels,
+            [row['client_std'] for row in mine],
+            os.path.join(output_dir, name),
+            f'{suite.name}, {partition.name}: std of accuracy across clients (error bar: std over seeds)',
+            'std across clients (%)',
+            errors=[row['client_std_over_seeds'] for row in mine],
+        )
         plots.append((f'Std across clients, {partition.name}', name))
     return plots
 
@@ -1075,15 +1142,15 @@ def _display_path(path: str) -> str:
     return path if relative.startswith('..') else relative
 
 
-def _kilobytes(value: Optional[float]) -> str:
+def _kilobytes(value: float | None) -> str:
     return '' if value is None else f'{value / 1e3:.1f}'
 
 
-def _pct(value: Optional[float], decimals: int = 2) -> str:
+def _pct(value: float | None, decimals: int = 2) -> str:
     return '' if value is None else f'{value:.{decimals}f}'
 
 
-def _mean_std(mean: Optional[float], std: Optional[float]) -> str:
+def _mean_std(mean: float | None, std: float | None) -> str:
     if mean is None:
         return ''
     return _pct(mean) if std is None else f'{_pct(mean)} ± {_pct(std)}'
@@ -1122,8 +1189,14 @@ def paper_table(suite: Suite, rows: Sequence[Mapping]) -> tuple[list, list]:
     return table, columns
 
 
-def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], rows: Sequence[Mapping],
-                  plots: Sequence[tuple[str, str]], commands: Sequence[str]) -> str:
+def render_report(
+    suite: Suite,
+    output_dir: str,
+    records: Sequence[Mapping],
+    rows: Sequence[Mapping],
+    plots: Sequence[tuple[str, str]],
+    commands: Sequence[str],
+) -> str:
     """The markdown report of a suite's complete runs.
 
     Args:
@@ -1149,7 +1222,7 @@ def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], row
         '',
         '## Test accuracy per client (%)',
         '',
-        'Each cell is client i\'s test accuracy of the algorithm\'s model, averaged over seeds. Avg. Acc. is the',
+        "Each cell is client i's test accuracy of the algorithm's model, averaged over seeds. Avg. Acc. is the",
         'mean over seeds of the across-client mean; Std Dev the mean over seeds of the across-client (population)',
         'standard deviation of each run (so it is not the std of the column above, which is seed-averaged).',
         '',
@@ -1166,47 +1239,88 @@ def render_report(suite: Suite, output_dir: str, records: Sequence[Mapping], row
     comparison = []
     for row in rows:
         paper_mean, paper_std = suite.paper.get(row['algorithm'], {}).get(row['partition'], (None, None))
-        comparison.append({
-            'algorithm': row['algorithm'], 'partition': row['partition'], 'model': row['model'], 'runs': row['runs'],
-            'ours': _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds']),
-            'ours std': _pct(row['client_std']), 'worst 10%': _pct(row['worst_10']),
-            'paper': _pct(paper_mean, 1), 'paper std': _pct(paper_std, 1),
-            'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
-            'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
-        })
-    columns = ['algorithm', 'partition', 'model', 'runs', 'ours', 'ours std', 'worst 10%', 'paper', 'paper std',
-               'diff', 'diff std']
+        comparison.append(
+            {
+                'algorithm': row['algorithm'],
+                'partition': row['partition'],
+                'model': row['model'],
+                'runs': row['runs'],
+                'ours': _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds']),
+                'ours std': _pct(row['client_std']),
+                'worst 10%': _pct(row['worst_10']),
+                'paper': _pct(paper_mean, 1),
+                'paper std': _pct(paper_std, 1),
+                'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
+                'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
+            }
+        )
+    columns = [
+        'algorithm',
+        'partition',
+        'model',
+        'runs',
+        'ours',
+        'ours std',
+        'worst 10%',
+        'paper',
+        'paper std',
+        'diff',
+        'diff std',
+    ]
     lines += [reports.markdown_table(comparison, columns), '']
-    target = 'no target_accuracy set' if suite.target_accuracy is None else (
-        f'first evaluated round whose mean test accuracy across clients is >= {100 * suite.target_accuracy:g}%, '
-        'averaged over the seeds that reach it (reached: seeds that do)')
+    target = (
+        'no target_accuracy set'
+        if suite.target_accuracy is None
+        else (
+            f'first evaluated round whose mean test accuracy across clients is >= {100 * suite.target_accuracy:g}%, '
+            'averaged over the seeds that reach it (reached: seeds that do)'
+        )
+    )
     lines += [
         '## Communication and rounds to target',
         '',
         f'Rounds to target: {target}. A model made by a final `personalize` stage exists only at the last round.',
-        'Communication: bytes of one round per participating client, read from the round\'s type signature',
+        "Communication: bytes of one round per participating client, read from the round's type signature",
         '(`audit.communication_bytes`: every `federated_broadcast` down, every CLIENTS -> SERVER aggregation up),',
-        'times the clients of each round, summed over the rounds, plus a final `personalize` stage\'s bytes for',
+        "times the clients of each round, summed over the rounds, plus a final `personalize` stage's bytes for",
         'every client; divided by the number of clients. Evaluation is not counted. kB = 10^3 bytes, MB = 10^6.',
-        'Per round: one participating client\'s bytes in one training round.',
+        "Per round: one participating client's bytes in one training round.",
         '',
     ]
     cost = []
     for row in rows:
-        cost.append({
-            'algorithm': row['algorithm'], 'partition': row['partition'], 'rounds': row['rounds'],
-            'rounds to target': f'{row["rounds_to_target"]:.1f}' if row['rounds_to_target'] is not None
-            else ('not reached' if suite.target_accuracy is not None else ''),
-            'reached': row['rounds_to_target_reached'],
-            'kB down / client / round': _kilobytes(row['bytes_down_per_client_per_round']),
-            'kB up / client / round': _kilobytes(row['bytes_up_per_client_per_round']),
-            'MB down / client': '' if row['bytes_down_per_client'] is None
-            else f'{row["bytes_down_per_client"] / 1e6:.3f}',
-            'MB up / client': '' if row['bytes_up_per_client'] is None else f'{row["bytes_up_per_client"] / 1e6:.3f}',
-            'minutes / run': f'{row["minutes_per_run"]:.2f}',
-        })
-    columns = ['algorithm', 'partition', 'rounds', 'rounds to target', 'reached', 'kB down / client / round',
-               'kB up / client / round', 'MB down / client', 'MB up / client', 'minutes / run']
+        cost.append(
+            {
+                'algorithm': row['algorithm'],
+                'partition': row['partition'],
+                'rounds': row['rounds'],
+                'rounds to target': f'{row["rounds_to_target"]:.1f}'
+                if row['rounds_to_target'] is not None
+                else ('not reached' if suite.target_accuracy is not None else ''),
+                'reached': row['rounds_to_target_reached'],
+                'kB down / client / round': _kilobytes(row['bytes_down_per_client_per_round']),
+                'kB up / client / round': _kilobytes(row['bytes_up_per_client_per_round']),
+                'MB down / client': ''
+                if row['bytes_down_per_client'] is None
+                else f'{row["bytes_down_per_client"] / 1e6:.3f}',
+                'MB up / client': ''
+                if row['bytes_up_per_client'] is None
+                else f'{row["bytes_up_per_client"] / 1e6:.3f}',
+                'minutes / run': f'{row["minutes_per_run"]:.2f}',
+            }
+        )
+    columns = [
+        'algorithm',
+        'partition',
+        'rounds',
+        'rounds to target',
+        'reached',
+        'kB down / client / round',
+        'kB up / client / round',
+        'MB down / client',
+        'MB up / client',
+        'minutes / run',
+    ]
     lines += [reports.markdown_table(cost, columns), '']
     lines += [
         '## Commands',

@@ -26,7 +26,6 @@ import os
 import re
 import zipfile
 from collections.abc import Mapping, Sequence
-from typing import Optional
 
 import numpy as np
 
@@ -64,8 +63,9 @@ def stack_states(client_states: Mapping) -> tuple:
     return ids, leaves
 
 
-class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state',
-                                                       'rows', 'path'])):
+class Checkpoint(
+    collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state', 'rows', 'path'])
+):
     """A loaded checkpoint; the client states stay in its file until read.
 
     Attributes:
@@ -103,18 +103,21 @@ class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_stat
         """
         with zipfile.ZipFile(self.path) as archive, archive.open(f'client_{index:04d}.npy') as f:
             version = np.lib.format.read_magic(f)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
             shape, fortran_order, dtype = read_header(f)
             if tuple(shape) != out.shape or dtype != out.dtype or fortran_order:
-                raise ValueError(f'{self.path}: client leaf {index} is {dtype}{list(shape)}, '
-                                 f'the run needs {out.dtype}{list(out.shape)}')
+                raise ValueError(
+                    f'{self.path}: client leaf {index} is {dtype}{list(shape)}, '
+                    f'the run needs {out.dtype}{list(out.shape)}'
+                )
             row_bytes = max(1, out[0].nbytes if len(out) else 1)
             step = max(1, _READ_BYTES // row_bytes)
             for start in range(0, shape[0], step):
                 count = min(step, shape[0] - start)
                 data = f.read(count * row_bytes)
-                out[start:start + count] = np.frombuffer(data, dtype).reshape((count, *shape[1:]))
+                out[start : start + count] = np.frombuffer(data, dtype).reshape((count, *shape[1:]))
 
     def client_states(self, client_template) -> collections.OrderedDict:
         """Client id -> client state, every client (read whole; for small stores).
@@ -131,7 +134,8 @@ class Checkpoint(collections.namedtuple('Checkpoint', ['round_num', 'server_stat
             stacked = [archive[f'client_{i:04d}'] for i in range(num_client)]
         return collections.OrderedDict(
             (c, device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked])))
-            for j, c in enumerate(self.client_ids))
+            for j, c in enumerate(self.client_ids)
+        )
 
 
 class RunCheckpoints:
@@ -153,8 +157,15 @@ class RunCheckpoints:
             return []
         return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m)
 
-    def save(self, round_num: int, server_state, client_ids: Sequence[str], client_leaves: Sequence[np.ndarray],
-             rng_state: Mapping, rows: Sequence[Mapping]) -> None:
+    def save(
+        self,
+        round_num: int,
+        server_state,
+        client_ids: Sequence[str],
+        client_leaves: Sequence[np.ndarray],
+        rng_state: Mapping,
+        rows: Sequence[Mapping],
+    ) -> None:
         """Writes the checkpoint of round `round_num` (atomically) and drops older ones beyond the newest two.
 
         Args:
@@ -193,7 +204,7 @@ class RunCheckpoints:
         for old in self.rounds()[:-KEEP]:
             os.remove(self._path(old))
 
-    def latest_round(self) -> Optional[int]:
+    def latest_round(self) -> int | None:
         """The newest round that has a complete checkpoint, or None if none has.
 
         Returns:
@@ -202,7 +213,7 @@ class RunCheckpoints:
         rounds = self.rounds()
         return rounds[-1] if rounds else None
 
-    def load_latest(self, server_template) -> Optional[Checkpoint]:
+    def load_latest(self, server_template) -> Checkpoint | None:
         """The newest checkpoint, or None if there is none; its client states stay in the file.
 
         Args:
@@ -217,9 +228,14 @@ class RunCheckpoints:
         path = self._path(round_num)
         num_server = len(device_state.flatten(server_template))
         with np.load(path, allow_pickle=False) as archive:
-            flat = {key: archive[key] for key in ['round_num', 'client_ids', 'rng_state', 'rows'] +
-                    [f'server_{i:04d}' for i in range(num_server)]}
-        server_state = device_state.fill(server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)]))
+            flat = {
+                key: archive[key]
+                for key in ['round_num', 'client_ids', 'rng_state', 'rows']
+                + [f'server_{i:04d}' for i in range(num_server)]
+            }
+        server_state = device_state.fill(
+            server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)])
+        )
         return Checkpoint(
             round_num=int(flat['round_num']),
             server_state=server_state,

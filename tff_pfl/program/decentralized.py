@@ -12,7 +12,6 @@ broadcast); in every other slot every client trains locally
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Optional
 
 import numpy as np
 
@@ -28,14 +27,14 @@ def run(
     exchange_interval: int,
     seed: int,
     mean_reachable: float = 5.0,
-    finetune_from: Optional[int] = None,
+    finetune_from: int | None = None,
     eval_every: int = 0,
-    on_round: Optional[Callable[[Mapping], None]] = None,
+    on_round: Callable[[Mapping], None] | None = None,
     log: Callable[[str], None] = print,
-    checkpoints: Optional[checkpoints_lib.RunCheckpoints] = None,
+    checkpoints: checkpoints_lib.RunCheckpoints | None = None,
     checkpoint_every: int = 0,
-    on_resume: Optional[Callable[[int, list], None]] = None,
-    spill_dir: Optional[str] = None,
+    on_resume: Callable[[int, list], None] | None = None,
+    spill_dir: str | None = None,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -75,7 +74,8 @@ def run(
     state = process.initialize()
     started, summaries = time.monotonic(), {}
     state, rows, first_interval = training_loop.resume(
-        checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume)
+        checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume
+    )
     for interval in range(first_interval, intervals + 1):
         interval_start = time.monotonic()
         first_slot = (interval - 1) * exchange_interval
@@ -85,15 +85,16 @@ def run(
         if exchanging:
             star = int(rng.integers(num_clients))
             neighbours = kdpdfl.draw_neighbours(
-                rng, num_clients, star, mean_reachable=mean_reachable, max_neighbours=process.max_neighbours)
+                rng, num_clients, star, mean_reachable=mean_reachable, max_neighbours=process.max_neighbours
+            )
             row['star'] = star
             row['num_neighbours'] = len(neighbours)
             if neighbours:
                 invitation = np.full(process.max_neighbours, -1, np.int32)
                 invitation[: len(neighbours)] = neighbours
                 server_state = collections.OrderedDict(
-                    star=store.get([client_ids[star]])[0], neighbours=invitation,
-                    exchange_num=np.int32(interval - 1))
+                    star=store.get([client_ids[star]])[0], neighbours=invitation, exchange_num=np.int32(interval - 1)
+                )
                 neighbour_ids = [client_ids[j] for j in neighbours]
                 output = process.next(server_state, store.get(neighbour_ids))
                 state = output.state
@@ -113,8 +114,16 @@ def run(
             on_round(row)
         if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and interval < intervals:
             checkpoints.save(interval, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
-        log(training_loop.progress_line(f'interval {interval}/{intervals} (slot {row["slot"]})',
-                                        interval - first_interval + 1, intervals - first_interval + 1,
-                                        row, summaries if evaluate_now else {}, started))
+        log(
+            training_loop.progress_line(
+                f'interval {interval}/{intervals} (slot {row["slot"]})',
+                interval - first_interval + 1,
+                intervals - first_interval + 1,
+                row,
+                summaries if evaluate_now else {},
+                started,
+            )
+        )
     return training_loop.RunResult(
-        state=state, client_states=store.states(), rounds=rows, clients=client_rows, summary=summaries)
+        state=state, client_states=store.states(), rounds=rows, clients=client_rows, summary=summaries
+    )

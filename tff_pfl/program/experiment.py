@@ -25,14 +25,9 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Optional
 
-from tff_pfl import models
-from tff_pfl import runtime
-from tff_pfl.program import algorithms
-from tff_pfl.program import checkpoints
-from tff_pfl.program import reports
-from tff_pfl.program import training_loop
+from tff_pfl import models, runtime
+from tff_pfl.program import algorithms, checkpoints, reports, training_loop
 
 
 class ConfigError(ValueError):
@@ -54,18 +49,18 @@ class ExperimentConfig:
     output_dir: str
     algorithm: str = 'fedavg'
     dataset: str = 'synthetic'
-    data_dir: Optional[str] = None
+    data_dir: str | None = None
     download: bool = False
     partition: str = 'natural'
     num_clients: int = 30
-    classes_per_client: Optional[int] = None
-    dirichlet_alpha: Optional[float] = None
-    examples_per_client: Optional[int] = None
-    examples_per_class: Optional[int] = None
+    classes_per_client: int | None = None
+    dirichlet_alpha: float | None = None
+    examples_per_client: int | None = None
+    examples_per_class: int | None = None
     kt_case1_counts: tuple = (450, 150)
     kd_split_sizes: tuple = (15, 100, 20, 100)
     split_fractions: tuple = (0.6, 0.2, 0.2)
-    model: Optional[str] = None
+    model: str | None = None
     rounds: int = 100
     client_fraction: float = 1.0
     local_epochs: int = 1
@@ -151,11 +146,17 @@ class ExperimentConfig:
             'ds1': {'k': self.classes_per_client, 'examples_per_client': self.examples_per_client},
             'ds2': {'alpha': self.dirichlet_alpha},
             'dirichlet_clients': {'alpha': self.dirichlet_alpha},
-            'dirichlet': {'alpha': 0.9 if self.dirichlet_alpha is None else self.dirichlet_alpha,
-                          'examples_per_client': self.examples_per_client},
-            'kd_dirichlet': {'alpha': self.dirichlet_alpha, 'min_train': int(self.kd_split_sizes[0]),
-                             'max_train': int(self.kd_split_sizes[1]), 'val_examples': int(self.kd_split_sizes[2]),
-                             'test_examples': int(self.kd_split_sizes[3])},
+            'dirichlet': {
+                'alpha': 0.9 if self.dirichlet_alpha is None else self.dirichlet_alpha,
+                'examples_per_client': self.examples_per_client,
+            },
+            'kd_dirichlet': {
+                'alpha': self.dirichlet_alpha,
+                'min_train': int(self.kd_split_sizes[0]),
+                'max_train': int(self.kd_split_sizes[1]),
+                'val_examples': int(self.kd_split_sizes[2]),
+                'test_examples': int(self.kd_split_sizes[3]),
+            },
             'shards': {'shards_per_client': self.classes_per_client},
             'iid': {'examples_per_client': self.examples_per_client},
             'ds3': {'classes_per_client': self.classes_per_client},
@@ -175,8 +176,14 @@ class ExperimentConfig:
           ConfigError: on the first value that cannot run.
         """
         checks = [
-            (self.algorithm in algorithms.names(), f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}'),
-            (self.model_name() in models.names(), f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}'),
+            (
+                self.algorithm in algorithms.names(),
+                f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}',
+            ),
+            (
+                self.model_name() in models.names(),
+                f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}',
+            ),
             (self.rounds >= 1, f'rounds must be >= 1, got {self.rounds}'),
             (0.0 < self.client_fraction <= 1.0, f'client_fraction must be in (0, 1], got {self.client_fraction}'),
             (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
@@ -186,74 +193,115 @@ class ExperimentConfig:
             (self.server_learning_rate > 0, f'server_learning_rate must be > 0, got {self.server_learning_rate}'),
             (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
             (self.checkpoint_every >= 0, f'checkpoint_every must be >= 0, got {self.checkpoint_every}'),
-            (self.classes_per_client is None or self.classes_per_client >= 1,
-             f'classes_per_client must be >= 1, got {self.classes_per_client}'),
-            (self.examples_per_class is None or self.examples_per_class >= 1,
-             f'examples_per_class must be >= 1, got {self.examples_per_class}'),
-            (len(self.kt_case1_counts) == 2 and all(int(c) == c and c >= 1 for c in self.kt_case1_counts),
-             f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts)}'),
-            (len(self.kd_split_sizes) == 4 and all(int(c) == c and c >= 1 for c in self.kd_split_sizes)
-             and self.kd_split_sizes[0] <= self.kd_split_sizes[1],
-             f'kd_split_sizes must be min_train <= max_train, val, test (positive integers), '
-             f'got {list(self.kd_split_sizes)}'),
-            (self.dirichlet_alpha is None or self.dirichlet_alpha > 0,
-             f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}'),
-            (self.examples_per_client is None or self.examples_per_client >= 1,
-             f'examples_per_client must be >= 1, got {self.examples_per_client}'),
-            (len(self.split_fractions) == 3 and all(f > 0 for f in self.split_fractions)
-             and abs(sum(self.split_fractions) - 1.0) < 1e-6,
-             f'split_fractions must be three positive numbers summing to 1, got {list(self.split_fractions)}'),
-            (self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
-             f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}'),
+            (
+                self.classes_per_client is None or self.classes_per_client >= 1,
+                f'classes_per_client must be >= 1, got {self.classes_per_client}',
+            ),
+            (
+                self.examples_per_class is None or self.examples_per_class >= 1,
+                f'examples_per_class must be >= 1, got {self.examples_per_class}',
+            ),
+            (
+                len(self.kt_case1_counts) == 2 and all(int(c) == c and c >= 1 for c in self.kt_case1_counts),
+                f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts)}',
+            ),
+            (
+                len(self.kd_split_sizes) == 4
+                and all(int(c) == c and c >= 1 for c in self.kd_split_sizes)
+                and self.kd_split_sizes[0] <= self.kd_split_sizes[1],
+                f'kd_split_sizes must be min_train <= max_train, val, test (positive integers), '
+                f'got {list(self.kd_split_sizes)}',
+            ),
+            (
+                self.dirichlet_alpha is None or self.dirichlet_alpha > 0,
+                f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}',
+            ),
+            (
+                self.examples_per_client is None or self.examples_per_client >= 1,
+                f'examples_per_client must be >= 1, got {self.examples_per_client}',
+            ),
+            (
+                len(self.split_fractions) == 3
+                and all(f > 0 for f in self.split_fractions)
+                and abs(sum(self.split_fractions) - 1.0) < 1e-6,
+                f'split_fractions must be three positive numbers summing to 1, got {list(self.split_fractions)}',
+            ),
+            (
+                self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
+                f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}',
+            ),
             (self.distill_epochs >= 1, f'distill_epochs must be >= 1, got {self.distill_epochs}'),
             (self.distill_batch_size >= 1, f'distill_batch_size must be >= 1, got {self.distill_batch_size}'),
             (self.distill_learning_rate > 0, f'distill_learning_rate must be > 0, got {self.distill_learning_rate}'),
-            (len(self.temperatures) >= 1 and all(t > 0 for t in self.temperatures),
-             f'temperatures must be positive numbers, got {list(self.temperatures)}'),
-            (len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
-             f'imitations must be numbers in [0, 1], got {list(self.imitations)}'),
+            (
+                len(self.temperatures) >= 1 and all(t > 0 for t in self.temperatures),
+                f'temperatures must be positive numbers, got {list(self.temperatures)}',
+            ),
+            (
+                len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
+                f'imitations must be numbers in [0, 1], got {list(self.imitations)}',
+            ),
             (self.teacher in ('optimal', 'final'), f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
             (self.local_steps >= 0, f'local_steps must be >= 0, got {self.local_steps}'),
             (self.selffl_max_steps >= 1, f'selffl_max_steps must be >= 1, got {self.selffl_max_steps}'),
             (self.selffl_default_steps >= 1, f'selffl_default_steps must be >= 1, got {self.selffl_default_steps}'),
             (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
-            (all(a in models.names() for a in self.architectures),
-             f'unknown architecture in {list(self.architectures)}; known: {", ".join(models.names())}'),
+            (
+                all(a in models.names() for a in self.architectures),
+                f'unknown architecture in {list(self.architectures)}; known: {", ".join(models.names())}',
+            ),
             (self.public_examples >= 0, f'public_examples must be >= 0, got {self.public_examples}'),
-            (self.algorithm not in _NEEDS_PUBLIC or self.public_examples > 0,
-             f'{self.algorithm} needs --public_examples > 0'),
-            (self.algorithm not in ('ktpfl', 'ktpfl_homo') or self.client_fraction == 1.0,
-             f'{self.algorithm} trains every client every round: --client_fraction=1'),
+            (
+                self.algorithm not in _NEEDS_PUBLIC or self.public_examples > 0,
+                f'{self.algorithm} needs --public_examples > 0',
+            ),
+            (
+                self.algorithm not in ('ktpfl', 'ktpfl_homo') or self.client_fraction == 1.0,
+                f'{self.algorithm} trains every client every round: --client_fraction=1',
+            ),
             (self.finetune_epochs >= 0, f'finetune_epochs must be >= 0, got {self.finetune_epochs}'),
             (self.exchange_interval >= 2, f'exchange_interval must be >= 2, got {self.exchange_interval}'),
             (self.kd_mean_neighbours > 0, f'kd_mean_neighbours must be > 0, got {self.kd_mean_neighbours}'),
             (self.kd_max_neighbours >= 1, f'kd_max_neighbours must be >= 1, got {self.kd_max_neighbours}'),
-            (self.kd_mu1 >= 0 and self.kd_mu2 >= 0, f'kd_mu1 and kd_mu2 must be >= 0, got {self.kd_mu1}, {self.kd_mu2}'),
+            (
+                self.kd_mu1 >= 0 and self.kd_mu2 >= 0,
+                f'kd_mu1 and kd_mu2 must be >= 0, got {self.kd_mu1}, {self.kd_mu2}',
+            ),
             (self.kd_c_base > 0, f'kd_c_base must be > 0, got {self.kd_c_base}'),
             (self.kd_distance_batch >= 1, f'kd_distance_batch must be >= 1, got {self.kd_distance_batch}'),
-            (self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
-             f'kd_distance_layer must be -1 (output) or >= 1, got {self.kd_distance_layer}'),
-            (self.kd_broadcast in ('adopt', 'keep'), f"kd_broadcast must be adopt or keep, got {self.kd_broadcast!r}"),
+            (
+                self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
+                f'kd_distance_layer must be -1 (output) or >= 1, got {self.kd_distance_layer}',
+            ),
+            (self.kd_broadcast in ('adopt', 'keep'), f'kd_broadcast must be adopt or keep, got {self.kd_broadcast!r}'),
             (self.finetune_from_slot >= 0, f'finetune_from_slot must be >= 0, got {self.finetune_from_slot}'),
             (self.personal_layers >= 1, f'personal_layers must be >= 1, got {self.personal_layers}'),
             (self.ditto_lambda >= 0, f'ditto_lambda must be >= 0, got {self.ditto_lambda}'),
             (self.personal_epochs >= 1, f'personal_epochs must be >= 1, got {self.personal_epochs}'),
             (self.pfedme_lambda > 0, f'pfedme_lambda must be > 0, got {self.pfedme_lambda}'),
             (self.pfedme_inner_steps >= 1, f'pfedme_inner_steps must be >= 1, got {self.pfedme_inner_steps}'),
-            (self.pfedme_personal_learning_rate > 0,
-             f'pfedme_personal_learning_rate must be > 0, got {self.pfedme_personal_learning_rate}'),
+            (
+                self.pfedme_personal_learning_rate > 0,
+                f'pfedme_personal_learning_rate must be > 0, got {self.pfedme_personal_learning_rate}',
+            ),
             (self.pfedme_beta > 0, f'pfedme_beta must be > 0, got {self.pfedme_beta}'),
             (self.perfedavg_alpha > 0, f'perfedavg_alpha must be > 0, got {self.perfedavg_alpha}'),
             (self.perfedavg_delta > 0, f'perfedavg_delta must be > 0, got {self.perfedavg_delta}'),
             (0 <= self.apfl_alpha <= 1, f'apfl_alpha must be in [0, 1], got {self.apfl_alpha}'),
-            (self.apfl_alpha_learning_rate >= 0,
-             f'apfl_alpha_learning_rate must be >= 0, got {self.apfl_alpha_learning_rate}'),
-            (self.algorithm != 'fedavg_ft' or self.finetune_epochs >= 1,
-             f'fedavg_ft needs --finetune_epochs >= 1, got {self.finetune_epochs}'),
+            (
+                self.apfl_alpha_learning_rate >= 0,
+                f'apfl_alpha_learning_rate must be >= 0, got {self.apfl_alpha_learning_rate}',
+            ),
+            (
+                self.algorithm != 'fedavg_ft' or self.finetune_epochs >= 1,
+                f'fedavg_ft needs --finetune_epochs >= 1, got {self.finetune_epochs}',
+            ),
             (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
             (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
-            (self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
-             f"kt_c_update must be paper, released, fedmd, similarity or topk, got {self.kt_c_update!r}"),
+            (
+                self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
+                f'kt_c_update must be paper, released, fedmd, similarity or topk, got {self.kt_c_update!r}',
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -261,8 +309,9 @@ class ExperimentConfig:
         if len(self.workers) > 1:
             limit = algorithms.get(self.algorithm).not_one_aggregation
             if limit:
-                raise ConfigError(f'--workers: {self.algorithm} cannot be split over several workers: {limit}; '
-                                  'give one worker')
+                raise ConfigError(
+                    f'--workers: {self.algorithm} cannot be split over several workers: {limit}; give one worker'
+                )
             if len(set(self.workers)) != len(self.workers):
                 raise ConfigError(f'--workers: an address repeats: {",".join(self.workers)}')
         for address in self.workers:
@@ -343,9 +392,11 @@ def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], N
         raise
     spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
     _write_partition_summary(out, spec, prepared.class_histogram)
-    log(f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
+    log(
+        f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
-        f'{sum(spec.split_sizes["test"])}')
+        f'{sum(spec.split_sizes["test"])}'
+    )
     return spec
 
 
@@ -357,7 +408,7 @@ class RunComplete(Exception):
 _RESUMABLE_CHANGES = frozenset({'output_dir', 'workers', 'max_concurrent_clients', 'checkpoint_every'})
 
 
-def _saved_config(out: str) -> Optional[dict]:
+def _saved_config(out: str) -> dict | None:
     """The `config.json` of an earlier run in `out`, or None if there is none."""
     path = os.path.join(out, 'config.json')
     if not os.path.isfile(path):
@@ -366,14 +417,18 @@ def _saved_config(out: str) -> Optional[dict]:
         with open(path) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f'output_dir {out} has an unreadable config.json ({e}); pass --overwrite to replace it') \
-            from None
+        raise ConfigError(
+            f'output_dir {out} has an unreadable config.json ({e}); pass --overwrite to replace it'
+        ) from None
 
 
 def _changed_fields(saved: dict, config: ExperimentConfig) -> list[str]:
     current = json.loads(json.dumps(dataclasses.asdict(config)))
-    return [f'{k}: {saved.get(k)!r} -> {current[k]!r}' for k in current
-            if k not in _RESUMABLE_CHANGES and saved.get(k) != current[k]]
+    return [
+        f'{k}: {saved.get(k)!r} -> {current[k]!r}'
+        for k in current
+        if k not in _RESUMABLE_CHANGES and saved.get(k) != current[k]
+    ]
 
 
 def run_experiment(
@@ -381,7 +436,7 @@ def run_experiment(
     *,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
-    on_process: Optional[Callable[[object], None]] = None,
+    on_process: Callable[[object], None] | None = None,
 ) -> training_loop.RunResult:
     """Runs one experiment end to end and writes its output directory.
 
@@ -411,8 +466,10 @@ def run_experiment(
     if saved is not None:
         changed = _changed_fields(saved, config)
         if changed:
-            raise ConfigError(f'output_dir {out} holds a run with another configuration ({"; ".join(changed)}); '
-                              'pass --overwrite to replace it')
+            raise ConfigError(
+                f'output_dir {out} holds a run with another configuration ({"; ".join(changed)}); '
+                'pass --overwrite to replace it'
+            )
         if os.path.exists(os.path.join(out, 'report.md')):
             raise RunComplete(f'output_dir {out} already holds this run, finished (report.md)')
     else:
@@ -517,15 +574,22 @@ def _write_results(out, config, spec, result, process) -> list:
     test_columns = [k for k in result.rounds[-1] if k.startswith('test_') and k.endswith('_accuracy_mean')]
     x_axis = 'slot' if 'slot' in result.rounds[-1] else 'round'  # serverless runs count time slots
     reports.plot_curves(
-        result.rounds, x_axis, ['train_accuracy'] + test_columns,
-        os.path.join(out, 'accuracy.png'), f'{config.algorithm}: accuracy per {x_axis}', 'accuracy',
+        result.rounds,
+        x_axis,
+        ['train_accuracy'] + test_columns,
+        os.path.join(out, 'accuracy.png'),
+        f'{config.algorithm}: accuracy per {x_axis}',
+        'accuracy',
     )
     series = collections.OrderedDict(
         (name, [row[f'{name}_accuracy'] for row in result.clients]) for name in result.summary
     )
     reports.plot_client_bars(
-        [row['client_id'] for row in result.clients], series,
-        os.path.join(out, 'clients.png'), f'{config.algorithm}: test accuracy per client', 'test accuracy',
+        [row['client_id'] for row in result.clients],
+        series,
+        os.path.join(out, 'clients.png'),
+        f'{config.algorithm}: test accuracy per client',
+        'test accuracy',
     )
     plots = algorithms.get(config.algorithm).plots
     extra = plots(out, result, process) if plots else []
@@ -620,4 +684,3 @@ def render_report(config, spec, result, extra_plots=()) -> str:
     ]
     lines += [f'![{title}]({path})' for title, path in extra_plots]
     return '\n'.join(lines) + '\n'
-

@@ -36,21 +36,33 @@ import shutil
 import time
 from collections.abc import Callable
 from importlib import metadata
-from typing import Optional
 
 import tensorflow_federated as tff
 
 from tff_pfl import models
-from tff_pfl.program import algorithms
-from tff_pfl.program import experiment
+from tff_pfl.program import algorithms, experiment
 
 MANIFEST = 'manifest.json'
 FORMAT_VERSION = 1
 MAP_REDUCE_PIECES = (
-    'prepare', 'work', 'zero', 'accumulate', 'merge', 'report', 'secure_sum_bitwidth', 'secure_sum_max_input',
-    'secure_modular_sum_modulus', 'update')
+    'prepare',
+    'work',
+    'zero',
+    'accumulate',
+    'merge',
+    'report',
+    'secure_sum_bitwidth',
+    'secure_sum_max_input',
+    'secure_modular_sum_modulus',
+    'update',
+)
 DISTRIBUTE_AGGREGATE_PIECES = (
-    'server_prepare', 'server_to_client_broadcast', 'client_work', 'client_to_server_aggregation', 'server_result')
+    'server_prepare',
+    'server_to_client_broadcast',
+    'client_work',
+    'client_to_server_aggregation',
+    'server_result',
+)
 
 
 def _versions() -> collections.OrderedDict:
@@ -94,7 +106,8 @@ def exported_computations(process) -> collections.OrderedDict:
     device = process.device
     comps = collections.OrderedDict(
         initialize=device.initialize if device is not None else process.initialize,
-        initial_client_state=process.initial_client_state)
+        initial_client_state=process.initial_client_state,
+    )
     if device is not None:
         comps.update(device.phases)
         comps['evaluate'] = device.evaluate
@@ -168,8 +181,11 @@ def _export_into(out, config, spec, log) -> collections.OrderedDict:
     log(f'wrote {len(manifest["computations"])} computations')
     forms = (
         ('map_reduce_form', tff.backends.mapreduce.get_map_reduce_form_for_computation, MAP_REDUCE_PIECES),
-        ('distribute_aggregate_form', tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
-         DISTRIBUTE_AGGREGATE_PIECES),
+        (
+            'distribute_aggregate_form',
+            tff.backends.mapreduce.get_distribute_aggregate_form_for_computation,
+            DISTRIBUTE_AGGREGATE_PIECES,
+        ),
     )
     for form_name, convert, pieces in forms:
         if process.device is None:
@@ -181,7 +197,8 @@ def _export_into(out, config, spec, log) -> collections.OrderedDict:
             form = convert(comp)
             entry['phases'][phase] = collections.OrderedDict(
                 (piece, _write_computation(out, f'{form_name}/{phase}/{piece}.pb', getattr(form, piece)))
-                for piece in pieces)
+                for piece in pieces
+            )
         manifest['forms'][form_name] = entry
         log(f'wrote {form_name}: {len(entry["phases"])} phase(s) of {len(pieces)} pieces')
     if process.device is None:

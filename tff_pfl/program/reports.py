@@ -14,16 +14,16 @@ that importing this module stays fast.
 """
 
 import collections
-from collections.abc import Mapping, Sequence
 import csv
 import keyword
 import numbers
 import os
-from typing import Any, Optional
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import matplotlib
-from matplotlib.figure import Figure
 import numpy as np
+from matplotlib.figure import Figure
 
 _DPI = 120
 _ROTATE_TICKS_ABOVE = 12
@@ -39,9 +39,7 @@ def _is_float(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     """Whether `value` is a real number (bools excluded)."""
-    return isinstance(value, numbers.Real) and not isinstance(
-        value, (bool, np.bool_)
-    )
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _make_parent_dir(path: str) -> None:
@@ -144,11 +142,7 @@ def plot_curves(
     ax = fig.subplots()
     plotted = False
     for key in y_keys:
-        points = [
-            (row[x_key], row[key])
-            for row in rows
-            if row.get(x_key) is not None and row.get(key) is not None
-        ]
+        points = [(row[x_key], row[key]) for row in rows if row.get(x_key) is not None and row.get(key) is not None]
         if not points:
             continue
         xs, ys = zip(*points)
@@ -191,10 +185,7 @@ def plot_client_bars(
     num_clients = len(client_ids)
     for name, values in series.items():
         if len(values) != num_clients:
-            raise ValueError(
-                f'series {name!r} has {len(values)} values for '
-                f'{num_clients} clients'
-            )
+            raise ValueError(f'series {name!r} has {len(values)} values for {num_clients} clients')
     if num_clients > _MANY_CLIENTS:
         _plot_sorted_client_values(series, path, title, ylabel)
         return
@@ -266,7 +257,7 @@ def plot_bars(
     path: str,
     title: str,
     ylabel: str,
-    errors: Optional[Sequence[Optional[float]]] = None,
+    errors: Sequence[float | None] | None = None,
 ) -> None:
     """One bar per label, with an optional error bar on each.
 
@@ -324,14 +315,18 @@ def plot_class_histogram(histogram: np.ndarray, path: str, title: str) -> None:
     """
     histogram = np.asarray(histogram)
     if histogram.ndim != 2:
-        raise ValueError(
-            f'histogram must be [clients, classes], got shape {histogram.shape}'
-        )
+        raise ValueError(f'histogram must be [clients, classes], got shape {histogram.shape}')
     num_clients, num_classes = histogram.shape
     cmap = matplotlib.colormaps['tab10' if num_classes <= 10 else 'tab20']
     if num_clients > _MANY_CLIENTS:
-        plot_heatmap(histogram, path, f'{title} (colour: examples)',
-                     col_labels=[str(c) for c in range(num_classes)], xlabel='class', ylabel='client')
+        plot_heatmap(
+            histogram,
+            path,
+            f'{title} (colour: examples)',
+            col_labels=[str(c) for c in range(num_classes)],
+            xlabel='class',
+            ylabel='client',
+        )
         return
     positions = np.arange(num_clients)
     fig = Figure(figsize=(8, max(3.0, 0.25 * num_clients + 1.5)))
@@ -371,10 +366,10 @@ def plot_heatmap(
     matrix: np.ndarray,
     path: str,
     title: str,
-    row_labels: Optional[Sequence[str]] = None,
-    col_labels: Optional[Sequence[str]] = None,
-    xlabel: Optional[str] = None,
-    ylabel: Optional[str] = None,
+    row_labels: Sequence[str] | None = None,
+    col_labels: Sequence[str] | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
 ) -> None:
     """Draws a matrix as an image with a colour bar.
 
@@ -400,9 +395,7 @@ def plot_heatmap(
     if row_labels is not None and len(row_labels) != num_rows:
         raise ValueError(f'{len(row_labels)} row labels for {num_rows} rows')
     if col_labels is not None and len(col_labels) != num_cols:
-        raise ValueError(
-            f'{len(col_labels)} column labels for {num_cols} columns'
-        )
+        raise ValueError(f'{len(col_labels)} column labels for {num_cols} columns')
     fig = Figure(figsize=(7, 6))
     ax = fig.subplots()
     image = ax.imshow(matrix, aspect='auto', interpolation='nearest')
@@ -454,8 +447,7 @@ def markdown_table(
       empty cell.
     """
     lines = [
-        '| ' + ' | '.join(_markdown_cell(c, float_format) for c in columns)
-        + ' |',
+        '| ' + ' | '.join(_markdown_cell(c, float_format) for c in columns) + ' |',
         '| ' + ' | '.join('---' for _ in columns) + ' |',
     ]
     for row in rows:
@@ -473,9 +465,7 @@ def _plain_cell(value: Any) -> str:
     return str(value)
 
 
-def format_table(
-    rows: Sequence[Mapping[str, object]], columns: Sequence[str]
-) -> str:
+def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> str:
     """Formats rows as a fixed-width plain-text table for a terminal.
 
     A column whose present values are all numbers is right-aligned (its
@@ -495,10 +485,7 @@ def format_table(
     for c in columns:
         present = [row.get(c) for row in rows if row.get(c) is not None]
         numeric.append(bool(present) and all(_is_number(v) for v in present))
-    widths = [
-        max([len(str(c))] + [len(line[i]) for line in cells])
-        for i, c in enumerate(columns)
-    ]
+    widths = [max([len(str(c))] + [len(line[i]) for line in cells]) for i, c in enumerate(columns)]
 
     def _line(texts: Sequence[str]) -> str:
         parts = [
@@ -574,8 +561,9 @@ class RoundRelease:
             raise RuntimeError('RoundRelease is closed')
         key = int(row['round'])
         cells = _in_order({k: _csv_cell(v) for k, v in row.items() if k != 'round'})
-        numbers_only = {k: v for k, v in row.items()
-                        if k != 'round' and v is not None and not isinstance(v, (str, bytes))}
+        numbers_only = {
+            k: v for k, v in row.items() if k != 'round' and v is not None and not isinstance(v, (str, bytes))
+        }
 
         async def release():
             await self._asyncio.gather(self._csv.release(cells, key=key), self._board.release(numbers_only, key=key))

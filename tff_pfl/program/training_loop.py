@@ -11,13 +11,11 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Optional
 
 import numpy as np
 
 from tff_pfl import metrics as metrics_lib
-from tff_pfl.computations import device_state
-from tff_pfl.computations import template
+from tff_pfl.computations import device_state, template
 from tff_pfl.program import checkpoints as checkpoints_lib
 
 
@@ -83,9 +81,15 @@ class ClientStateStore:
     resident memory does not grow with the number of clients.
     """
 
-    def __init__(self, process: template.PersonalizedProcess, client_ids: Sequence[str], *,
-                 spill_dir: Optional[str] = None, spill_bytes: Optional[int] = None,
-                 clients_per_call: Optional[int] = None):
+    def __init__(
+        self,
+        process: template.PersonalizedProcess,
+        client_ids: Sequence[str],
+        *,
+        spill_dir: str | None = None,
+        spill_bytes: int | None = None,
+        clients_per_call: int | None = None,
+    ):
         """Builds every client's initial state.
 
         Args:
@@ -246,7 +250,7 @@ class ClientStateStore:
 
     def _chunks(self) -> list:
         step = self._clients_per_call
-        return [self._ids[i:i + step] for i in range(0, len(self._ids), step)]
+        return [self._ids[i : i + step] for i in range(0, len(self._ids), step)]
 
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
         """Runs `process.personalize` on every client and stores the new states.
@@ -322,8 +326,7 @@ class DeviceStateStore:
             raise ValueError('this algorithm has no device-state form')
         os.makedirs(state_dir, exist_ok=True)
         self._process = process
-        self._inputs = collections.OrderedDict(
-            (c, device_state.device_input(c, state_dir)) for c in client_ids)
+        self._inputs = collections.OrderedDict((c, device_state.device_input(c, state_dir)) for c in client_ids)
 
     def get(self, client_ids: Sequence[str]) -> list:
         """The device inputs of `client_ids` (their ids and state files).
@@ -529,9 +532,17 @@ def _format_eta(seconds: float) -> str:
     return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
 
-def resume(checkpoints: Optional[checkpoints_lib.RunCheckpoints], state, store, rng: np.random.Generator,
-           client_ids: Sequence[str], last: int, unit: str, log: Callable[[str], None],
-           on_resume: Optional[Callable[[int, list], None]]) -> tuple:
+def resume(
+    checkpoints: checkpoints_lib.RunCheckpoints | None,
+    state,
+    store,
+    rng: np.random.Generator,
+    client_ids: Sequence[str],
+    last: int,
+    unit: str,
+    log: Callable[[str], None],
+    on_resume: Callable[[int, list], None] | None,
+) -> tuple:
     """Continues from the newest checkpoint, if there is one.
 
     Args:
@@ -555,8 +566,9 @@ def resume(checkpoints: Optional[checkpoints_lib.RunCheckpoints], state, store, 
     if restored is None:
         return state, [], 1
     if restored.round_num >= last or restored.client_ids != list(client_ids):
-        raise ValueError(f'the checkpoint of {unit} {restored.round_num} in {checkpoints.directory} '
-                         f'does not belong to this run')
+        raise ValueError(
+            f'the checkpoint of {unit} {restored.round_num} in {checkpoints.directory} does not belong to this run'
+        )
     store.restore(restored)
     rng.bit_generator.state = restored.rng_state
     rows = list(restored.rows)
@@ -574,13 +586,13 @@ def run(
     client_fraction: float,
     seed: int,
     eval_every: int = 0,
-    on_round: Optional[Callable[[Mapping], None]] = None,
+    on_round: Callable[[Mapping], None] | None = None,
     log: Callable[[str], None] = print,
-    device_state_dir: Optional[str] = None,
-    checkpoints: Optional[checkpoints_lib.RunCheckpoints] = None,
+    device_state_dir: str | None = None,
+    checkpoints: checkpoints_lib.RunCheckpoints | None = None,
     checkpoint_every: int = 0,
-    on_resume: Optional[Callable[[int, list], None]] = None,
-    spill_dir: Optional[str] = None,
+    on_resume: Callable[[int, list], None] | None = None,
+    spill_dir: str | None = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -640,8 +652,16 @@ def run(
             on_round(row)
         if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and round_num < rounds:
             checkpoints.save(round_num, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
-        log(progress_line(f'round {round_num}/{rounds}', round_num - first_round + 1, rounds - first_round + 1, row,
-                          summaries if evaluate_now else {}, started))
+        log(
+            progress_line(
+                f'round {round_num}/{rounds}',
+                round_num - first_round + 1,
+                rounds - first_round + 1,
+                row,
+                summaries if evaluate_now else {},
+                started,
+            )
+        )
     return RunResult(
         state=state,
         client_states=store.states(),

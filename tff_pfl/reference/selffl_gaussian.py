@@ -155,8 +155,9 @@ def write_client_files(root: str, samples, seed: int, noise_var=1.0):
         extra = rng.normal(s.mean(), math.sqrt(noise_var), size=2)
         x.append(np.concatenate([s, extra]))
         n = len(s)
-        splits.append({'train': np.arange(start, start + n), 'val': np.array([start + n]),
-                       'test': np.array([start + n + 1])})
+        splits.append(
+            {'train': np.arange(start, start + n), 'val': np.array([start + n]), 'test': np.array([start + n + 1])}
+        )
         start += n + 2
     x = np.concatenate(x).astype(np.float32)[:, np.newaxis]
     return client_data.write_client_data(root, x, np.zeros(len(x), np.int32), 1, splits)
