@@ -3,7 +3,7 @@
 One MNIST client (3600 training and 1200 validation examples, the MNIST DNN
 784-100-10), a teacher trained briefly, the paper's grid (T in
 {1,5,...,25}, lambda in {0,.25,.5,.75,1}: 23 distinct candidates), batch 32,
-learning rate 0.01. Both sides are the same TF code (`distill_grid` with all
+learning rate 0.01: the defaults of `persfl.PersFLSettings`. Both sides are the same TF code (`distill_grid` with all
 G candidates stacked vs `distill_sequential`: G one-model loops chained), run
 alternately in one process; medians of the repeats.
 
@@ -45,12 +45,13 @@ def main(argv):
         model, train, epochs=1, batch_size=32, learning_rate=0.05, seed=tf.constant([1, 2], tf.int64)
     )
     teacher = [tf.constant(w) for w in model.get_weights()]
-    candidates = distillation.grid_candidates(persfl.DEFAULT_TEMPERATURES, persfl.DEFAULT_IMITATIONS)
+    settings = persfl.PersFLSettings(distill_epochs=_EPOCHS.value).validate()  # the paper's grid, batch, rate
+    candidates = distillation.grid_candidates(settings.temperatures, settings.imitations)
     temperatures, imitations = distillation.candidate_arrays(candidates)
     kwargs = dict(
         temperatures=tf.constant(temperatures),
         imitations=tf.constant(imitations),
-        config=local_training.TrainingConfig(_EPOCHS.value, 32, 0.01),
+        config=settings.distill_config(),
         seed=tf.constant([3, 4], tf.int64),
     )
     layers = stacked.plan(model)
@@ -93,7 +94,8 @@ def main(argv):
         '# PersFL distillation grid: vectorized vs sequential',
         '',
         f'One MNIST client ({result["train_examples"]} training examples), MNIST DNN, {len(candidates)} distinct '
-        f"(T, lambda) candidates of the paper's 7 x 5 grid, {_EPOCHS.value} epoch(s), batch 32; "
+        f"(T, lambda) candidates of the paper's 7 x 5 grid, {_EPOCHS.value} epoch(s), "
+        f'batch {settings.distill_batch_size}, learning rate {settings.distill_learning_rate:g}; '
         f'{_REPEATS.value} alternating repeats, 2 CPU cores.',
         f'Command: `uv run python benchmarks/distillation_grid.py --epochs={_EPOCHS.value} --repeats={_REPEATS.value}`',
         '',

@@ -94,9 +94,8 @@ def main(argv):
     ]
 
     model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, 10)
-    process = fedavg.build_fedavg_process(
-        spec, model_fn, local_config=local_training.TrainingConfig(1, BATCH, LR), seed=0
-    )
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=BATCH, client_learning_rate=LR)
+    process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=0)
     result = {
         'workload': f'{NUM_CLIENTS} clients x {TRAIN_PER_CLIENT} x 784, MLP 784-100-10, batch {BATCH}, 1 epoch',
         'machine': f'{platform.processor() or platform.machine()}, {os.cpu_count()} cores',

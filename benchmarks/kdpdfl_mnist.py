@@ -30,6 +30,7 @@ from absl import (
 )
 
 from tff_pfl.program import (
+    algorithms,  # noqa: E402
     experiment,  # noqa: E402
     reports,  # noqa: E402
 )
@@ -64,18 +65,22 @@ PAPER_EMNIST = {  # Table I, EMNIST, T_ex = 5: mean +- std for M = 10, 20, 40
 }
 
 
-def _run(name, **overrides):
+def _run(name, algorithm, **overrides):
+    """Runs one method; `overrides` change common settings or the table's algorithm settings."""
     intervals = _SLOTS.value // _T_EX.value
-    settings = dict(
+    values = dict(
         dataset=f'npz:{_MNIST.value}',
         partition='kd_dirichlet',
         dirichlet_alpha=0.1,
         kd_split_sizes=(15, 100, 20, 100),
         model='lenet',
         rounds=intervals,
-        exchange_interval=_T_EX.value,
         eval_every=max(1, intervals // 25),
+        seed=_SEED.value,
+        # The table's algorithm settings. A slot of local work: one epoch of batch 10.
+        exchange_interval=_T_EX.value,
         local_epochs=1,
+        local_steps=0,
         batch_size=10,
         client_learning_rate=_LR.value,
         kd_mean_neighbours=5.0,
@@ -85,16 +90,24 @@ def _run(name, **overrides):
         kd_c_base=100.0,
         kd_distance_batch=32,
         finetune_from_slot=_FINETUNE_FROM.value,
-        seed=_SEED.value,
     )
-    settings.update(overrides)
-    config = experiment.ExperimentConfig(output_dir=os.path.join(_RUNS_DIR.value, name), **settings)
+    values.update(overrides)
+    unknown = set(values) - set(experiment.ExperimentConfig.common_fields()) - algorithms.all_setting_names()
+    if unknown:
+        raise ValueError(f'not a setting: {sorted(unknown)}')
+    # Each method takes the settings it has: local learning has no neighbours, FedAvg no distances.
+    own = set(experiment.ExperimentConfig.common_fields()) | set(algorithms.get(algorithm).settings.field_names())
+    config = experiment.make_config(
+        output_dir=os.path.join(_RUNS_DIR.value, name),
+        algorithm=algorithm,
+        **{k: v for k, v in values.items() if k in own},
+    )
     start = time.monotonic()
     result = experiment.run_experiment(config, overwrite=True, log=lambda line: None)
     seconds = time.monotonic() - start
     summary = result.summary['personalized_model']
     print(name, f'{seconds / 60:.1f} min', f'mean {summary["mean"]:.3f} std {summary["std"]:.3f}', flush=True)
-    return result, seconds, settings
+    return result, seconds, values
 
 
 def main(argv):
@@ -106,7 +119,7 @@ def main(argv):
         for m in (int(v) for v in _CLIENTS.value):
             for label, (algorithm, extra) in METHODS.items():
                 name = algorithm + ('_keep' if extra else '')
-                result, seconds, settings = _run(f'M{m}/{name}', algorithm=algorithm, num_clients=m, **extra)
+                result, seconds, settings = _run(f'M{m}/{name}', algorithm, num_clients=m, **extra)
                 lines_settings = settings
                 s = result.summary['personalized_model']
                 output['table'].setdefault(label, {})[m] = dict(mean=s['mean'], std=s['std'])
@@ -130,7 +143,7 @@ def main(argv):
             for label, algorithm in (('KD-PDFL', 'kdpdfl'), ('FedAvg', 'kdpdfl_fedavg')):
                 result, seconds, _ = _run(
                     f'caps/{algorithm}_K{cap}',
-                    algorithm=algorithm,
+                    algorithm,
                     num_clients=20,
                     kd_mean_neighbours=19.0,
                     kd_max_neighbours=cap,
@@ -159,7 +172,7 @@ def main(argv):
         for a, mu1 in enumerate(grid):
             for b, mu2 in enumerate(grid):
                 result, seconds, _ = _run(
-                    f'mu/mu1_{mu1:g}_mu2_{mu2:g}', algorithm='kdpdfl', num_clients=10, kd_mu1=mu1, kd_mu2=mu2
+                    f'mu/mu1_{mu1:g}_mu2_{mu2:g}', 'kdpdfl', num_clients=10, kd_mu1=mu1, kd_mu2=mu2
                 )
                 graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
                 s = result.summary['personalized_model']

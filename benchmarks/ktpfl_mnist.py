@@ -24,6 +24,7 @@ import time
 import numpy as np
 from absl import app, flags
 
+from processes import feddf, ktpfl
 from tff_pfl.program import experiment, reports
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
@@ -44,14 +45,32 @@ _RUNS_DIR = flags.DEFINE_string('runs_dir', 'runs/ktpfl_mnist', 'Where the runs 
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/ktpfl_mnist', 'Result path prefix.')
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Rewrite the report from <out>.json and the runs, run nothing.')
 
-# method -> (algorithm, extra config, [(label, model reported by evaluate)])
+# method -> (algorithm, its settings class, its own settings, [(label, model reported by evaluate)])
 METHODS = {
-    'fedmd': ('ktpfl', dict(kt_c_update='fedmd'), [('FedMD', 'personalized_model')]),
-    'pfeddf': ('pfeddf', {}, [('FedDF', 'global_model'), ('pFedDF', 'personalized_model')]),
-    'sim_pfl': ('ktpfl', dict(kt_c_update='similarity'), [('Sim-pFL', 'personalized_model')]),
-    'topk_pfl': ('ktpfl', dict(kt_c_update='topk'), [('TopK-pFL', 'personalized_model')]),
-    'ktpfl': ('ktpfl', dict(kt_c_update='paper'), [('KT-pFL', 'personalized_model')]),
-    'ktpfl_released': ('ktpfl', dict(kt_c_update='released'), [('KT-pFL (released code)', 'personalized_model')]),
+    'fedmd': ('ktpfl', ktpfl.KTpFLSettings, dict(kt_c_update='fedmd'), [('FedMD', 'personalized_model')]),
+    'pfeddf': (
+        'pfeddf',
+        feddf.PFedDFSettings,
+        {},
+        [('FedDF', 'global_model'), ('pFedDF', 'personalized_model')],
+    ),
+    'sim_pfl': ('ktpfl', ktpfl.KTpFLSettings, dict(kt_c_update='similarity'), [('Sim-pFL', 'personalized_model')]),
+    'topk_pfl': ('ktpfl', ktpfl.KTpFLSettings, dict(kt_c_update='topk'), [('TopK-pFL', 'personalized_model')]),
+    'ktpfl': ('ktpfl', ktpfl.KTpFLSettings, dict(kt_c_update='paper'), [('KT-pFL', 'personalized_model')]),
+    'ktpfl_released': (
+        'ktpfl',
+        ktpfl.KTpFLSettings,
+        dict(kt_c_update='released'),
+        [('KT-pFL (released code)', 'personalized_model')],
+    ),
+}
+# Names of the settings in results written before the settings redesign (benchmarks/results/ktpfl_mnist.json).
+_RENAMED = {
+    'distill_epochs': 'kt_distill_epochs',
+    'distill_batch_size': 'public_distill_batch_size',
+    'distill_learning_rate': 'public_distill_learning_rate',
+    'kt_temperature': 'public_temperature',
+    'finetune_epochs': 'pfeddf_finetune_epochs',
 }
 PAPER_TABLE_1 = {  # EMNIST / Fashion-MNIST, non-IID 1 and 2 (the paper has no MNIST column)
     'FedMD': (71.37, 70.15, 68.02, 66.10),
@@ -102,36 +121,37 @@ def main(argv):
         _write_report(data)
         return
     counts = tuple(int(c) for c in _CASE1_COUNTS.value)
-    common = dict(
-        dataset=f'npz:{_MNIST.value}',
-        num_clients=20,
-        rounds=_ROUNDS.value,
-        eval_every=_EVAL_EVERY.value,
+    common = dict(dataset=f'npz:{_MNIST.value}', num_clients=20, rounds=_ROUNDS.value, eval_every=_EVAL_EVERY.value)
+    by_case = {'kt_case1': dict(kt_case1_counts=counts), 'kt_case2': dict(examples_per_class=_CASE2_PER_CLASS.value)}
+    # Local training and the public data, the same for every method.
+    shared = dict(
         local_epochs=_LOCAL_EPOCHS.value,
         batch_size=128,
         client_learning_rate=_LR.value,
         architectures=('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small'),
         public_examples=_PUBLIC_EXAMPLES.value,
         public_batch=_PUBLIC_BATCH.value,
-        distill_epochs=1,
-        distill_batch_size=256,
-        distill_learning_rate=_LR.value,
-        kt_temperature=10.0,
-        kt_coefficient_learning_rate=0.1,
-        kt_rho=0.7,
-        finetune_epochs=_LOCAL_EPOCHS.value,
-        kt_case1_counts=counts,
-        examples_per_class=_CASE2_PER_CLASS.value,
-        seed=_SEED.value,
+        public_distill_batch_size=256,
+        public_distill_learning_rate=_LR.value,
+        public_temperature=10.0,
     )
+    own = {
+        'ktpfl': dict(kt_distill_epochs=1, kt_coefficient_learning_rate=0.1, kt_rho=0.7),
+        'pfeddf': dict(feddf_distill_epochs=1, pfeddf_finetune_epochs=_LOCAL_EPOCHS.value),
+    }
     results, curves, communication = {}, {}, {}
     started = time.monotonic()
     for case in _CASES.value:
         for method in _METHODS.value:
-            algorithm, extra, reported = METHODS[method]
+            algorithm, settings_class, extra, reported = METHODS[method]
             out_dir = os.path.join(_RUNS_DIR.value, case, method)
             config = experiment.ExperimentConfig(
-                output_dir=out_dir, algorithm=algorithm, partition=case, **common, **extra
+                output_dir=out_dir,
+                algorithm=algorithm,
+                partition=case,
+                **common,
+                **by_case[case],
+                settings=settings_class(**shared, **own[algorithm], **extra),
             )
             start = time.monotonic()
             result = experiment.run_experiment(config, overwrite=True, log=lambda line: None)
@@ -199,7 +219,18 @@ def main(argv):
         'MB',
     )
 
-    settings = dict(common, cases=_CASES.value, methods=_METHODS.value, rounds=rounds)
+    settings = dict(
+        common,
+        **shared,
+        **own['ktpfl'],
+        **own['pfeddf'],
+        kt_case1_counts=counts,
+        examples_per_class=_CASE2_PER_CLASS.value,
+        seed=_SEED.value,
+        cases=_CASES.value,
+        methods=_METHODS.value,
+        rounds=rounds,
+    )
     data = {
         'settings': settings,
         'results': results,
@@ -214,7 +245,8 @@ def main(argv):
 
 
 def _write_report(data):
-    settings, results, figure = data['settings'], data['results'], data['communication_mb_per_client']
+    settings = {_RENAMED.get(k, k): v for k, v in data['settings'].items()}
+    results, figure = data['results'], data['communication_mb_per_client']
     rounds, total_minutes = settings['rounds'], data['total_minutes']
     counts = tuple(int(c) for c in settings['kt_case1_counts'])
     cases = list(settings['cases'])
@@ -235,9 +267,12 @@ def _write_report(data):
         f'clients 10-19 the reverse; case 2: two random digits per client, {settings["examples_per_class"]} examples '
         'each. Every client splits its examples 60/20/20 into train/validation/test. '
         f'{settings["public_examples"]} MNIST examples, held by no client, are the unlabeled public data; '
-        f'{settings["public_batch"]} are drawn per round. E = {settings["local_epochs"]}, R = 1, batch 128 (private) '
-        f'and 256 (public), eta_1 = eta_2 = {settings["client_learning_rate"]}, T = 10, eta_3 = 0.1, rho = 0.7; '
-        f'pFedDF fine-tunes {settings["finetune_epochs"]} epochs.',
+        f'{settings["public_batch"]} are drawn per round. E = {settings["local_epochs"]}, '
+        f'R = {settings["kt_distill_epochs"]}, batch {settings["batch_size"]} (private) '
+        f'and {settings["public_distill_batch_size"]} (public), '
+        f'eta_1 = eta_2 = {settings["client_learning_rate"]}, T = {settings["public_temperature"]:g}, '
+        f'eta_3 = {settings["kt_coefficient_learning_rate"]}, rho = {settings["kt_rho"]}; '
+        f'pFedDF fine-tunes {settings["pfeddf_finetune_epochs"]} epochs.',
         '',
         "Mean (std) of the per-client test accuracy (%) after the last round; the paper's Table 1 "
         '(EMNIST and Fashion-MNIST, its own full-size settings) for comparison.',

@@ -51,7 +51,7 @@ def main(argv):
                 print(f'{algorithm} {line.split("  ")[0]}: driver {driver:.0f} MB, worker {worker:.0f} MB', flush=True)
 
         with tempfile.TemporaryDirectory() as tmp:
-            config = experiment.ExperimentConfig(
+            config = experiment.make_config(
                 output_dir=os.path.join(tmp, algorithm),
                 algorithm=algorithm,
                 dataset=f'npz:{_MNIST.value}',

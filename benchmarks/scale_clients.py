@@ -104,7 +104,7 @@ def _run(name, num_clients, settings, workdir, rounds):
         if match:
             print(f'{name} N={num_clients}: {line}', flush=True)
 
-    config = experiment.ExperimentConfig(
+    config = experiment.make_config(
         output_dir=os.path.join(workdir, f'{name}_{num_clients}'),
         dataset=f'npz:{_MNIST.value}',
         num_clients=num_clients,

@@ -34,8 +34,7 @@ def run_tff(samples, rounds, workdir, sigma0_sq):
     process = selffl.build_selffl_process(
         spec,
         model_fn,
-        learning_rate=ETA,
-        batch_size=1,
+        selffl.SelfFLSettings(client_learning_rate=ETA),  # full-batch steps: batch_size is not used
         loss='gaussian',
         known_sigma0_sq=sigma0_sq,
         gaussian_noise_var=1.0,

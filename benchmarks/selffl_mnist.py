@@ -47,7 +47,9 @@ def main(argv):
     }
     results, curves = {}, {}
     for name, extra in runs.items():
-        config = experiment.ExperimentConfig(output_dir=os.path.join(_RUNS_DIR.value, name), **common, **extra)
+        config = experiment.ExperimentConfig.from_dict(
+            {'output_dir': os.path.join(_RUNS_DIR.value, name), **common, **extra}
+        )
         start = time.monotonic()
         result = experiment.run_experiment(config, overwrite=True, log=lambda line: None)
         seconds = time.monotonic() - start

@@ -40,27 +40,38 @@ JOBS = {
     # MNIST DS-1 (4 classes per client), 10 clients, the PersFL suite's settings.
     'fedavg': dict(rounds=20),
     'persfl': dict(rounds=10, temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=2),
-    # Two phases per round on several workers (share, then distill).
-    'ktpfl_homo': dict(rounds=10, public_examples=1000),
+    # Two phases per round on several workers (share, then distill); R, eta_2, eta_3 and rho as
+    # the command line's defaults were before the settings redesign.
+    'ktpfl_homo': dict(
+        rounds=10,
+        kt_transfer_steps=5,
+        kt_transfer_learning_rate=0.01,
+        kt_coefficient_learning_rate=0.1,
+        kt_rho=0.7,
+    ),
 }
 TIMING = {'round_seconds', 'personalize_seconds'}
 
 
 def _config(out, algorithm, workers):
-    return experiment.ExperimentConfig(
-        output_dir=out,
-        algorithm=algorithm,
-        dataset=f'npz:{_MNIST.value}',
-        partition='ds1',
-        classes_per_client=4,
-        num_clients=10,
-        model='mnist_dnn',
-        split_fractions=(0.6, 0.2, 0.2),
-        batch_size=32,
-        client_learning_rate=0.05,
-        eval_every=5,
-        workers=workers,
-        **JOBS[algorithm],
+    """The run's configuration in its flat form: common and algorithm settings side by side."""
+    return experiment.ExperimentConfig.from_dict(
+        dict(
+            output_dir=out,
+            algorithm=algorithm,
+            dataset=f'npz:{_MNIST.value}',
+            partition='ds1',
+            classes_per_client=4,
+            num_clients=10,
+            model='mnist_dnn',
+            split_fractions=(0.6, 0.2, 0.2),
+            eval_every=5,
+            workers=workers,
+            local_epochs=1,
+            batch_size=32,
+            client_learning_rate=0.05,
+            **JOBS[algorithm],
+        )
     )
 
 

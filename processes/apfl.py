@@ -13,21 +13,43 @@ local mini-batch xi, with the values of the previous step on the right:
 * alpha_i <- alpha_i - eta_alpha <v_i - w_i, grad f_i(v_bar_i; xi)>, clipped to [0, 1]
 
 and sends back its w_i update; the server takes the example-weighted mean
-(FedAvg). v_i and alpha_i stay on the client.
+(FedAvg). v_i and alpha_i stay on the client. A local step updates all
+three on one batch, so `local_steps` = L means L steps of w_i and of v_i.
 
 `evaluate` reports the global model and, as `personalized_model`,
 alpha_i v_i + (1 - alpha_i) w with the current global w.
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+
+
+@dataclasses.dataclass(frozen=True)
+class APFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
+    """APFL (`apfl`): per batch, a step of w_i, of v_i and of alpha_i; FedAvg on w."""
+
+    apfl_alpha: float = settings_lib.setting(0.5, "APFL: every client's initial mixing weight alpha, in [0, 1].")
+    apfl_alpha_learning_rate: float = settings_lib.setting(
+        0.01, 'APFL: eta_alpha, the step size of alpha (Eq. 10; 0 keeps alpha fixed).'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (0.0 <= self.apfl_alpha <= 1.0, f'apfl_alpha must be in [0, 1], got {self.apfl_alpha}'),
+            (
+                self.apfl_alpha_learning_rate >= 0,
+                f'apfl_alpha_learning_rate must be >= 0, got {self.apfl_alpha_learning_rate}',
+            ),
+        ]
 
 
 def mix(alpha, local, global_weights) -> list:
@@ -47,11 +69,8 @@ def mix(alpha, local, global_weights) -> list:
 def build_apfl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: APFLSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    initial_alpha: float = 0.5,
-    alpha_learning_rate: float = 0.01,
-    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds APFL as a `PersonalizedProcess`.
@@ -59,12 +78,10 @@ def build_apfl_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: local epochs or steps, batch size, and eta.
-      initial_alpha: every client's alpha before its first round, in [0, 1].
-      alpha_learning_rate: eta_alpha (0 keeps alpha fixed). The default 0.01
-        is smaller than usual local learning rates on purpose: see
-        docs/algorithms/baselines.md.
-      server_optimizer: FedAvg's server optimizer; default plain averaging.
+      settings: local epochs or steps, batch size, eta
+        (`client_learning_rate`), the server learning rate, the initial alpha
+        and eta_alpha (default 0.01, smaller than usual local learning rates
+        on purpose: see docs/algorithms/baselines.md); None: `APFLSettings()`.
       seed: run seed; v_i starts from the same initial model as w.
 
     Returns:
@@ -72,13 +89,11 @@ def build_apfl_process(
       num_participations, last_round, local, alpha>`.
 
     Raises:
-      ValueError: on a bad configuration.
+      SettingsError: a setting out of range (one line).
     """
-    local_config.validate()
-    if not 0.0 <= initial_alpha <= 1.0:
-        raise ValueError(f'initial_alpha must be in [0, 1], got {initial_alpha}')
-    if not alpha_learning_rate >= 0:
-        raise ValueError(f'alpha_learning_rate must be >= 0, got {alpha_learning_rate}')
+    settings = (APFLSettings() if settings is None else settings).validate()
+    local_config = settings.training_config()
+    initial_alpha, alpha_learning_rate = settings.apfl_alpha, settings.apfl_alpha_learning_rate
     eta = local_config.learning_rate
     weights_type = local_training.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
@@ -148,6 +163,6 @@ def build_apfl_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer,
+        server_optimizer=settings.server_optimizer(),
         seed=seed,
     )

@@ -8,7 +8,11 @@ the global objective. In a round the server broadcasts w^t; each sampled
 client (a) runs local SGD on w^t for the global model and sends back its
 update, which the server averages as in FedAvg, and (b) runs SGD on its
 personal model v_k with the gradient of F_k(v_k) + lambda (v_k - w^t) (line
-8), for `personal_config`'s epochs. v_k stays on the client.
+8). v_k stays on the client.
+
+How much each model trains per round: with `local_steps` = L both w_k and
+v_k take exactly L SGD steps (Ditto's s = L); with `local_steps` = 0, w_k
+trains `local_epochs` epochs and v_k `personal_epochs` epochs.
 
 Every v_k starts from the same initial model as w (built from the run seed on
 the client itself). `evaluate` reports the global model and each client's
@@ -16,14 +20,53 @@ v_k (`personalized_model`).
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+
+
+@dataclasses.dataclass(frozen=True)
+class DittoSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
+    """Ditto (`ditto`): FedAvg for w, and per client a personal model v_k pulled towards w.
+
+    `local_steps` = L bounds both models: w_k and v_k each take exactly L SGD
+    steps per round. With `local_steps` = 0, w_k trains `local_epochs` epochs
+    and v_k `personal_epochs` epochs.
+    """
+
+    ditto_lambda: float = settings_lib.setting(0.1, 'Ditto: lambda, the pull of the personal models towards w.')
+    personal_epochs: int = settings_lib.setting(
+        1, 'Ditto: epochs of the personal model v_k per round (with local_steps=0; else it takes local_steps steps).'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.ditto_lambda >= 0, f'ditto_lambda must be >= 0, got {self.ditto_lambda}'),
+            (self.personal_epochs >= 1, f'personal_epochs must be >= 1, got {self.personal_epochs}'),
+            (
+                self.local_steps == 0 or self.personal_epochs == 1,
+                f'personal_epochs={self.personal_epochs} applies only with local_steps=0: with '
+                f'local_steps={self.local_steps} both Ditto models take {self.local_steps} steps',
+            ),
+        ]
+
+    def personal_training_config(self) -> local_training.TrainingConfig:
+        """The personal model's SGD per round (Ditto's s iterations).
+
+        Returns:
+          Exactly `local_steps` steps when it is set, else `personal_epochs`
+          epochs; with `batch_size` and `client_learning_rate`.
+        """
+        if self.local_steps:
+            return self.training_config()
+        return local_training.TrainingConfig(self.personal_epochs, self.batch_size, self.client_learning_rate)
 
 
 def proximal_loss(anchor, strength) -> local_training.LossFn:
@@ -48,11 +91,8 @@ def proximal_loss(anchor, strength) -> local_training.LossFn:
 def build_ditto_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: DittoSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    personal_config: local_training.TrainingConfig | None = None,
-    ditto_lambda: float = 0.1,
-    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Ditto as a `PersonalizedProcess`.
@@ -60,27 +100,24 @@ def build_ditto_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: the global model's local SGD (epochs, batch, lr).
-      personal_config: the personal model's SGD per round (Ditto's s local
-        iterations); default `local_config`.
-      ditto_lambda: lambda >= 0, the pull towards the global model (0: local
-        training alongside FedAvg).
-      server_optimizer: FedAvg's server optimizer; default plain averaging.
+      settings: local training of both models, the server learning rate,
+        lambda and the personal epochs; None: `DittoSettings()`.
       seed: run seed.
 
     Returns:
       A `template.PersonalizedProcess`. Client state: `<client_id,
-      num_participations, last_round, personal>`.
+      num_participations, last_round, personal>`. Metrics: those of w_k's
+      local training (`mean_local_steps`: its SGD steps) and
+      `mean_personal_steps`, v_k's SGD steps.
 
     Raises:
-      ValueError: on a bad configuration or a negative lambda.
+      SettingsError: a setting out of range (one line).
     """
-    local_config.validate()
-    personal_config = (personal_config or local_config).validate()
-    if not ditto_lambda >= 0:
-        raise ValueError(f'ditto_lambda must be >= 0, got {ditto_lambda}')
+    settings = (DittoSettings() if settings is None else settings).validate()
+    ditto_lambda = settings.ditto_lambda
+    personal_config = settings.personal_training_config()
     weights_type = local_training.weights_type(model_fn)
-    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -108,10 +145,12 @@ def build_ditto_process(
             )
         with tf.control_dependencies(list(stats)):
             personal = local_training.get_weights(model)
+        metric_sums = collections.OrderedDict(result['metric_sums'])
+        metric_sums['personal_steps'] = tf.cast(stats.num_steps, tf.float32)
         return collections.OrderedDict(
             update=result['update'],
             weight=result['weight'],
-            metric_sums=result['metric_sums'],
+            metric_sums=metric_sums,
             client_state=building_blocks.participated(client_state, round_num, personal=personal),
         )
 
@@ -128,6 +167,6 @@ def build_ditto_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer,
+        server_optimizer=settings.server_optimizer(),
         seed=seed,
     )

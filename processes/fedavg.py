@@ -4,59 +4,83 @@ McMahan et al., "Communication-Efficient Learning of Deep Networks from
 Decentralized Data" (AISTATS 2017). Every sampled client reads its own
 training split by id inside the TFF worker, runs local SGD from the broadcast
 global model, and the server applies the example-weighted mean of the updates
-with a `tff.learning.optimizers` optimizer (SGD with learning rate 1.0 is the
-plain FedAvg average; other optimizers give FedOpt-style server steps).
+with TFF's SGD at `server_learning_rate` (1.0 is the plain FedAvg average).
+With `local_steps` L > 0 every sampled client runs exactly L SGD steps (the
+round metric `mean_local_steps` counts them), else `local_epochs` epochs.
 
 FedAvg has no personalized model: `evaluate` reports each client's accuracy of
 the global model on its own test split. The per-client state only records
 participation (its client id, number of rounds taken part in, last round).
 
-FedAvg + local fine-tuning (`finetune_epochs > 0`), the baseline of the
+FedAvg + local fine-tuning (`FedAvgFTSettings`), the baseline of the
 personalization papers: after the last round, `personalize` has every client
 fine-tune the final global model on its own training split for 0, 1, ...,
-`finetune_epochs` epochs and keep the number of epochs whose model scores best
-on its validation split (`local_training.finetune_on_validation`). The chosen
+`finetune_epochs` epochs (batch size and learning rate of local training) and
+keep the number of epochs whose model scores best on its validation split
+(`local_training.finetune_on_validation`). The chosen
 model is the client's `personalized_model`; before fine-tuning it is the
 global model (zero epochs).
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
+    """FedAvg's settings: local SGD (B, E or a number of steps, eta) and the server step.
+
+    Defaults and where they come from: docs/algorithms/fedavg.md, "Settings".
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class FedAvgFTSettings(FedAvgSettings):
+    """FedAvg + local fine-tuning: FedAvg's settings and the most fine-tuning epochs.
+
+    Fine-tuning uses `batch_size` and `client_learning_rate`.
+    """
+
+    finetune_epochs: int = settings_lib.setting(
+        5,
+        'FedAvg + fine-tuning: the most epochs a client fine-tunes the final global model for; '
+        'it keeps the count (0 to this) best on its validation split.',
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.finetune_epochs >= 1, f'finetune_epochs must be >= 1, got {self.finetune_epochs}'),
+        ]
 
 
 def build_fedavg_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: FedAvgSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: tff.aggregators.WeightedAggregationFactory | None = None,
-    finetune_epochs: int = 0,
-    finetune_config: local_training.TrainingConfig | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
-    """Builds FedAvg as a `PersonalizedProcess`.
+    """Builds FedAvg, or FedAvg + fine-tuning, as a `PersonalizedProcess`.
 
     Args:
       spec: the client partition on disk (`tff_pfl.data.client_data`).
       model_fn: no-arg function returning a fresh, un-compiled Keras model
         whose outputs are logits.
-      local_config: local epochs, batch size and client learning rate.
-      server_optimizer: applied to the aggregated update; default SGD with
-        learning rate 1.0 (plain averaging).
-      model_aggregator: weighted aggregation of client updates; default
+      settings: a `FedAvgSettings` (plain FedAvg) or a `FedAvgFTSettings`
+        (FedAvg + fine-tuning: adds `personalize`); None: `FedAvgSettings()`.
+      model_aggregator: weighted aggregation of client updates (Python API
+        only, e.g. DP or compression); default
         `tff.aggregators.MeanFactory()` (example-weighted mean).
-      finetune_epochs: FedAvg + fine-tuning: the most local epochs a client
-        may fine-tune for (0: plain FedAvg, no `personalize`).
-      finetune_config: batch size and learning rate of fine-tuning; default
-        those of `local_config`.
       seed: run seed; fixes the initial model and every client's batch order.
 
     Returns:
@@ -65,15 +89,19 @@ def build_fedavg_process(
       `<client_id, num_participations, last_round>`, with fine-tuning also
       `<personalized, finetune_epochs, finetune_val_accuracy>`
       (`finetune_epochs` -1 until fine-tuned); metrics:
-      `<train_loss, train_accuracy, num_examples, num_clients>`.
+      `<train_loss, train_accuracy, num_examples, num_clients,
+      mean_local_steps>`.
 
     Raises:
-      ValueError: on a bad local or fine-tuning configuration.
+      TypeError: if `settings` is not a `FedAvgSettings`.
+      SettingsError: on a bad setting (`settings.validate()`).
     """
-    local_config.validate()
-    if int(finetune_epochs) != finetune_epochs or finetune_epochs < 0:
-        raise ValueError(f'finetune_epochs must be a non-negative integer, got {finetune_epochs}')
-    finetune_config = (finetune_config or local_config).validate()
+    settings = FedAvgSettings() if settings is None else settings
+    if not isinstance(settings, FedAvgSettings):
+        raise TypeError(f'build_fedavg_process takes FedAvgSettings, got {type(settings).__name__}')
+    settings.validate()
+    finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
+    local_config = settings.training_config()
     weights_type = local_training.weights_type(model_fn)
     client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
@@ -124,8 +152,8 @@ def build_fedavg_process(
                     client_data.read_split(spec, client_id, 'train'),
                     client_data.read_split(spec, client_id, 'val'),
                     max_epochs=finetune_epochs,
-                    batch_size=finetune_config.batch_size,
-                    learning_rate=finetune_config.learning_rate,
+                    batch_size=settings.batch_size,
+                    learning_rate=settings.client_learning_rate,
                     seed=local_training.client_seed(seed, round_num, client_id, salt=2),
                 )
             state = collections.OrderedDict((k, client_state[k]) for k in client_state)
@@ -139,7 +167,7 @@ def build_fedavg_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer,
+        server_optimizer=settings.server_optimizer(),
         model_aggregator=model_aggregator,
         personalize_builder=personalize_builder,
         seed=seed,

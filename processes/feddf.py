@@ -8,7 +8,7 @@ the fused prototype of its architecture on its private data.
 The server keeps one prototype per architecture. One round:
 
 1. every client receives its architecture's prototype and trains it on its
-   private data, E epochs;
+   private data, E epochs or exactly `local_steps` SGD steps;
 2. it sends back its trained parameters (weighted by its example count,
    into the slot of its architecture) and its logits on this round's public
    batch;
@@ -19,21 +19,74 @@ The server keeps one prototype per architecture. One round:
 
 FedDF is a parameter-exchange method: models go up and down every round.
 `evaluate` reports each client's accuracy with its architecture's prototype
-(`global_model`, FedDF) and, with `finetune_epochs > 0`, with that prototype
-fine-tuned on its training split (`personalized_model`, pFedDF); the
-fine-tuned copy is not kept, so every evaluation point is pFedDF "as of this
-round".
+(`global_model`, FedDF) and, with `PFedDFSettings`, with that prototype
+fine-tuned on its training split for `pfeddf_finetune_epochs`
+(`personalized_model`, pFedDF); the fine-tuned copy is not kept, so every
+evaluation point is pFedDF "as of this round".
+
+Settings: `FedDFSettings` and `PFedDFSettings`; as baselines of KT-pFL's
+Table 1 their defaults are KT-pFL's Appendix B.2 ("for all the methods"),
+see docs/algorithms/ktpfl.md, "Settings".
 """
 
 import collections
-from collections.abc import Sequence
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
 from tff_pfl.data import client_data
+
+_setting = settings_lib.setting
+# Inherited local-training fields whose defaults KT-pFL's Appendix B.2 restates keep their help line.
+_LOCAL_HELP = {f.name: settings_lib.help_of(f) for f in dataclasses.fields(settings_lib.LocalTraining)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FedDFSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
+    """FedDF as KT-pFL's Table 1 runs it: per-architecture averaging, then server distillation.
+
+    Defaults: KT-pFL's Appendix B.2, heterogeneous models, EMNIST /
+    Fashion-MNIST, stated "for all the methods" (private batch 128, E = 20,
+    one distillation pass, public batch 256, learning rate 0.01, T = 10, 3000
+    public examples per round).
+    """
+
+    batch_size: int = _setting(128, _LOCAL_HELP['batch_size'])
+    client_learning_rate: float = _setting(0.01, _LOCAL_HELP['client_learning_rate'])
+    local_epochs: int = _setting(20, _LOCAL_HELP['local_epochs'])
+    feddf_distill_epochs: int = _setting(
+        1,
+        "The server's distillation passes over the round's public batch, per architecture prototype "
+        '(0: per-architecture FedAvg).',
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.feddf_distill_epochs >= 0, f'feddf_distill_epochs must be >= 0, got {self.feddf_distill_epochs}'),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedDFSettings(FedDFSettings):
+    """pFedDF (KT-pFL, footnote 3): FedDF, and each client fine-tunes its prototype locally."""
+
+    pfeddf_finetune_epochs: int = _setting(
+        5,
+        "pFedDF: epochs of fine-tuning of the client's architecture prototype on its training split, at evaluation "
+        '(batch size and learning rate of local training).',
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (
+                self.pfeddf_finetune_epochs >= 1,
+                f'pfeddf_finetune_epochs must be >= 1, got {self.pfeddf_finetune_epochs} (FedDF: --algorithm=feddf)',
+            ),
+        ]
 
 
 def average_prototypes(previous: tf.Tensor, weighted_sums: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
@@ -56,50 +109,45 @@ def average_prototypes(previous: tf.Tensor, weighted_sums: tf.Tensor, weights: t
 
 def build_feddf_process(
     spec: client_data.ClientDataSpec,
-    architectures: Sequence[str],
+    settings: FedDFSettings = FedDFSettings(),
     *,
-    local_config: local_training.TrainingConfig,
-    server_distill_epochs: int = 1,
-    distill_batch_size: int = 256,
-    distill_learning_rate: float = 0.01,
-    public_batch: int = 1000,
-    temperature: float = 10.0,
-    finetune_epochs: int = 0,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
-    """Builds FedDF (and pFedDF's evaluation) over heterogeneous clients.
+    """Builds FedDF (and, with `PFedDFSettings`, pFedDF's evaluation) over heterogeneous clients.
 
     Args:
       spec: the partition on disk; it must hold public data.
-      architectures: one model name per client (in `spec.client_ids` order).
-      local_config: local epochs, batch size and learning rate.
-      server_distill_epochs: R, the server's passes over the public batch per
-        prototype (0: per-architecture FedAvg without distillation).
-      distill_batch_size: public mini-batch size.
-      distill_learning_rate: the server's SGD step size.
-      public_batch: P, public examples drawn per round.
-      temperature: T of the ensemble's and the students' softmax.
-      finetune_epochs: pFedDF's local fine-tuning epochs at evaluation (0:
-        FedDF only).
+      settings: `FedDFSettings` (FedDF) or `PFedDFSettings` (pFedDF): local
+        training (E epochs or exactly `local_steps` SGD steps, batch size,
+        learning rate), the architectures (assigned to clients in turn;
+        empty: chosen from the data), P, T, the server's distillation passes
+        (`feddf_distill_epochs`; 0: per-architecture FedAvg), batch size and
+        learning rate, and pFedDF's fine-tuning epochs.
       seed: run seed.
 
     Returns:
-      A `template.PersonalizedProcess`; server state `<prototypes=float32[A,
-      D_max], round_num>`, client state `<client_id, num_participations,
-      last_round, architecture>`; any subset of clients may take part in a
-      round.
+      A `template.PersonalizedProcess` declaring each client's architecture
+      (`architectures`) and the bytes it exchanges (`communication`);
+      server state `<prototypes=float32[A, D_max], round_num>`, client state
+      `<client_id, num_participations, last_round, architecture>`; any subset
+      of clients may take part in a round.
 
     Raises:
-      ValueError: on bad arguments.
+      settings.SettingsError: a setting out of range (one line).
+      TypeError: `settings` is not a `FedDFSettings`.
+      ValueError: one line, if an architecture cannot take the data or the
+        partition has too little public data.
     """
-    local_config.validate()
-    if not spec.public_size:
-        raise ValueError('FedDF needs public data: prepare the partition with public examples')
-    if server_distill_epochs < 0 or finetune_epochs < 0:
-        raise ValueError('server_distill_epochs and finetune_epochs must be >= 0')
+    if not isinstance(settings, FedDFSettings):
+        raise TypeError(f'build_feddf_process takes FedDFSettings or PFedDFSettings, got {type(settings).__name__}')
+    settings.validate()
+    training = settings.training_config()
+    public_batch = heterogeneous.public_batch_for(settings, spec)
+    architectures = heterogeneous.client_architectures(settings.architectures, spec)
+    temperature = settings.public_temperature
+    finetune_epochs = settings.pfeddf_finetune_epochs if isinstance(settings, PFedDFSettings) else 0
     archs, arch_ids = heterogeneous.for_clients(architectures, spec)
     num_archs = len(archs.model_fns)
-    public_batch = min(public_batch, spec.public_size)
     prototypes_type = tff.TensorType(np.float32, (num_archs, archs.max_size))
     logits_type = tff.TensorType(np.float32, (public_batch, spec.num_classes))
 
@@ -116,10 +164,7 @@ def build_feddf_process(
     def server_init():
         return collections.OrderedDict(prototypes=archs.initial_packed(seed), round_num=tf.constant(0, tf.int32))
 
-    @tff.federated_computation
-    def initialize():
-        return tff.federated_eval(server_init, tff.SERVER)
-
+    initialize = building_blocks.server_initialize(server_init)
     server_state_type = initialize.type_signature.result
 
     @tff.tensorflow.computation(prototypes_type, np.int32, client_state_type)
@@ -127,28 +172,22 @@ def build_feddf_process(
         client_id, architecture = state['client_id'], state['architecture']
         private = client_data.read_split(spec, client_id, 'train')
         x_public = client_data.read_public_batch(spec, public_batch, seed, round_num)
-
-        def work(model):
-            stats = local_training.train(
-                model,
-                private,
-                epochs=local_config.epochs,
-                batch_size=local_config.batch_size,
-                learning_rate=local_config.learning_rate,
-                max_steps=local_config.max_steps,
-                seed=local_training.client_seed(seed, round_num, client_id),
-            )
-            with tf.control_dependencies(list(stats)):
-                return archs.pack(model.trainable_weights), model(x_public, training=False), stats
-
-        params, logits, stats = archs.dispatch(architecture, tf.gather(prototypes, architecture), work)
+        params, logits, stats = heterogeneous.train_packed(
+            archs,
+            architecture,
+            tf.gather(prototypes, architecture),
+            private,
+            training,
+            seed=local_training.client_seed(seed, round_num, client_id),
+            outputs=lambda model: model(x_public, training=False),
+        )
         weight = tf.cast(private.num_examples, tf.float32)
         slot = tf.one_hot(architecture, num_archs)
         return collections.OrderedDict(
             weighted_params=slot[:, tf.newaxis] * (weight * params)[tf.newaxis],
             weights=slot * weight,
             public_logits=logits,
-            metric_sums=building_blocks.training_metric_sums(local_training.Stats(*stats)),
+            metric_sums=building_blocks.training_metric_sums(stats),
             client_state=building_blocks.participated(state, round_num),
         )
 
@@ -169,9 +208,9 @@ def build_feddf_process(
                     x_public,
                     teacher,
                     temperature=temperature,
-                    epochs=server_distill_epochs,
-                    batch_size=distill_batch_size,
-                    learning_rate=distill_learning_rate,
+                    epochs=settings.feddf_distill_epochs,
+                    batch_size=settings.public_distill_batch_size,
+                    learning_rate=settings.public_distill_learning_rate,
                     seed=local_training.client_seed(seed, state['round_num'], tf.constant(f'server_{index}'), salt=4),
                 )
             with tf.control_dependencies([kl]):
@@ -208,8 +247,9 @@ def build_feddf_process(
         client_id, architecture = client_state['client_id'], client_state['architecture']
         prototype = tf.gather(state['prototypes'], architecture)
         test = client_data.read_split(spec, client_id, 'test')
-        stats = archs.dispatch(architecture, prototype, lambda model: local_training.evaluate(model, test))
-        result = collections.OrderedDict(global_model=template.client_metrics(local_training.Stats(*stats)))
+        result = collections.OrderedDict(
+            global_model=heterogeneous.evaluate_packed(archs, architecture, prototype, test)
+        )
         if finetune_epochs:
             private = client_data.read_split(spec, client_id, 'train')
 
@@ -218,8 +258,8 @@ def build_feddf_process(
                     model,
                     private,
                     epochs=finetune_epochs,
-                    batch_size=local_config.batch_size,
-                    learning_rate=local_config.learning_rate,
+                    batch_size=training.batch_size,
+                    learning_rate=training.learning_rate,
                     seed=local_training.client_seed(seed, state['round_num'], client_id, salt=5),
                 )
                 with tf.control_dependencies(list(tuned)):
@@ -244,14 +284,17 @@ def build_feddf_process(
         evaluate_input=whole_state,
         evaluate_client=evaluate_client,
     )
-    process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
-    )
-    process.architectures = list(architectures)
     parameter_bytes = float(np.mean([archs.sizes[i] for i in arch_ids])) * 4
-    process.communication = collections.OrderedDict(
-        parameter_bytes_up_per_client=parameter_bytes,
-        logit_bytes_up_per_client=public_batch * spec.num_classes * 4,
-        parameter_bytes_down_per_client=parameter_bytes,
+    return template.PersonalizedProcess(
+        initialize,
+        next_fn,
+        initial_client_state=initial_client_state,
+        evaluate=evaluate,
+        device=device,
+        architectures=architectures,
+        communication=collections.OrderedDict(
+            parameter_bytes_up_per_client=parameter_bytes,
+            logit_bytes_up_per_client=public_batch * spec.num_classes * 4,
+            parameter_bytes_down_per_client=parameter_bytes,
+        ),
     )
-    return process

@@ -18,51 +18,73 @@ global model.
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 
-def split_variables(model: tf.keras.Model, personal_layers: int) -> tuple[list[int], list[int]]:
-    """Indices of the base and of the personal trainable variables.
+@dataclasses.dataclass(frozen=True)
+class FedPerSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
+    """FedPer (`fedper`): FedAvg on the base layers; the last `personal_layers` stay on the clients."""
+
+    personal_layers: int = settings_lib.setting(
+        1, 'FedPer: how many of the last layers with weights stay on the clients (1: the classifier head).'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.personal_layers >= 1, f'personal_layers must be >= 1, got {self.personal_layers}'),
+        ]
+
+
+def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -> tuple[list[int], list[int]]:
+    """Indices of the base and of the personal trainable variables of `model_fn()`'s model.
+
+    Layers are counted, not variables: a Dense layer's kernel and bias move
+    together.
 
     Args:
-      model: the Keras model.
+      model_fn: no-arg function returning a fresh Keras model (built in a
+        graph of its own here).
       personal_layers: how many of the last layers with trainable weights are
-        personal.
+        personal (`FedPerSettings.personal_layers`).
 
     Returns:
-      `(base_indices, personal_indices)` into `model.trainable_variables`.
+      `(base_indices, personal_indices)` into the model's
+      `trainable_variables`.
 
     Raises:
-      ValueError: if `personal_layers` is not in [1, number of layers with
-        weights - 1] (FedPer needs both a base and a head).
+      ValueError: one line, if the model has no more layers with weights than
+        `personal_layers` (FedPer needs a shared base and a personal head).
     """
-    layers = [layer for layer in model.layers if layer.trainable_weights]
-    if not 1 <= personal_layers < len(layers):
-        raise ValueError(
-            f'personal_layers must be in [1, {len(layers) - 1}] for model {model.name!r} '
-            f'({len(layers)} layers with weights), got {personal_layers}'
-        )
-    personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}
-    base, personal = [], []
-    for i, variable in enumerate(model.trainable_variables):
-        (personal if variable.ref() in personal_refs else base).append(i)
+    with tf.Graph().as_default():
+        model = model_fn()
+        layers = [layer for layer in model.layers if layer.trainable_weights]
+        if not 1 <= personal_layers < len(layers):
+            count = f'{len(layers)} layer{"" if len(layers) == 1 else "s"}'
+            raise ValueError(
+                f'--personal_layers={personal_layers} leaves no shared layer: model {model.name!r} has {count} '
+                f'with weights; FedPer needs at least personal_layers + 1 = {personal_layers + 1}'
+            )
+        personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}
+        base, personal = [], []
+        for i, variable in enumerate(model.trainable_variables):
+            (personal if variable.ref() in personal_refs else base).append(i)
     return base, personal
 
 
 def build_fedper_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: FedPerSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    personal_layers: int = 1,
-    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedPer as a `PersonalizedProcess`.
@@ -70,11 +92,9 @@ def build_fedper_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: local epochs, batch size and learning rate.
-      personal_layers: how many of the last layers with weights stay on the
-        clients.
-      server_optimizer: applied to the mean base-layer update; default plain
-        averaging.
+      settings: local training, the server learning rate (applied to the
+        mean base-layer update) and `personal_layers`; None:
+        `FedPerSettings()`.
       seed: run seed.
 
     Returns:
@@ -83,13 +103,14 @@ def build_fedper_process(
       state: `<client_id, num_participations, last_round, head>`.
 
     Raises:
-      ValueError: on a bad configuration or `personal_layers`.
+      SettingsError: a setting out of range (one line).
+      ValueError: `personal_layers` leaves the model no shared layer (one
+        line, `split_layers`).
     """
-    local_config.validate()
-    with tf.Graph().as_default():
-        base_indices, personal_indices = split_variables(model_fn(), personal_layers)
+    settings = (FedPerSettings() if settings is None else settings).validate()
+    base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
     base_type = local_training.weights_type(model_fn, base_indices)
-    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -122,14 +143,12 @@ def build_fedper_process(
             personalized_model=client_evaluation(full_weights(base, client_state), client_state['client_id'])
         )
 
-    process = averaging.build_averaging_process(
+    return averaging.build_averaging_process(
         model_fn,
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer,
+        server_optimizer=settings.server_optimizer(),
         shared_indices=base_indices,
         seed=seed,
     )
-    process.base_indices, process.personal_indices = base_indices, personal_indices
-    return process

@@ -34,14 +34,20 @@ the plain mean of its own and the received models, W is not used), 'local'
 (no exchange; the driver never calls `next`). FedAvg+ is 'fedavg' with
 exchanges stopped at a given slot, after which clients fine-tune locally
 (the driver's `finetune_from`).
+
+Settings: one class per registered name, each holding exactly what that name
+uses (`ServerlessSettings` and its subclasses below); the defaults and their
+sources are in docs/algorithms/kdpdfl.md.
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import stacked
@@ -49,13 +55,139 @@ from tff_pfl.models import stacked
 MODES = ('kdpdfl', 'fedavg', 'local')
 BROADCASTS = ('adopt', 'keep')
 
+_setting = settings_lib.setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerlessSettings(settings_lib.LocalTraining):
+    """What every serverless variant uses: the slots of an interval and one slot's local work.
+
+    A slot of local work (Algorithm 1, line 20) is one local-training round of
+    the client: exactly `local_steps` SGD steps when `local_steps` is set, else
+    `local_epochs` epochs over its training split, with `batch_size` and
+    `client_learning_rate`. A client trains in every slot of an interval but
+    the two an exchange takes (gather, broadcast) when it is the star or one
+    of its neighbours.
+    """
+
+    exchange_interval: int = _setting(5, 'T_ex, time slots per exchange interval (--rounds counts intervals).')
+
+    def loop_arguments(self) -> dict:
+        """What the run loop takes from these settings (`tff_pfl.program.decentralized.run`).
+
+        Returns:
+          `exchange_interval`, `mean_reachable` (`kd_mean_neighbours`, None
+          where the mode never draws neighbours) and `finetune_from`
+          (`finetune_from_slot` for FedAvg+, else None), as keyword arguments.
+        """
+        return dict(exchange_interval=self.exchange_interval, mean_reachable=None, finetune_from=None)
+
+    def _checks(self):
+        return super()._checks() + [
+            (
+                self.exchange_interval >= 2,
+                f'exchange_interval must be >= 2 (an exchange takes a gather and a broadcast slot), '
+                f'got {self.exchange_interval}',
+            ),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class StarExchangeSettings(ServerlessSettings):
+    """The star exchange shared by KD-PDFL and decentralized FedAvg: who is reached, what they do after."""
+
+    kd_mean_neighbours: float = _setting(5.0, 'Mean number of peers a star reaches under Rayleigh fading.')
+    kd_max_neighbours: int = _setting(5, "K, the cap on a star's neighbours per exchange (Fig. 4).")
+    kd_broadcast: str = _setting(
+        'adopt', "What the neighbours do with the star's new model: adopt (Alg. 1, lines 14-17) or keep."
+    )
+
+    def loop_arguments(self) -> dict:
+        """See `ServerlessSettings.loop_arguments`; `mean_reachable` is `kd_mean_neighbours`.
+
+        Returns:
+          The run loop's keyword arguments.
+        """
+        return {**super().loop_arguments(), 'mean_reachable': self.kd_mean_neighbours}
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.kd_mean_neighbours > 0, f'kd_mean_neighbours must be > 0, got {self.kd_mean_neighbours}'),
+            (self.kd_max_neighbours >= 1, f'kd_max_neighbours must be >= 1, got {self.kd_max_neighbours}'),
+            (
+                self.kd_broadcast in BROADCASTS,
+                f'kd_broadcast must be one of {", ".join(BROADCASTS)}, got {self.kd_broadcast!r}',
+            ),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class KDPDFLSettings(StarExchangeSettings):
+    """KD-PDFL (`kdpdfl`): the star exchange plus the distance-driven weight update (Eqs. 2-4)."""
+
+    kd_mu1: float = _setting(1.0, 'mu_1, the weight of the output distances in Eq. 2.')
+    kd_mu2: float = _setting(1.0, 'mu_2, the weight of the collaboration regulariser g in Eq. 2.')
+    kd_c_base: float = _setting(100.0, 'c_base, the base confidence of Eq. 4: c_i = min(|X_i| / c_base, 1/(|N_i|+1)).')
+    kd_distance_batch: int = _setting(32, "n_i, the star's training examples the distances (Eq. 3) are measured on.")
+    kd_distance_layer: int = _setting(
+        -1, 'The MidGetter layer: -1 compares softmax outputs, L >= 1 the raw outputs of the first L layers.'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.kd_mu1 >= 0, f'kd_mu1 must be >= 0, got {self.kd_mu1}'),
+            (self.kd_mu2 >= 0, f'kd_mu2 must be >= 0, got {self.kd_mu2}'),
+            (self.kd_c_base > 0, f'kd_c_base must be > 0, got {self.kd_c_base}'),
+            (self.kd_distance_batch >= 1, f'kd_distance_batch must be >= 1, got {self.kd_distance_batch}'),
+            (
+                self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
+                f'kd_distance_layer must be -1 (the output) or >= 1, got {self.kd_distance_layer}',
+            ),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerlessFedAvgSettings(StarExchangeSettings):
+    """Decentralized FedAvg (`kdpdfl_fedavg`): the star takes the plain mean; no distances, no W."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerlessFedAvgPlusSettings(ServerlessFedAvgSettings):
+    """FedAvg+ (`kdpdfl_fedavg_plus`): decentralized FedAvg, then local fine-tuning only."""
+
+    finetune_from_slot: int = _setting(
+        150, 'FedAvg+: the slot from which exchanges stop and clients only train locally.'
+    )
+
+    def loop_arguments(self) -> dict:
+        """See `ServerlessSettings.loop_arguments`; `finetune_from` is `finetune_from_slot`.
+
+        Returns:
+          The run loop's keyword arguments.
+        """
+        return {**super().loop_arguments(), 'finetune_from': self.finetune_from_slot}
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.finetune_from_slot >= 0, f'finetune_from_slot must be >= 0, got {self.finetune_from_slot}'),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerlessLocalSettings(ServerlessSettings):
+    """Local learning in the serverless loop (`kdpdfl_local`): every slot is local work, no exchange."""
+
+
+# The settings each mode of the builder takes.
+MODE_SETTINGS = {'kdpdfl': KDPDFLSettings, 'fedavg': ServerlessFedAvgSettings, 'local': ServerlessLocalSettings}
+
 
 def draw_neighbours(
     rng: np.random.Generator,
     num_clients: int,
     star: int,
     *,
-    mean_reachable: float = 5.0,
+    mean_reachable: float,
     max_neighbours: int | None = None,
 ) -> list[int]:
     """The star's reachable neighbours under Rayleigh fading (numpy, driver side).
@@ -70,7 +202,8 @@ def draw_neighbours(
       rng: the driver's NumPy generator (draws the link gains).
       num_clients: M, the number of clients.
       star: the star's client index.
-      mean_reachable: the expected number of reachable peers.
+      mean_reachable: the expected number of reachable peers
+        (`kd_mean_neighbours`).
       max_neighbours: optional cap on the number of neighbours.
 
     Returns:
@@ -184,67 +317,70 @@ def star_mix(own, neighbour_models, weights, own_share):
 def build_kdpdfl_process(
     spec: client_data.ClientDataSpec,
     model_fn,
+    settings: ServerlessSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    max_neighbours: int = 5,
-    mu1: float = 1.0,
-    mu2: float = 1.0,
-    c_base: float = 100.0,
-    distance_batch: int = 32,
-    distance_layer: int = -1,
     mode: str = 'kdpdfl',
-    broadcast: str = 'adopt',
     seed: int = 0,
-) -> template.PersonalizedProcess:
-    """Builds KD-PDFL (or decentralized FedAvg) as a `PersonalizedProcess`.
+) -> template.ServerlessProcess:
+    """Builds KD-PDFL (or decentralized FedAvg, or local learning) as a `ServerlessProcess`.
 
     `next` is one exchange: `(<star, neighbours, exchange_num>@SERVER,
     {neighbour states}@CLIENTS) -> <same@SERVER, {neighbour states}@CLIENTS,
     metrics@SERVER>`. The driver (`tff_pfl.program.decentralized`) puts the
     star's client state and its neighbours' indices into the SERVER value and
     writes the star's new state back. `process.local_work: ({C}@CLIENTS,
-    {slots: int32}@CLIENTS) -> {C}@CLIENTS` trains each client for its
-    number of local slots.
+    {slots: int32}@CLIENTS, slot_num@SERVER) -> <{C}@CLIENTS, metrics@SERVER>`
+    trains each client for its number of local slots; its metrics count the
+    clients that trained (`num_clients`), their SGD steps per slot
+    (`mean_local_steps`, exactly `local_steps` when it is set) and their slots
+    (`mean_local_slots`).
 
     Args:
       spec: the partition on disk.
       model_fn: no-arg builder of every client's model (a Sequential model
         `models.stacked` supports).
-      local_config: one slot's local training (epochs per slot, batch, lr).
-      max_neighbours: K, the number of slots of an exchange.
-      mu1: weight of the distances in Eq. 2.
-      mu2: weight of the collaboration regulariser g.
-      c_base: Eq. 4's base confidence.
-      distance_batch: n_i, the star's examples for the distances.
-      distance_layer: the MidGetter's layer: -1 for the output (softmax
-        probabilities), else the number of leading layers whose output is
-        compared (raw activations).
-      mode: one of `MODES`.
-      broadcast: what the neighbours do with the star's new model: one of
-        `BROADCASTS`.
+      settings: the mode's settings (`MODE_SETTINGS[mode]`: `KDPDFLSettings`,
+        `ServerlessFedAvgSettings` or its FedAvg+ subclass,
+        `ServerlessLocalSettings`); None: that class's defaults.
+      mode: one of `MODES`: 'kdpdfl' (Eqs. 2-4), 'fedavg' (the star takes the
+        plain mean of its own and the received models) or 'local' (no
+        exchange: `next` changes nothing and the driver never calls it).
       seed: run seed (initial model, batch orders, distance batches).
 
     Returns:
-      A `template.PersonalizedProcess` with `local_work`.
+      A `template.ServerlessProcess` (`local_work`, `mode`, `max_neighbours`:
+      K, the slots of `next`; 1 in 'local' mode).
 
     Raises:
-      ValueError: on bad arguments.
+      SettingsError: a setting out of range (one line).
+      ValueError: an unknown mode, settings of another mode, or a
+        `kd_distance_layer` the model does not have.
     """
-    local_config.validate()
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-    if broadcast not in BROADCASTS:
-        raise ValueError(f'broadcast must be one of {BROADCASTS}, got {broadcast!r}')
-    if max_neighbours < 1 or distance_batch < 1 or c_base <= 0:
-        raise ValueError('max_neighbours and distance_batch must be >= 1 and c_base > 0')
+    expected = MODE_SETTINGS[mode]
+    settings = expected() if settings is None else settings
+    settings.validate()
+    if not isinstance(settings, expected):
+        raise ValueError(f'mode={mode!r} takes {expected.__name__}, got {type(settings).__name__}')
+    local_config = settings.training_config()  # one slot of local work
+    exchanging = mode != 'local'
+    max_neighbours = settings.kd_max_neighbours if exchanging else 1
+    adopt = exchanging and settings.kd_broadcast == 'adopt'
     num_clients = spec.num_clients
     weights_type = local_training.weights_type(model_fn)
-    with tf.Graph().as_default():
-        layers = stacked.plan(model_fn())
-    if distance_layer != -1 and not 1 <= distance_layer <= len(layers):
-        raise ValueError(f'distance_layer must be -1 or in [1, {len(layers)}], got {distance_layer}')
-    mid_layers = layers if distance_layer == -1 else layers[:distance_layer]
-    mid_weights = sum(layer.num_weights for layer in mid_layers)
+    if mode == 'kdpdfl':
+        mu1, mu2, c_base = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base
+        distance_batch, distance_layer = settings.kd_distance_batch, settings.kd_distance_layer
+        with tf.Graph().as_default():
+            layers = stacked.plan(model_fn())
+        if distance_layer != -1 and not 1 <= distance_layer <= len(layers):
+            raise ValueError(
+                f'--kd_distance_layer={distance_layer} is not a layer of the model: it has {len(layers)} layers '
+                f'(use -1 for the output or 1..{len(layers)})'
+            )
+        mid_layers = layers if distance_layer == -1 else layers[:distance_layer]
+        mid_weights = sum(layer.num_weights for layer in mid_layers)
     slot_models_type = tff.to_type([tff.TensorType(t.dtype, (max_neighbours,) + tuple(t.shape)) for t in weights_type])
 
     def fresh_state(client_id):
@@ -292,6 +428,21 @@ def build_kdpdfl_process(
         out = tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
         return tf.nn.softmax(out, axis=-1) if distance_layer == -1 else out
 
+    def weigh_neighbours(star, own, theirs, neighbour_ids, present, num_neighbours, exchange_num):
+        """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4)."""
+        train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
+        order = local_training.epoch_permutations(
+            local_training.client_seed(seed, exchange_num, star['client_id'], salt=7), 1, train.num_examples
+        )[0]
+        x, _ = train.gather(order[:distance_batch])
+        own_out = outputs([w[tf.newaxis] for w in own], x)[0]
+        distances = output_distances(own_out, outputs(theirs, x)) * present
+        c = confidence(train.num_examples, num_neighbours, c_base)
+        row = connectivity_update(star['connectivity'], neighbour_ids, present, distances, mu1=mu1, mu2=mu2)
+        weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+        mean_distance = tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0)
+        return star_mix(own, theirs, weights, c), row, c, mean_distance
+
     @tff.tensorflow.computation(
         server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,))
     )
@@ -301,40 +452,32 @@ def build_kdpdfl_process(
         theirs = list(slot_models)
         neighbour_ids = server_state['neighbours']
         num_neighbours = tf.reduce_sum(present)
-        train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
-        order = local_training.epoch_permutations(
-            local_training.client_seed(seed, server_state['exchange_num'], star['client_id'], salt=7),
-            1,
-            train.num_examples,
-        )[0]
-        x, _ = train.gather(order[:distance_batch])
-        own_out = outputs([w[tf.newaxis] for w in own], x)[0]
-        distances = output_distances(own_out, outputs(theirs, x)) * present
-        c = confidence(train.num_examples, num_neighbours, c_base)
         row = star['connectivity']
+        metrics = collections.OrderedDict(num_neighbours=num_neighbours)
         if mode == 'kdpdfl':
-            row = connectivity_update(row, neighbour_ids, present, distances, mu1=mu1, mu2=mu2)
-            weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
-            mixed = star_mix(own, theirs, weights, c)
-        else:  # decentralized FedAvg: the plain mean of the star's and the received models
-            mixed = star_mix(own, theirs, present, 1.0 / (num_neighbours + 1.0))
+            mixed, row, c, mean_distance = weigh_neighbours(
+                star, own, theirs, neighbour_ids, present, num_neighbours, server_state['exchange_num']
+            )
+            metrics['mean_distance'] = mean_distance
+        elif mode == 'fedavg':  # decentralized FedAvg: the plain mean of the star's and the received models
+            c = 1.0 / (num_neighbours + 1.0)
+            mixed = star_mix(own, theirs, present, c)
+        else:  # local learning: an exchange changes nothing
+            c = tf.constant(1.0)
+            mixed = own
+        metrics['confidence'] = c  # the star's own share in its new model
         new_star = building_blocks.participated(
             star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c
         )
         new_state = collections.OrderedDict(
             star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1
         )
-        metrics = collections.OrderedDict(
-            num_neighbours=num_neighbours,
-            mean_distance=tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0),
-            confidence=c,
-        )
         return new_state, metrics
 
     @tff.tensorflow.computation(weights_type, np.int32, client_state_type)
     def receive(star_model, exchange_num, state):
         """Lines 14-17: a neighbour receives the star's new model."""
-        model = star_model if broadcast == 'adopt' else state['model']
+        model = star_model if adopt else state['model']
         return building_blocks.participated(state, exchange_num, model=model)
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
@@ -354,6 +497,7 @@ def build_kdpdfl_process(
 
     @tff.tensorflow.computation(client_state_type, np.int32, np.int32)
     def local_client_work(state, slots, slot_num):
+        """`slots` slots of local work: `slots` times one slot's steps (or epochs), in one pass."""
         train = client_data.read_split(spec, state['client_id'], 'train')
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, state['model'])):
@@ -364,11 +508,17 @@ def build_kdpdfl_process(
                 batch_size=local_config.batch_size,
                 learning_rate=local_config.learning_rate,
                 seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8),
+                max_steps=None if local_config.max_steps is None else slots * local_config.max_steps,
             )
         with tf.control_dependencies(list(stats)):
             new_state = collections.OrderedDict((k, state[k]) for k in state)
             new_state['model'] = local_training.get_weights(model)
-        return new_state, building_blocks.training_metric_sums(stats)
+        slot_count = tf.cast(slots, tf.float32)
+        sums = building_blocks.training_metric_sums(stats)
+        sums['num_clients'] = tf.cast(slots > 0, tf.float32)  # the clients that trained this interval
+        sums['local_steps'] = stats.num_steps / tf.maximum(slot_count, 1.0)  # SGD steps per slot
+        sums['local_slots'] = slot_count
+        return new_state, sums
 
     @tff.federated_computation(
         client_states_type, tff.FederatedType(np.int32, tff.CLIENTS), tff.FederatedType(np.int32, tff.SERVER)
@@ -388,10 +538,12 @@ def build_kdpdfl_process(
         del server_state
         return tff.federated_map(evaluate_client, client_states)
 
-    process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate
+    return template.ServerlessProcess(
+        initialize,
+        next_fn,
+        local_work=local_work,
+        mode=mode,
+        max_neighbours=max_neighbours,
+        initial_client_state=initial_client_state,
+        evaluate=evaluate,
     )
-    process.local_work = local_work
-    process.mode = mode
-    process.max_neighbours = max_neighbours
-    return process

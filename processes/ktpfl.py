@@ -6,7 +6,8 @@ Transfer for Personalized Federated Learning" (NeurIPS 2021), Algorithm 1.
 Every client n keeps its own model w_n, of its own architecture, in its
 state (packed, see `computations.heterogeneous`). One round:
 
-1. local training on private data, E epochs (Eq. 5);
+1. local training on private data, E epochs or exactly `local_steps` SGD
+   steps (Eq. 5);
 2. soft predictions s(w_n, x) = softmax(z / T) on this round's public batch
    (the same batch for everyone, drawn from the public data by round);
 3. the server forms each client's personalized soft target
@@ -23,15 +24,21 @@ Only soft predictions cross from the clients to the server: each client puts
 its [P, C] predictions (and its example count) into its own slot of an
 [N, P, C] tensor and the server receives the federated sum, i.e. every
 client's predictions side by side. Weights never leave a client.
+
+Settings: `KTpFLSettings` (Algorithm 1 and its Table 1 baselines) and
+`KTpFLHomoSettings` (Appendix C); their defaults are the paper's Appendix B.2
+(docs/algorithms/ktpfl.md, "Settings").
 """
 
 import collections
-from collections.abc import Sequence
+import dataclasses
+import typing
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 
@@ -41,6 +48,103 @@ C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
 #   similarity (Sim-pFL): c[n, m] = cosine similarity of the soft predictions;
 #   topk (TopK-pFL): the same, kept for the K most similar clients only.
 FIXED_OR_SIMILARITY = ('fedmd', 'similarity', 'topk')
+
+_setting = settings_lib.setting
+# Inherited local-training fields whose defaults the paper restates keep their help line.
+_LOCAL_HELP = {f.name: settings_lib.help_of(f) for f in dataclasses.fields(settings_lib.LocalTraining)}
+# Fields of both KT-pFL variants (one name, one meaning).
+_COEFFICIENT_LR_HELP = 'eta_3, the learning rate of the knowledge-coefficient update (Eq. 7; Eq. 11 for ktpfl_homo).'
+_RHO_HELP = 'rho, the weight of ||c - 1/N||^2 in the objective (Eq. 4; Eq. 11 for ktpfl_homo).'
+_IMITATION_HELP = 'lambda, the weight of the knowledge-transfer term in the c update (Eq. 2 and 7; Eq. 11).'
+
+
+def _coefficient_checks(settings) -> list[tuple[bool, str]]:
+    return [
+        (
+            settings.kt_coefficient_learning_rate >= 0,
+            f'kt_coefficient_learning_rate must be >= 0, got {settings.kt_coefficient_learning_rate}',
+        ),
+        (settings.kt_rho >= 0, f'kt_rho must be >= 0, got {settings.kt_rho}'),
+        (settings.kt_imitation > 0, f'kt_imitation must be > 0, got {settings.kt_imitation}'),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class KTpFLSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
+    """KT-pFL (Algorithm 1) and the baselines that differ only in c (`kt_c_update`).
+
+    Defaults: the paper's Appendix B.2, heterogeneous models, EMNIST /
+    Fashion-MNIST (private batch 128, E = 20, R = 1, eta_1 = eta_2 = eta_3 =
+    0.01, rho = 0.6, T = 10, lambda = 1, public batch 256, 3000 public
+    examples per round) and footnote 4 (K = 5).
+    """
+
+    batch_size: int = _setting(128, _LOCAL_HELP['batch_size'])
+    client_learning_rate: float = _setting(0.01, _LOCAL_HELP['client_learning_rate'])
+    local_epochs: int = _setting(20, _LOCAL_HELP['local_epochs'])
+    kt_distill_epochs: int = _setting(
+        1, "R, each client's distillation passes over the round's public batch (Eq. 6; 0: no distillation)."
+    )
+    kt_coefficient_learning_rate: float = _setting(0.01, _COEFFICIENT_LR_HELP)
+    kt_rho: float = _setting(0.6, _RHO_HELP)
+    kt_imitation: float = _setting(1.0, _IMITATION_HELP)
+    kt_c_update: str = _setting(
+        'paper',
+        "How c is set: paper (Eq. 7), released (the authors' code), or a Table 1 baseline: fedmd (uniform), "
+        'similarity (Sim-pFL), topk (TopK-pFL).',
+    )
+    kt_top_k: int = _setting(5, 'K of TopK-pFL (kt_c_update=topk): each client mixes its K most similar clients.')
+
+    def _checks(self):
+        return (
+            super()._checks()
+            + [
+                (self.kt_distill_epochs >= 0, f'kt_distill_epochs must be >= 0, got {self.kt_distill_epochs}'),
+                (
+                    self.kt_c_update in C_UPDATES,
+                    f'kt_c_update must be one of {", ".join(C_UPDATES)}, got {self.kt_c_update!r}',
+                ),
+                (self.kt_top_k >= 1, f'kt_top_k must be >= 1, got {self.kt_top_k}'),
+            ]
+            + _coefficient_checks(self)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class KTpFLHomoSettings(settings_lib.LocalTraining):
+    """Homogeneous KT-pFL (Appendix C, Algorithm 2): parameters mixed by c.
+
+    Defaults: the paper's Appendix B.2, homogeneous models, EMNIST /
+    Fashion-MNIST (private batch 32, E = 20, R = 1, eta_1 = eta_2 = 0.01,
+    eta_3 = 0.005, lambda = 1); rho, not stated for this setting, is the
+    heterogeneous setting's 0.6.
+    """
+
+    batch_size: int = _setting(32, _LOCAL_HELP['batch_size'])
+    client_learning_rate: float = _setting(0.01, _LOCAL_HELP['client_learning_rate'])
+    local_epochs: int = _setting(20, _LOCAL_HELP['local_epochs'])
+    kt_transfer_steps: int = _setting(
+        1, 'R, gradient steps of each client towards its personalized model u_n (Eq. 10; 0: no transfer).'
+    )
+    kt_transfer_learning_rate: float = _setting(
+        0.01, 'eta_2, the step size of the transfer towards u_n (Eq. 10; 1 with R = 1: adopt u_n).'
+    )
+    kt_coefficient_learning_rate: float = _setting(0.005, _COEFFICIENT_LR_HELP)
+    kt_rho: float = _setting(0.6, _RHO_HELP)
+    kt_imitation: float = _setting(1.0, _IMITATION_HELP)
+
+    def _checks(self):
+        return (
+            super()._checks()
+            + [
+                (self.kt_transfer_steps >= 0, f'kt_transfer_steps must be >= 0, got {self.kt_transfer_steps}'),
+                (
+                    self.kt_transfer_learning_rate >= 0,
+                    f'kt_transfer_learning_rate must be >= 0, got {self.kt_transfer_learning_rate}',
+                ),
+            ]
+            + _coefficient_checks(self)
+        )
 
 
 def mixing_weights(coefficients: tf.Tensor) -> tf.Tensor:
@@ -93,12 +197,10 @@ def paper_objective(coefficients, predictions, weights, rho, imitation):
     Returns:
       The objective, a float32 scalar.
     """
-    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     targets = mix(coefficients, predictions)
     log_ratio = tf.math.log(tf.maximum(targets, 1e-8)) - tf.math.log(tf.maximum(predictions, 1e-8))
     kl = tf.reduce_mean(tf.reduce_sum(targets * log_ratio, axis=-1), axis=-1)  # [N]
-    share = weights / tf.reduce_sum(weights)
-    return imitation * tf.reduce_sum(share * kl) + rho * tf.reduce_sum(tf.square(coefficients - 1.0 / num_clients))
+    return _regularised(coefficients, kl, weights, rho, imitation)
 
 
 def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation):
@@ -115,9 +217,25 @@ def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imit
     Returns:
       The new c, `[N, N]`.
     """
+    return _clipped_step(
+        lambda c: paper_objective(c, predictions, weights, rho, imitation), coefficients, learning_rate
+    )
+
+
+def _regularised(coefficients, per_client, weights, rho, imitation):
+    """Eq. 4's (and Eq. 11's) shape: lambda sum_n (D_n/D) per_client_n + rho ||c - 1/N||^2."""
+    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
+    share = weights / tf.reduce_sum(weights)
+    return imitation * tf.reduce_sum(share * per_client) + rho * tf.reduce_sum(
+        tf.square(coefficients - 1.0 / num_clients)
+    )
+
+
+def _clipped_step(objective, coefficients, learning_rate):
+    """One gradient-descent step of `objective` (a function of c) from `coefficients`, clipped at 0."""
     with tf.GradientTape() as tape:
         tape.watch(coefficients)
-        loss = paper_objective(coefficients, predictions, weights, rho, imitation)
+        loss = objective(coefficients)
     return tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
 
 
@@ -177,60 +295,47 @@ def similarity_coefficients(predictions: tf.Tensor, top_k=None) -> tf.Tensor:
 
 def build_ktpfl_process(
     spec: client_data.ClientDataSpec,
-    architectures: Sequence[str],
+    settings: KTpFLSettings = KTpFLSettings(),
     *,
-    local_config: local_training.TrainingConfig,
-    distill_epochs: int = 1,
-    distill_batch_size: int = 256,
-    distill_learning_rate: float = 0.01,
-    public_batch: int = 1000,
-    temperature: float = 10.0,
-    coefficient_learning_rate: float = 0.1,
-    rho: float = 0.7,
-    imitation: float = 1.0,
-    c_update: str = 'paper',
-    top_k: int = 5,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds KT-pFL over clients with heterogeneous models.
 
     Args:
       spec: the partition on disk; it must hold public data.
-      architectures: one model name per client (in `spec.client_ids` order),
-        from `tff_pfl.models`.
-      local_config: E local epochs, batch size and eta_1 on private data.
-      distill_epochs: R, passes over the round's public batch.
-      distill_batch_size: public mini-batch size.
-      distill_learning_rate: eta_2.
-      public_batch: P, public examples drawn per round.
-      temperature: T of the soft predictions.
-      coefficient_learning_rate: eta_3.
-      rho: the regulariser's weight.
-      imitation: lambda of Eq. 7.
-      c_update: 'paper' (Eq. 7), 'released' (the authors' code), or a
-        baseline: 'fedmd' (uniform c, never updated), 'similarity' (Sim-pFL),
-        'topk' (TopK-pFL, with `top_k`).
-      top_k: K of TopK-pFL.
+      settings: the `KTpFLSettings`: local training (E epochs or exactly
+        `local_steps` SGD steps, batch size, eta_1), the architectures
+        (assigned to clients in turn; empty: chosen from the data), P, T, R,
+        the distillation batch size and eta_2, eta_3, rho, lambda, and how c
+        is set (`kt_c_update`: 'paper' (Eq. 7), 'released' (the authors'
+        code), or a baseline: 'fedmd' (uniform c, never updated),
+        'similarity' (Sim-pFL), 'topk' (TopK-pFL, with `kt_top_k`)).
       seed: run seed.
 
     Returns:
-      A `template.PersonalizedProcess`; server state `<coefficients,
-      round_num>`, client state `<client_id, num_participations, last_round,
-      client_index, architecture, params>`; every client takes part in every
-      round (the paper's setting): `next` expects all client states in
-      partition order.
+      A `template.PersonalizedProcess` declaring each client's architecture
+      (`architectures`) and the bytes it exchanges (`communication`);
+      server state `<coefficients, round_num>`, client state `<client_id,
+      num_participations, last_round, client_index, architecture, params>`;
+      every client takes part in every round (the paper's setting): `next`
+      expects all client states in partition order.
 
     Raises:
-      ValueError: on bad arguments.
+      settings.SettingsError: a setting out of range (one line).
+      TypeError: `settings` is not a `KTpFLSettings`.
+      ValueError: one line, if an architecture cannot take the data or the
+        partition has too little public data.
     """
-    local_config.validate()
+    if not isinstance(settings, KTpFLSettings):
+        raise TypeError(f'build_ktpfl_process takes KTpFLSettings, got {type(settings).__name__}')
+    settings.validate()
+    training = settings.training_config()
     num_clients = spec.num_clients
-    if not spec.public_size:
-        raise ValueError('KT-pFL needs public data: prepare the partition with public examples')
-    if c_update not in C_UPDATES:
-        raise ValueError(f'c_update must be one of {C_UPDATES}, got {c_update!r}')
+    public_batch = heterogeneous.public_batch_for(settings, spec)
+    architectures = heterogeneous.client_architectures(settings.architectures, spec)
+    temperature = settings.public_temperature
+    c_update, top_k = settings.kt_c_update, settings.kt_top_k
     archs, arch_ids = heterogeneous.for_clients(architectures, spec)
-    public_batch = min(public_batch, spec.public_size)
     num_classes = spec.num_classes
     predictions_type = tff.TensorType(np.float32, (num_clients, public_batch, num_classes))
 
@@ -255,34 +360,18 @@ def build_ktpfl_process(
 
     @tff.tensorflow.computation(np.int32, client_state_type)
     def local_stage(round_num, state):
-        client_id = state['client_id']
-        private = client_data.read_split(spec, client_id, 'train')
+        private = client_data.read_split(spec, state['client_id'], 'train')
         x_public = public_batch_of(round_num)
-
-        def work(model):
-            stats = local_training.train(
-                model,
-                private,
-                epochs=local_config.epochs,
-                batch_size=local_config.batch_size,
-                learning_rate=local_config.learning_rate,
-                seed=local_training.client_seed(seed, round_num, client_id),
-            )
-            with tf.control_dependencies(list(stats)):
-                return archs.pack(model.trainable_weights), soft(model, x_public), stats
-
-        params, predictions, stats = archs.dispatch(state['architecture'], state['params'], work)
-        slot = tf.one_hot(state['client_index'], num_clients)
-        new_state = collections.OrderedDict((k, state[k]) for k in state)
-        new_state['params'] = params
-        return collections.OrderedDict(
-            predictions=slot[:, tf.newaxis, tf.newaxis] * predictions[tf.newaxis],
-            num_examples=slot * tf.cast(private.num_examples, tf.float32),
-            metric_sums=building_blocks.training_metric_sums(
-                local_training.Stats(stats.loss_sum, stats.num_correct, stats.num_examples)
-            ),
-            client_state=new_state,
+        params, predictions, stats = heterogeneous.train_packed(
+            archs,
+            state['architecture'],
+            state['params'],
+            private,
+            training,
+            seed=local_training.client_seed(seed, round_num, state['client_id']),
+            outputs=lambda model: soft(model, x_public),
         )
+        return _local_output(state, num_clients, params, stats, private.num_examples, predictions=predictions)
 
     @tff.tensorflow.computation(predictions_type, np.int32, client_state_type)
     def distill_stage(targets, round_num, state):
@@ -295,9 +384,9 @@ def build_ktpfl_process(
                 x_public,
                 target,
                 temperature=temperature,
-                epochs=distill_epochs,
-                batch_size=distill_batch_size,
-                learning_rate=distill_learning_rate,
+                epochs=settings.kt_distill_epochs,
+                batch_size=settings.public_distill_batch_size,
+                learning_rate=settings.public_distill_learning_rate,
                 seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2),
             )
             with tf.control_dependencies([distill_loss]):
@@ -306,18 +395,8 @@ def build_ktpfl_process(
         params, distill_loss = archs.dispatch(state['architecture'], state['params'], work)
         return building_blocks.participated(state, round_num, params=params), distill_loss
 
-    @tff.tensorflow.computation
-    def server_init():
-        return collections.OrderedDict(
-            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),  # c_0 = 1/N
-            round_num=tf.constant(0, tf.int32),
-        )
-
-    @tff.federated_computation
-    def initialize():
-        return tff.federated_eval(server_init, tff.SERVER)
-
-    server_state_type = initialize.type_signature.result
+    server_init = _build_server_init(num_clients)
+    server_state_type = server_init.type_signature.result
 
     def coefficients_for(state, predictions):
         if c_update == 'similarity':
@@ -326,11 +405,11 @@ def build_ktpfl_process(
             return similarity_coefficients(predictions, top_k=top_k)
         return state['coefficients']
 
-    @tff.tensorflow.computation(server_state_type.member, predictions_type)
+    @tff.tensorflow.computation(server_state_type, predictions_type)
     def targets_for(state, predictions):
         return mix(coefficients_for(state, predictions), predictions)
 
-    @tff.tensorflow.computation(server_state_type.member, predictions_type, tff.TensorType(np.float32, (num_clients,)))
+    @tff.tensorflow.computation(server_state_type, predictions_type, tff.TensorType(np.float32, (num_clients,)))
     def update_coefficients(state, predictions, sizes):
         if c_update == 'paper':
             # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
@@ -338,47 +417,19 @@ def build_ktpfl_process(
                 state['coefficients'],
                 predictions,
                 sizes,
-                learning_rate=coefficient_learning_rate,
-                rho=rho,
-                imitation=imitation * temperature**2,
+                learning_rate=settings.kt_coefficient_learning_rate,
+                rho=settings.kt_rho,
+                imitation=settings.kt_imitation * temperature**2,
             )
         elif c_update == 'released':
-            coefficients = released_update(state['coefficients'], predictions, learning_rate=coefficient_learning_rate)
+            coefficients = released_update(
+                state['coefficients'], predictions, learning_rate=settings.kt_coefficient_learning_rate
+            )
         else:  # the baselines' c is not learned; keep this round's for reports
             coefficients = coefficients_for(state, predictions)
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
-    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        round_num = tff.federated_broadcast(state.round_num)
-        local = tff.federated_map(local_stage, (round_num, client_states))
-        predictions = tff.federated_sum(local.predictions)  # every client's [P, C] in its slot
-        sizes = tff.federated_sum(local.num_examples)
-        targets = tff.federated_broadcast(tff.federated_map(targets_for, (state, predictions)))
-        distilled = tff.federated_map(distill_stage, (targets, round_num, local.client_state))
-        new_state = tff.federated_map(update_coefficients, (state, predictions, sizes))
-        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
-        distill_kl = tff.federated_zip(collections.OrderedDict(distill_kl=tff.federated_mean(distilled[1])))
-        return template.RoundOutput(new_state, distilled[0], building_blocks.with_server_metrics(metrics, distill_kl))
-
-    test_evaluation_type = client_state_type
-
-    @tff.tensorflow.computation(test_evaluation_type)
-    def evaluate_client(state):
-        test = client_data.read_split(spec, state['client_id'], 'test')
-        stats = archs.dispatch(
-            state['architecture'], state['params'], lambda model: local_training.evaluate(model, test)
-        )
-        return collections.OrderedDict(personalized_model=template.client_metrics(local_training.Stats(*stats)))
-
-    @tff.federated_computation(server_state_type, client_states_type)
-    def evaluate(state, client_states):
-        del state
-        return tff.federated_map(evaluate_client, client_states)
-
-    device = _device_process(
+    stages = _Stages(
         server_init,
         initial_client_state,
         local_stage=local_stage,
@@ -387,18 +438,17 @@ def build_ktpfl_process(
         second_stage=distill_stage,
         update_coefficients=update_coefficients,
         metric='distill_kl',
-        evaluate_client=evaluate_client,
+        evaluate_client=heterogeneous.build_personalized_evaluation(spec, archs, client_state_type),
     )
-    process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    return _personalized_process(
+        stages,
+        architectures=architectures,
+        communication=collections.OrderedDict(
+            soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
+            soft_target_bytes_down_per_client=public_batch * num_classes * 4,
+            parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
+        ),
     )
-    process.architectures = list(architectures)
-    process.communication = collections.OrderedDict(
-        soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
-        soft_target_bytes_down_per_client=public_batch * num_classes * 4,
-        parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
-    )
-    return process
 
 
 def parameter_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -430,12 +480,8 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation):
     Returns:
       The objective, a float32 scalar.
     """
-    num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     mixed = tf.matmul(mixing_weights(coefficients), params)
-    share = weights / tf.reduce_sum(weights)
-    return imitation * tf.reduce_sum(share * parameter_distance(mixed, params)) + rho * tf.reduce_sum(
-        tf.square(coefficients - 1.0 / num_clients)
-    )
+    return _regularised(coefficients, parameter_distance(mixed, params), weights, rho, imitation)
 
 
 def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation):
@@ -452,22 +498,16 @@ def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imi
     Returns:
       The new c, `[N, N]`.
     """
-    with tf.GradientTape() as tape:
-        tape.watch(coefficients)
-        loss = homogeneous_objective(coefficients, params, weights, rho, imitation)
-    return tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
+    return _clipped_step(
+        lambda c: homogeneous_objective(c, params, weights, rho, imitation), coefficients, learning_rate
+    )
 
 
 def build_ktpfl_homogeneous_process(
     spec: client_data.ClientDataSpec,
     model_fn,
+    settings: KTpFLHomoSettings = KTpFLHomoSettings(),
     *,
-    local_config: local_training.TrainingConfig,
-    transfer_steps: int = 1,
-    transfer_learning_rate: float = 0.01,
-    coefficient_learning_rate: float = 0.005,
-    rho: float = 0.6,
-    imitation: float = 1.0,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds homogeneous KT-pFL (the paper's Appendix C, Algorithm 2).
@@ -483,26 +523,28 @@ def build_ktpfl_homogeneous_process(
       spec: the partition on disk.
       model_fn: no-arg builder of the shared architecture (no non-trainable
         weights).
-      local_config: E local epochs, batch size and eta_1 (Eq. 9).
-      transfer_steps: R.
-      transfer_learning_rate: eta_2 (1 with R = 1: the client adopts u_n).
-      coefficient_learning_rate: eta_3 (0 keeps c at 1/N).
-      rho: the regulariser's weight.
-      imitation: lambda.
+      settings: the `KTpFLHomoSettings`: local training (Eq. 9: E epochs or
+        exactly `local_steps` SGD steps, batch size, eta_1), R
+        (`kt_transfer_steps`), eta_2 (`kt_transfer_learning_rate`; 1 with
+        R = 1: the client adopts u_n), eta_3 (0 keeps c at 1/N), rho and
+        lambda.
       seed: run seed.
 
     Returns:
-      A `template.PersonalizedProcess`; server state `<coefficients,
-      round_num>`, client state `<client_id, num_participations, last_round,
-      client_index, params=float32[D]>`; every client takes part in every
-      round.
+      A `template.PersonalizedProcess` declaring the bytes it exchanges
+      (`communication`); server state `<coefficients, round_num>`, client
+      state `<client_id, num_participations, last_round, client_index,
+      params=float32[D]>`; every client takes part in every round.
 
     Raises:
-      ValueError: on bad arguments.
+      settings.SettingsError: a setting out of range (one line).
+      TypeError: `settings` is not a `KTpFLHomoSettings`.
     """
-    local_config.validate()
-    if transfer_steps < 0 or transfer_learning_rate < 0 or coefficient_learning_rate < 0:
-        raise ValueError('transfer_steps and the learning rates must be >= 0')
+    if not isinstance(settings, KTpFLHomoSettings):
+        raise TypeError(f'build_ktpfl_homogeneous_process takes KTpFLHomoSettings, got {type(settings).__name__}')
+    settings.validate()
+    training = settings.training_config()
+    transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
     num_clients = spec.num_clients
     archs = heterogeneous.Architectures([model_fn])
     num_params = archs.max_size
@@ -519,30 +561,15 @@ def build_ktpfl_homogeneous_process(
     @tff.tensorflow.computation(np.int32, client_state_type)
     def local_stage(round_num, state):
         private = client_data.read_split(spec, state['client_id'], 'train')
-
-        def work(model):
-            stats = local_training.train(
-                model,
-                private,
-                epochs=local_config.epochs,
-                batch_size=local_config.batch_size,
-                learning_rate=local_config.learning_rate,
-                max_steps=local_config.max_steps,
-                seed=local_training.client_seed(seed, round_num, state['client_id']),
-            )
-            with tf.control_dependencies(list(stats)):
-                return archs.pack(model.trainable_weights), stats
-
-        params, stats = archs.dispatch(tf.constant(0), state['params'], work)
-        slot = tf.one_hot(state['client_index'], num_clients)
-        new_state = collections.OrderedDict((k, state[k]) for k in state)
-        new_state['params'] = params
-        return collections.OrderedDict(
-            params=slot[:, tf.newaxis] * params[tf.newaxis],
-            num_examples=slot * tf.cast(private.num_examples, tf.float32),
-            metric_sums=building_blocks.training_metric_sums(local_training.Stats(*stats)),
-            client_state=new_state,
+        params, _, stats = heterogeneous.train_packed(
+            archs,
+            tf.constant(0),
+            state['params'],
+            private,
+            training,
+            seed=local_training.client_seed(seed, round_num, state['client_id']),
         )
+        return _local_output(state, num_clients, params, stats, private.num_examples, params=params)
 
     @tff.tensorflow.computation(params_type, np.int32, client_state_type)
     def transfer_stage(personalized, round_num, state):
@@ -553,56 +580,26 @@ def build_ktpfl_homogeneous_process(
         distance = parameter_distance(params, target)
         return building_blocks.participated(state, round_num, params=params), distance
 
-    @tff.tensorflow.computation
-    def server_init():
-        return collections.OrderedDict(
-            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients), round_num=tf.constant(0, tf.int32)
-        )
+    server_init = _build_server_init(num_clients)
+    server_state_type = server_init.type_signature.result
 
-    @tff.federated_computation
-    def initialize():
-        return tff.federated_eval(server_init, tff.SERVER)
-
-    server_state_type = initialize.type_signature.result
-
-    @tff.tensorflow.computation(server_state_type.member, params_type)
+    @tff.tensorflow.computation(server_state_type, params_type)
     def personalized_models(state, params):
         return tf.matmul(mixing_weights(state['coefficients']), params)
 
-    @tff.tensorflow.computation(server_state_type.member, params_type, sizes_type)
+    @tff.tensorflow.computation(server_state_type, params_type, sizes_type)
     def update_coefficients(state, params, sizes):
         coefficients = homogeneous_update(
-            state['coefficients'], params, sizes, learning_rate=coefficient_learning_rate, rho=rho, imitation=imitation
+            state['coefficients'],
+            params,
+            sizes,
+            learning_rate=settings.kt_coefficient_learning_rate,
+            rho=settings.kt_rho,
+            imitation=settings.kt_imitation,
         )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
-    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        round_num = tff.federated_broadcast(state.round_num)
-        local = tff.federated_map(local_stage, (round_num, client_states))
-        params = tff.federated_sum(local.params)  # every client's parameters in its slot
-        sizes = tff.federated_sum(local.num_examples)
-        personalized = tff.federated_broadcast(tff.federated_map(personalized_models, (state, params)))
-        transferred = tff.federated_map(transfer_stage, (personalized, round_num, local.client_state))
-        new_state = tff.federated_map(update_coefficients, (state, params, sizes))
-        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
-        distance = tff.federated_zip(collections.OrderedDict(transfer_distance=tff.federated_mean(transferred[1])))
-        return template.RoundOutput(new_state, transferred[0], building_blocks.with_server_metrics(metrics, distance))
-
-    @tff.tensorflow.computation(client_state_type)
-    def evaluate_client(state):
-        test = client_data.read_split(spec, state['client_id'], 'test')
-        stats = archs.dispatch(tf.constant(0), state['params'], lambda model: local_training.evaluate(model, test))
-        return collections.OrderedDict(personalized_model=template.client_metrics(local_training.Stats(*stats)))
-
-    @tff.federated_computation(server_state_type, client_states_type)
-    def evaluate(state, client_states):
-        del state
-        return tff.federated_map(evaluate_client, client_states)
-
-    device = _device_process(
+    stages = _Stages(
         server_init,
         initial_client_state,
         local_stage=local_stage,
@@ -611,29 +608,151 @@ def build_ktpfl_homogeneous_process(
         second_stage=transfer_stage,
         update_coefficients=update_coefficients,
         metric='transfer_distance',
-        evaluate_client=evaluate_client,
+        evaluate_client=heterogeneous.build_personalized_evaluation(spec, archs, client_state_type),
     )
-    process = template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+    return _personalized_process(
+        stages,
+        communication=collections.OrderedDict(
+            parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
+        ),
     )
-    process.communication = collections.OrderedDict(
-        parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
-    )
-    return process
 
 
-def _device_process(
-    server_init,
-    initial_client_state,
-    *,
-    local_stage,
-    upload,
-    mix,
-    second_stage,
-    update_coefficients,
-    metric,
-    evaluate_client,
-):
+def _build_server_init(num_clients: int) -> tff.Computation:
+    """The server's initial state `<coefficients=1/N, round_num=0>` (either variant).
+
+    Args:
+      num_clients: N.
+
+    Returns:
+      A no-arg `tff.tensorflow.computation`.
+    """
+
+    @tff.tensorflow.computation
+    def server_init():
+        return collections.OrderedDict(
+            coefficients=tf.fill([num_clients, num_clients], 1.0 / num_clients),  # c_0 = 1/N
+            round_num=tf.constant(0, tf.int32),
+        )
+
+    return server_init
+
+
+def _local_output(state, num_clients, params, stats, num_examples, /, **upload) -> collections.OrderedDict:
+    """A local stage's output: the client's upload in its own slot, its size, metrics and new state (TF code).
+
+    Args:
+      state: the client state (with `client_index` and `params`).
+      num_clients: N.
+      params: the client's packed weights after local training.
+      stats: the training's `local_training.Stats`.
+      num_examples: the client's number of training examples, D_n.
+      **upload: one entry, `name=value`: what the client uploads (soft
+        predictions `[P, C]` or parameters `[D]`), put into slot
+        `client_index` of an `[N, ...]` tensor.
+
+    Returns:
+      `<name=[N, ...], num_examples=[N], metric_sums, client_state>`, the
+      client state with `params` replaced (the second stage counts the
+      participation).
+    """
+    ((name, value),) = upload.items()
+    slot = tf.one_hot(state['client_index'], num_clients)
+    new_state = collections.OrderedDict((k, state[k]) for k in state)
+    new_state['params'] = params
+    return collections.OrderedDict(
+        [
+            (name, slot[(slice(None),) + (tf.newaxis,) * value.shape.rank] * value[tf.newaxis]),
+            ('num_examples', slot * tf.cast(num_examples, tf.float32)),
+            ('metric_sums', building_blocks.training_metric_sums(stats)),
+            ('client_state', new_state),
+        ]
+    )
+
+
+class _Stages(typing.NamedTuple):
+    """The computations that make a KT-pFL round (either variant).
+
+    One round: every client runs `local_stage` and uploads its slot of
+    `upload` and its size; the server mixes the uploads with c (`mix`) and
+    broadcasts the mix; every client runs `second_stage` towards its row;
+    the server updates c (`update_coefficients`) and reports the clients'
+    mean of the second stage's scalar as `metric`.
+
+    Attributes:
+      server_init: no-arg computation, the server state `<coefficients,
+        round_num>`.
+      initial_client_state: `client_id -> client state`.
+      local_stage: `(round_num, client_state) -> <upload, num_examples,
+        metric_sums, client_state>` (`_local_output`).
+      upload: the name of the uploaded field of `local_stage`'s result.
+      mix: `(server_state, uploads) -> mixed`, every client's row.
+      second_stage: `(mixed, round_num, client_state) -> (client_state,
+        scalar)`.
+      update_coefficients: `(server_state, uploads, sizes) -> server_state`.
+      metric: the name under which the scalar's client mean is reported.
+      evaluate_client: `client_state -> metrics`.
+    """
+
+    server_init: tff.Computation
+    initial_client_state: tff.Computation
+    local_stage: tff.Computation
+    upload: str
+    mix: tff.Computation
+    second_stage: tff.Computation
+    update_coefficients: tff.Computation
+    metric: str
+    evaluate_client: tff.Computation
+
+
+def _uploads_and_sizes(outputs, upload):
+    """The federated sums of the clients' upload slots and sizes (federated code)."""
+    return tff.federated_sum(outputs[upload]), tff.federated_sum(outputs.num_examples)  # every client in its slot
+
+
+def _client_mean(metric, values):
+    """`<metric=mean of values>@SERVER` (federated code)."""
+    return tff.federated_zip(collections.OrderedDict([(metric, tff.federated_mean(values))]))
+
+
+def _personalized_process(stages: _Stages, **declared) -> template.PersonalizedProcess:
+    """KT-pFL's process from its stages, in process and on devices (`_device_process`).
+
+    Args:
+      stages: the round's computations.
+      **declared: the process's `architectures` and `communication`.
+
+    Returns:
+      The `template.PersonalizedProcess`.
+    """
+    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
+    initialize = building_blocks.server_initialize(server_init)
+    server_state_type = initialize.type_signature.result
+    client_states_type = tff.FederatedType(initial_client_state.type_signature.result, tff.CLIENTS)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def next_fn(state, client_states):
+        round_num = tff.federated_broadcast(state.round_num)
+        local = tff.federated_map(local_stage, (round_num, client_states))
+        uploads, sizes = _uploads_and_sizes(local, upload)
+        mixed = tff.federated_broadcast(tff.federated_map(mix, (state, uploads)))
+        second = tff.federated_map(second_stage, (mixed, round_num, local.client_state))
+        new_state = tff.federated_map(update_coefficients, (state, uploads, sizes))
+        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
+        means = _client_mean(metric, second[1])
+        return template.RoundOutput(new_state, second[0], building_blocks.with_server_metrics(metrics, means))
+
+    return template.PersonalizedProcess(
+        initialize,
+        next_fn,
+        initial_client_state=initial_client_state,
+        evaluate=building_blocks.build_client_states_evaluation(server_state_type, stages.evaluate_client),
+        device=_device_process(stages),
+        **declared,
+    )
+
+
+def _device_process(stages: _Stages):
     """KT-pFL's round with device-held client states, as two phases of one aggregation each.
 
     In process, one round aggregates every client's upload (soft predictions,
@@ -654,7 +773,14 @@ def _device_process(
 
     Both phases read and write the same state files, so a round of the two
     equals one in-process round (tests/test_export.py).
+
+    Args:
+      stages: the round's computations.
+
+    Returns:
+      The `device_state.build_device_process` of the two phases.
     """
+    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
     upload_type = local_stage.type_signature.result[upload]
     sizes_type = local_stage.type_signature.result['num_examples']
     targets_type = mix.type_signature.result
@@ -668,15 +794,9 @@ def _device_process(
             targets=tf.zeros(targets_type.shape, targets_type.dtype),
         )
 
-    @tff.federated_computation
-    def device_initialize():
-        return tff.federated_eval(device_server_init, tff.SERVER)
-
-    state_type = device_initialize.type_signature.result.member
-
-    @tff.tensorflow.computation(state_type)
-    def share_broadcast(state):
-        return state['round_num']
+    device_initialize = building_blocks.server_initialize(device_server_init)
+    state_type = device_server_init.type_signature.result
+    round_of = building_blocks.build_round_number(state_type)
 
     @tff.tensorflow.computation(state_type, upload_type, sizes_type)
     def share_update(state, uploads, sizes):
@@ -687,8 +807,7 @@ def _device_process(
         )
 
     def share_finish(state, outputs):
-        uploads = tff.federated_sum(outputs[upload])  # every client's upload in its slot
-        sizes = tff.federated_sum(outputs.num_examples)
+        uploads, sizes = _uploads_and_sizes(outputs, upload)
         return (
             tff.federated_map(share_update, (state, uploads, sizes)),
             building_blocks.aggregate_training_metrics(outputs.metric_sums),
@@ -704,25 +823,15 @@ def _device_process(
         return collections.OrderedDict([(metric, scalar), ('client_state', new_state)])
 
     def distill_finish(state, outputs):
-        means = tff.federated_zip(collections.OrderedDict([(metric, tff.federated_mean(outputs[metric]))]))
-        return state, means
-
-    @tff.tensorflow.computation(state_type)
-    def round_of(state):
-        return state['round_num']
-
-    @tff.tensorflow.computation(np.int32, initial_client_state.type_signature.result)
-    def evaluate_at(round_num, client_state):
-        del round_num  # the personalized model is in the client state
-        return evaluate_client(client_state)
+        return state, _client_mean(metric, outputs[metric])
 
     return device_state.build_device_process(
         device_initialize,
         initial_client_state,
         phases=[
-            device_state.Phase('share', share_broadcast, local_stage, share_finish),
+            device_state.Phase('share', round_of, local_stage, share_finish),
             device_state.Phase('distill', distill_broadcast, distill_step, distill_finish),
         ],
         evaluate_input=round_of,
-        evaluate_client=evaluate_at,
+        evaluate_client=building_blocks.build_evaluation_at(stages.evaluate_client),
     )

@@ -12,21 +12,28 @@ the sum of the training metrics.
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, device_state, local_training, template
 from tff_pfl.data import client_data
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSettings(settings_lib.LocalTraining):
+    """Local-only training (`local`): each sampled client's local SGD per round, nothing else."""
 
 
 def build_local_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: LocalSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds local-only training as a `PersonalizedProcess`.
@@ -34,16 +41,21 @@ def build_local_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: local epochs (per round), batch size and learning rate.
+      settings: local epochs or steps per round, batch size and learning
+        rate; None: `LocalSettings()`.
       seed: run seed; fixes the common initial model and the batch orders.
 
     Returns:
       A `template.PersonalizedProcess`. Server state: `<round_num>`; client
       state: `<client_id, num_participations, last_round, model>`; metrics:
-      `<train_loss, train_accuracy, num_examples, num_clients>`.
+      `<train_loss, train_accuracy, num_examples, num_clients,
+      mean_local_steps>`.
+
+    Raises:
+      SettingsError: a setting out of range (one line).
     """
-    local_config.validate()
-    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    settings = (LocalSettings() if settings is None else settings).validate()
+    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -66,10 +78,7 @@ def build_local_process(
     def server_init():
         return collections.OrderedDict(round_num=tf.constant(0, tf.int32))
 
-    @tff.federated_computation
-    def initialize():
-        return tff.federated_eval(server_init, tff.SERVER)
-
+    initialize = building_blocks.server_initialize(server_init)
     server_state_type = initialize.type_signature.result
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
 
@@ -77,9 +86,7 @@ def build_local_process(
     def advance(state):
         return collections.OrderedDict(round_num=state['round_num'] + 1)
 
-    @tff.tensorflow.computation(server_state_type.member)
-    def round_of(state):
-        return state['round_num']
+    round_of = building_blocks.build_round_number(server_state_type.member)
 
     def finish(state, outputs):
         return tff.federated_map(advance, state), building_blocks.aggregate_training_metrics(outputs.metric_sums)
@@ -97,23 +104,14 @@ def build_local_process(
             personalized_model=client_evaluation(client_state['model'], client_state['client_id'])
         )
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def evaluate(state, client_states):
-        del state
-        return tff.federated_map(evaluate_client, client_states)
-
-    @tff.tensorflow.computation(np.int32, client_state_type)
-    def evaluate_at(round_num, client_state):
-        del round_num  # the device form broadcasts one value to evaluate with; Local-only needs none
-        return evaluate_client(client_state)
-
     device = device_state.build_device_process(
         initialize,
         initial_client_state,
         phases=[device_state.Phase('next', round_of, client_work, finish)],
         evaluate_input=round_of,
-        evaluate_client=evaluate_at,
+        evaluate_client=building_blocks.build_evaluation_at(evaluate_client),
     )
+    evaluate = building_blocks.build_client_states_evaluation(server_state_type, evaluate_client)
     return template.PersonalizedProcess(
         initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
     )

@@ -6,7 +6,8 @@ Theoretical Guarantees: A Model-Agnostic Meta-Learning Approach" (NeurIPS
 
 The objective is F(w) = mean_i f_i(w - alpha grad f_i(w)). In a round the
 server broadcasts w^t; each sampled client sets w_{i,0} = w^t and takes tau
-local steps (`local_config`), each on independent mini-batches D, D' (and
+local steps (meta steps: tau = `local_steps`, or as many as `local_epochs`
+passes over the batches give), each on independent mini-batches D, D' (and
 D'' for the Hessian-free variant):
 
 * w~ = w - alpha grad f_i(w; D)                            (the inner step)
@@ -16,7 +17,7 @@ D'' for the Hessian-free variant):
   (grad f_i(w + delta g; D'') - grad f_i(w - delta g; D'')) / (2 delta),
   g = grad f_i(w~; D')                                     (Hessian-free)
 
-beta is `local_config.learning_rate`. The server averages the clients' w_i
+beta is `client_learning_rate`. The server averages the clients' w_i
 uniformly over the sampled clients (line 12).
 
 `evaluate` reports the global model and, as `personalized_model`, the model
@@ -26,16 +27,54 @@ time; it is not kept).
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 VARIANTS = ('fo', 'hf')
+
+
+@dataclasses.dataclass(frozen=True)
+class PerFedAvgSettings(settings_lib.LocalTraining):
+    """Per-FedAvg FO (`perfedavg_fo`): tau meta steps per round; `client_learning_rate` is beta.
+
+    A local step is one meta step (the inner step of size alpha on D, then the
+    outer step of size beta on D'); `local_steps` = tau counts them.
+    """
+
+    perfedavg_alpha: float = settings_lib.setting(
+        0.01, 'Per-FedAvg: alpha, the adaptation step (client_learning_rate is beta, the meta step).'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.perfedavg_alpha > 0, f'perfedavg_alpha must be > 0, got {self.perfedavg_alpha}'),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class PerFedAvgHFSettings(PerFedAvgSettings):
+    """Per-FedAvg HF (`perfedavg_hf`): the meta step with a finite-difference Hessian-vector product."""
+
+    perfedavg_delta: float = settings_lib.setting(
+        0.001, 'Per-FedAvg HF: delta, the finite-difference step of the Hessian-vector product.'
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.perfedavg_delta > 0, f'perfedavg_delta must be > 0, got {self.perfedavg_delta}'),
+        ]
+
+
+# The settings each variant takes.
+VARIANT_SETTINGS = {'fo': PerFedAvgSettings, 'hf': PerFedAvgHFSettings}
 
 
 def _gradients(model, x, y):
@@ -52,11 +91,9 @@ def _assign(model, values):
 def build_perfedavg_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: PerFedAvgSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    alpha: float = 0.01,
     variant: str = 'fo',
-    delta: float = 1e-3,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Per-FedAvg (first-order or Hessian-free) as a `PersonalizedProcess`.
@@ -64,28 +101,36 @@ def build_perfedavg_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: tau local steps (`max_steps`, or epochs: a step consumes
-        two batches (FO) or three (HF)), the batch size, and beta, the outer
-        (meta) learning rate.
-      alpha: the inner (adaptation) step size, also used at evaluation.
+      settings: tau meta steps (`local_steps`, or epochs: a step consumes
+        two batches (FO) or three (HF)), the batch size, beta
+        (`client_learning_rate`), alpha, and for HF delta: the variant's
+        `VARIANT_SETTINGS` class; None: its defaults.
       variant: 'fo' (Per-FedAvg FO) or 'hf' (Per-FedAvg HF).
-      delta: the finite-difference step of the HF Hessian-vector product.
       seed: run seed.
 
     Returns:
-      A `template.PersonalizedProcess` with participation-only client state.
+      A `template.PersonalizedProcess` with participation-only client state;
+      `mean_local_steps` counts meta steps.
 
     Raises:
-      ValueError: on a bad configuration or variant.
+      SettingsError: a setting out of range (one line).
+      ValueError: an unknown variant, or the settings of the other variant.
     """
-    local_config.validate()
     if variant not in VARIANTS:
         raise ValueError(f'variant must be one of {VARIANTS}, got {variant!r}')
-    if not alpha > 0:
-        raise ValueError(f'alpha must be > 0, got {alpha}')
-    if not delta > 0:
-        raise ValueError(f'delta must be > 0, got {delta}')
-    beta = local_config.learning_rate
+    expected = VARIANT_SETTINGS[variant]
+    settings = (expected() if settings is None else settings).validate()
+    if type(settings) is not expected:
+        raise ValueError(f'variant={variant!r} takes {expected.__name__}, got {type(settings).__name__}')
+    batches_per_step = 3 if variant == 'hf' else 2
+    alpha = settings.perfedavg_alpha
+    delta = settings.perfedavg_delta if variant == 'hf' else None
+    beta = settings.client_learning_rate
+    if settings.local_steps:
+        # tau meta steps exactly: enough epochs of batches for them, capped at tau.
+        epochs, max_steps = settings.local_steps * batches_per_step, settings.local_steps
+    else:
+        epochs, max_steps = settings.local_epochs, None
     weights_type = local_training.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
@@ -121,11 +166,11 @@ def build_perfedavg_process(
             _, stats = local_training.sgd_steps(
                 data,
                 step,
-                epochs=local_config.epochs,
-                batch_size=local_config.batch_size,
+                epochs=epochs,
+                batch_size=settings.batch_size,
                 seed=local_training.client_seed(seed, round_num, client_id),
-                max_steps=local_config.max_steps,
-                batches_per_step=3 if variant == 'hf' else 2,
+                max_steps=max_steps,
+                batches_per_step=batches_per_step,
             )
         with tf.control_dependencies(list(stats)):
             trained = local_training.get_weights(model)
@@ -150,12 +195,10 @@ def build_perfedavg_process(
             personalized_model=client_evaluation(adapted, client_id),
         )
 
-    process = averaging.build_averaging_process(
+    return averaging.build_averaging_process(
         model_fn,
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         seed=seed,
     )
-    process.variant = variant
-    return process

@@ -21,32 +21,80 @@ Choices where the paper is silent are listed in docs/algorithms/persfl.md.
 """
 
 import collections
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, distillation, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import stacked
 
-DEFAULT_TEMPERATURES = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
-DEFAULT_IMITATIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 TEACHERS = ('optimal', 'final')
+SOFT_LOSSES = ('kl', 'ce')
+
+_setting = settings_lib.setting
+
+
+@dataclasses.dataclass(frozen=True)
+class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
+    """PersFL's settings: stage 1 is FedAvg (local SGD, server step); stage 2 the distillation grid.
+
+    Shared by PersFL and PersFL-GD (the soft loss is the algorithm, not a
+    setting). Defaults and where they come from: docs/algorithms/persfl.md,
+    "Settings".
+    """
+
+    distill_epochs: int = _setting(5, 'E, PersFL stage 2: distillation epochs of every (T, lambda) candidate.')
+    distill_batch_size: int = _setting(32, 'PersFL stage 2: distillation mini-batch size.')
+    distill_learning_rate: float = _setting(0.01, 'PersFL stage 2: distillation SGD learning rate.')
+    temperatures: tuple[float, ...] = _setting(
+        (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0), '|T|_C, PersFL stage 2: the grid of distillation temperatures T.'
+    )
+    imitations: tuple[float, ...] = _setting(
+        (0.0, 0.25, 0.5, 0.75, 1.0), '|lambda|_C, PersFL stage 2: the grid of imitation parameters lambda, in [0, 1].'
+    )
+    teacher: str = _setting(
+        'optimal',
+        "PersFL stage 2: distil from each client's optimal teacher O_k ('optimal', Alg. 1) "
+        "or the final global model ('final', the Table 4 ablation).",
+    )
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.distill_epochs >= 1, f'distill_epochs must be >= 1, got {self.distill_epochs}'),
+            (self.distill_batch_size >= 1, f'distill_batch_size must be >= 1, got {self.distill_batch_size}'),
+            (self.distill_learning_rate > 0, f'distill_learning_rate must be > 0, got {self.distill_learning_rate}'),
+            (
+                len(self.temperatures) >= 1 and all(t > 0 for t in self.temperatures),
+                f'temperatures must be positive numbers, got {list(self.temperatures)}',
+            ),
+            (
+                len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
+                f'imitations must be numbers in [0, 1], got {list(self.imitations)}',
+            ),
+            (self.teacher in TEACHERS, f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
+        ]
+
+    def distill_config(self) -> settings_lib.TrainingConfig:
+        """Stage 2's local SGD as a `TrainingConfig`.
+
+        Returns:
+          `distill_epochs` epochs of batch `distill_batch_size` at
+          `distill_learning_rate`.
+        """
+        return settings_lib.TrainingConfig(self.distill_epochs, self.distill_batch_size, self.distill_learning_rate)
 
 
 def build_persfl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: PersFLSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    distill_config: local_training.TrainingConfig,
-    temperatures: Sequence[float] = DEFAULT_TEMPERATURES,
-    imitations: Sequence[float] = DEFAULT_IMITATIONS,
     soft_loss: str = 'kl',
-    teacher: str = 'optimal',
-    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds PersFL (soft_loss='kl') or PersFL-GD (soft_loss='ce').
@@ -55,37 +103,41 @@ def build_persfl_process(
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras Sequential model
         (logits out) of layers `tff_pfl.models.stacked` supports.
-      local_config: FedAvg's local epochs, batch size, learning rate.
-      distill_config: stage 2's epochs, batch size and learning rate.
-      temperatures: grid of T (> 0).
-      imitations: grid of lambda (in [0, 1]).
+      settings: a `PersFLSettings`; None: `PersFLSettings()`.
       soft_loss: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
-      teacher: 'optimal' (the paper) or 'final' (the ablation of Table 4:
-        distil from the final global model instead).
-      server_optimizer: FedAvg's server optimizer; default plain averaging.
       seed: run seed.
 
     Returns:
       A `template.PersonalizedProcess` with `personalize: (S@SERVER,
-      {C}@CLIENTS) -> {C}@CLIENTS`. Client state: `<client_id,
-      num_participations, last_round, teacher, teacher_loss, teacher_round,
-      personalized, temperature, imitation, personalized_val_accuracy,
-      grid_val_accuracy>`; `personalized` holds O_k until stage 2 has run.
+      {C}@CLIENTS) -> {C}@CLIENTS` and `grid_candidates`, the distinct
+      `(T, lambda)` of the grid in the order of `grid_val_accuracy`. Client
+      state: `<client_id, num_participations, last_round, teacher,
+      teacher_loss, teacher_round, personalized, temperature, imitation,
+      personalized_val_accuracy, grid_val_accuracy>`; `personalized` holds
+      O_k until stage 2 has run. Metrics: FedAvg's, with `mean_local_steps`.
 
     Raises:
-      ValueError: on a bad grid, soft loss, teacher mode, or a model with
-        layers the stacked grid cannot run.
+      TypeError: if `settings` is not a `PersFLSettings`.
+      SettingsError: on a bad setting (`settings.validate()`).
+      ValueError: on a bad soft loss, or a model with layers the stacked grid
+        cannot run.
     """
-    local_config.validate()
-    distill_config.validate()
-    if soft_loss not in ('kl', 'ce'):
+    settings = PersFLSettings() if settings is None else settings
+    if not isinstance(settings, PersFLSettings):
+        raise TypeError(f'build_persfl_process takes PersFLSettings, got {type(settings).__name__}')
+    settings.validate()
+    if soft_loss not in SOFT_LOSSES:
         raise ValueError(f"soft_loss must be 'kl' or 'ce', got {soft_loss!r}")
-    if teacher not in TEACHERS:
-        raise ValueError(f'teacher must be one of {TEACHERS}, got {teacher!r}')
-    candidates = distillation.grid_candidates(temperatures, imitations)
+    local_config = settings.training_config()
+    distill_config = settings.distill_config()
+    candidates = distillation.grid_candidates(settings.temperatures, settings.imitations)
     grid_temperatures, grid_imitations = distillation.candidate_arrays(candidates)
     with tf.Graph().as_default():
-        layers = stacked.plan(model_fn())
+        model = model_fn()
+        try:
+            layers = stacked.plan(model)
+        except ValueError as e:
+            raise ValueError(f"--model: PersFL's distillation grid cannot train {model.name!r} ({e})") from None
 
     weights_type = local_training.weights_type(model_fn)
     client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
@@ -113,7 +165,7 @@ def build_persfl_process(
         """Algorithm 1 lines 5-9: keep G_e if its validation loss is lowest."""
         val_loss = val_evaluation(weights, client_state['client_id'])['loss']
         better = tf.less(val_loss, client_state['teacher_loss'])
-        if teacher == 'final':
+        if settings.teacher == 'final':
             better = tf.constant(True)
         pick = lambda new, old: tf.where(better, new, old)  # noqa: E731
         new_teacher = [pick(w, t) for w, t in zip(weights, client_state['teacher'])]
@@ -170,14 +222,13 @@ def build_persfl_process(
             personalized_model=test_evaluation(client_state['personalized'], client_id),
         )
 
-    process = averaging.build_averaging_process(
+    return averaging.build_averaging_process(
         model_fn,
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer,
+        server_optimizer=settings.server_optimizer(),
         personalize_builder=averaging.broadcast_personalize(client_personalize),
         seed=seed,
+        grid_candidates=candidates,
     )
-    process.grid_candidates = candidates
-    return process

@@ -6,8 +6,9 @@ Moreau Envelopes" (NeurIPS 2020), Algorithm 1.
 Each client's personalized model is the proximal point
 theta_i(w) = argmin_theta f_i(theta) + lambda/2 ||theta - w||^2  (Eq. 3).
 In a round the server broadcasts w^t; each sampled client sets its local
-model w_{i,0} = w^t and, for r = 0..R-1 (`local_config`'s steps, one
-mini-batch D_i each):
+model w_{i,0} = w^t and, for r = 0..R-1 (R = `local_steps` local rounds, or
+as many as `local_epochs` passes over the batches give; one mini-batch D_i
+each):
 
 * approximates theta_i(w_{i,r}) with K steps of gradient descent on
   f_i(theta; D_i) + lambda/2 ||theta - w_{i,r}||^2 with the personal learning
@@ -25,25 +26,60 @@ paper is silent are in docs/algorithms/baselines.md.
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+
+_setting = settings_lib.setting
+
+
+def _paper_default(group: type, name: str, default):
+    """Field `name` of `group` with the paper's default and the same help (one name, one meaning)."""
+    (field,) = [f for f in dataclasses.fields(group) if f.name == name]
+    return _setting(default, settings_lib.help_of(field))
+
+
+@dataclasses.dataclass(frozen=True)
+class PFedMeSettings(settings_lib.LocalTraining):
+    """pFedMe (`pfedme`): R local rounds of a Moreau-envelope step, then the server's beta step.
+
+    A local step is one of Algorithm 1's R local rounds (K inner steps on
+    theta, then one step on w), each on its own mini-batch D. The defaults
+    of R (20), |D| (20) and eta (0.005) are the paper's MNIST settings.
+    """
+
+    batch_size: int = _paper_default(settings_lib.ClientSGD, 'batch_size', 20)  # |D|
+    client_learning_rate: float = _paper_default(settings_lib.ClientSGD, 'client_learning_rate', 0.005)  # eta
+    local_steps: int = _paper_default(settings_lib.LocalTraining, 'local_steps', 20)  # R
+    pfedme_lambda: float = _setting(15.0, 'pFedMe: lambda, the strength of the Moreau envelope.')
+    pfedme_inner_steps: int = _setting(5, 'pFedMe: K, the gradient steps that approximate theta per local round.')
+    pfedme_personal_learning_rate: float = _setting(0.09, 'pFedMe: the step size of the K steps on theta.')
+    pfedme_beta: float = _setting(1.0, "pFedMe: beta, the server's step towards the clients' mean (1: the mean).")
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.pfedme_lambda > 0, f'pfedme_lambda must be > 0, got {self.pfedme_lambda}'),
+            (self.pfedme_inner_steps >= 1, f'pfedme_inner_steps must be >= 1, got {self.pfedme_inner_steps}'),
+            (
+                self.pfedme_personal_learning_rate > 0,
+                f'pfedme_personal_learning_rate must be > 0, got {self.pfedme_personal_learning_rate}',
+            ),
+            (self.pfedme_beta > 0, f'pfedme_beta must be > 0, got {self.pfedme_beta}'),
+        ]
 
 
 def build_pfedme_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: PFedMeSettings | None = None,
     *,
-    local_config: local_training.TrainingConfig,
-    pfedme_lambda: float = 15.0,
-    inner_steps: int = 5,
-    personal_learning_rate: float = 0.09,
-    beta: float = 1.0,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds pFedMe as a `PersonalizedProcess`.
@@ -51,31 +87,24 @@ def build_pfedme_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model (logits out).
-      local_config: R local steps (`max_steps`, or epochs over the batches),
-        batch size |D|, and eta, the local model's learning rate.
-      pfedme_lambda: lambda > 0, the strength of the Moreau envelope.
-      inner_steps: K, gradient steps that approximate theta per local step.
-      personal_learning_rate: the step size of those K steps.
-      beta: the server's step towards the clients' mean (1: plain mean).
+      settings: R (`local_steps`, or epochs over the batches), |D|
+        (`batch_size`), eta (`client_learning_rate`, the local model's
+        learning rate), lambda, K, the personal learning rate and beta;
+        None: `PFedMeSettings()`.
       seed: run seed.
 
     Returns:
       A `template.PersonalizedProcess`. Client state: `<client_id,
       num_participations, last_round, personalized>` (theta, zeros until
-      the client first trains).
+      the client first trains). `mean_local_steps` counts local rounds.
 
     Raises:
-      ValueError: on a bad configuration.
+      SettingsError: a setting out of range (one line).
     """
-    local_config.validate()
-    if not pfedme_lambda > 0:
-        raise ValueError(f'pfedme_lambda must be > 0, got {pfedme_lambda}')
-    if int(inner_steps) != inner_steps or inner_steps < 1:
-        raise ValueError(f'inner_steps must be a positive integer, got {inner_steps}')
-    if not personal_learning_rate > 0:
-        raise ValueError(f'personal_learning_rate must be > 0, got {personal_learning_rate}')
-    if not beta > 0:
-        raise ValueError(f'beta must be > 0, got {beta}')
+    settings = (PFedMeSettings() if settings is None else settings).validate()
+    local_config = settings.training_config()
+    pfedme_lambda, inner_steps = settings.pfedme_lambda, settings.pfedme_inner_steps
+    personal_learning_rate = settings.pfedme_personal_learning_rate
     weights_type = local_training.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
@@ -144,6 +173,6 @@ def build_pfedme_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=beta),
+        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=settings.pfedme_beta),
         seed=seed,
     )

@@ -24,20 +24,62 @@ Choices where the paper is silent: docs/algorithms/selffl.md.
 """
 
 import collections
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
 
 LOSSES = ('cross_entropy', 'gaussian')
 
+_setting = settings_lib.setting
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfFLSettings(settings_lib.ClientSGD):
+    """Self-FL's settings: client SGD, the cap on local steps and the warm start.
+
+    Self-FL chooses each client's local steps (Eq. 8), so it takes neither
+    `local_epochs` nor `local_steps`. Defaults and where they come from:
+    docs/algorithms/selffl.md, "Settings".
+    """
+
+    client_learning_rate: float = _setting(0.03, 'eta, the client SGD learning rate.')
+    selffl_max_steps: int = _setting(40, "l_max, Self-FL: the cap on a client's local steps (Eq. 8).")
+    selffl_default_steps: int = _setting(
+        20,
+        'Self-FL: local steps while the uncertainties are unknown (warm-up, first rounds); '
+        "a typical client's steps afterwards (networks).",
+    )
+    warmup_rounds: int = _setting(0, 'Self-FL: plain FedAvg rounds (uniform mean) before Self-FL starts (warm start).')
+
+    def _checks(self):
+        return super()._checks() + [
+            (self.selffl_max_steps >= 1, f'selffl_max_steps must be >= 1, got {self.selffl_max_steps}'),
+            (self.selffl_default_steps >= 1, f'selffl_default_steps must be >= 1, got {self.selffl_default_steps}'),
+            (
+                self.selffl_default_steps <= self.selffl_max_steps,
+                f'selffl_default_steps must be <= selffl_max_steps ({self.selffl_max_steps}), '
+                f'got {self.selffl_default_steps}',
+            ),
+            (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
+        ]
+
 
 def local_steps(
-    eta, sigma_m_sq, others_precision, l_max: int, *, quadratic: bool = True, typical_rho=None, default_steps: int = 20
+    eta,
+    sigma_m_sq,
+    others_precision,
+    l_max: int,
+    *,
+    quadratic: bool = True,
+    typical_rho=None,
+    default_steps: int | None = None,
 ):
     """Number of local steps (Eq. 8) and the step size to use (TF code).
 
@@ -70,7 +112,8 @@ def local_steps(
       quadratic: whether the loss is Eq. 4's quadratic.
       typical_rho: the contraction of a client with the population's mean
         sigma_m^2 (non-quadratic losses).
-      default_steps: the calibration's step count (non-quadratic losses).
+      default_steps: the calibration's step count (non-quadratic losses;
+        `selffl_default_steps`).
 
     Returns:
       `(steps, exact_eta, eq8_defined)`: int32 steps; the step size for
@@ -78,7 +121,13 @@ def local_steps(
       sigma_m^2 (1 - rho^(1/steps)) (used for the Gaussian model, where
       rounding l would otherwise miss Eq. 8's target); and whether Eq. 8 was
       used.
+
+    Raises:
+      ValueError: if the loss is not quadratic and `typical_rho` or
+        `default_steps` is missing.
     """
+    if not quadratic and (typical_rho is None or default_steps is None):
+        raise ValueError('the network rule needs typical_rho and default_steps')
     eta = tf.cast(eta, tf.float32)
     rho = others_precision / (1.0 / sigma_m_sq + others_precision)
     if quadratic:
@@ -146,13 +195,9 @@ def _gaussian_loss(noise_var):
 def build_selffl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
+    settings: SelfFLSettings | None = None,
     *,
-    learning_rate: float,
-    batch_size: int,
-    l_max: int = 40,
-    default_steps: int = 20,
     activity_rate: float = 1.0,
-    warmup_rounds: int = 0,
     loss: str = 'cross_entropy',
     known_sigma0_sq: float | None = None,
     gaussian_noise_var: float | None = None,
@@ -163,19 +208,16 @@ def build_selffl_process(
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras model.
-      learning_rate: eta, the clients' step size.
-      batch_size: local minibatch size (the Gaussian model uses full batches).
-      l_max: cap on the local steps (the paper: 40).
-      default_steps: local steps of a client while the uncertainties are not
-        known yet (warm-up; the paper's baselines use 20).
-      activity_rate: C, the share of clients sampled per round; the server
-        smooths theta^t = (1 - C) theta^{t-1} + C theta_hat^t.
-      warmup_rounds: plain FedAvg rounds (uniform mean, `default_steps`)
-        before Self-FL starts (§3.2, "warm start").
-      loss: 'cross_entropy' (classifiers) or 'gaussian' (the two-level
-        Gaussian model: sum of squared errors / 2 s^2, full-batch steps,
-        sigma_m^2 = s^2 / N_m known, and the step size corrected so that the
-        rounded number of steps contracts exactly as Eq. 8 asks).
+      settings: a `SelfFLSettings` (eta, B, l_max, the warm-up steps and
+        rounds); None: `SelfFLSettings()`.
+      activity_rate: C, the share of clients sampled per round (the run's
+        `client_fraction`); the server smooths theta^t = (1 - C) theta^{t-1}
+        + C theta_hat^t.
+      loss: the problem, not a setting: 'cross_entropy' (classifiers) or
+        'gaussian' (the two-level Gaussian model of §2: sum of squared errors
+        / 2 s^2, full-batch steps (`batch_size` unused), sigma_m^2 = s^2 / N_m
+        known, and the step size corrected so that the rounded number of steps
+        contracts exactly as Eq. 8 asks).
       known_sigma0_sq: a known inter-client variance (no estimation).
       gaussian_noise_var: s^2, required with loss='gaussian'.
       seed: run seed.
@@ -184,27 +226,29 @@ def build_selffl_process(
       A `template.PersonalizedProcess`. Client state: `<client_id,
       num_participations, last_round, personal, var_count, var_mean, var_m2,
       sigma_m_sq, local_steps>`; `evaluate` reports the global model and
-      each client's personal model on its test split.
+      each client's personal model on its test split; the round metric
+      `mean_local_steps` is the mean of the SGD steps the clients took.
 
     Raises:
-      ValueError: on bad arguments.
+      TypeError: if `settings` is not a `SelfFLSettings`.
+      SettingsError: on a bad setting (`settings.validate()`).
+      ValueError: on a bad `activity_rate`, `loss` or `gaussian_noise_var`.
     """
+    settings = SelfFLSettings() if settings is None else settings
+    if not isinstance(settings, SelfFLSettings):
+        raise TypeError(f'build_selffl_process takes SelfFLSettings, got {type(settings).__name__}')
+    settings.validate()
     if loss not in LOSSES:
         raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
     if loss == 'gaussian' and not (gaussian_noise_var and gaussian_noise_var > 0):
         raise ValueError("loss='gaussian' needs gaussian_noise_var > 0")
     if not 0.0 < activity_rate <= 1.0:
-        raise ValueError(f'activity_rate must be in (0, 1], got {activity_rate}')
-    for name, value in (
-        ('learning_rate', learning_rate),
-        ('batch_size', batch_size),
-        ('l_max', l_max),
-        ('default_steps', default_steps),
-    ):
-        if not value > 0:
-            raise ValueError(f'{name} must be > 0, got {value}')
-    if warmup_rounds < 0:
-        raise ValueError(f'warmup_rounds must be >= 0, got {warmup_rounds}')
+        raise ValueError(f'activity_rate (--client_fraction) must be in (0, 1], got {activity_rate}')
+    learning_rate = settings.client_learning_rate
+    batch_size = settings.batch_size
+    l_max = settings.selffl_max_steps
+    default_steps = settings.selffl_default_steps
+    warmup_rounds = settings.warmup_rounds
 
     gaussian = loss == 'gaussian'
     loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.supervised_loss
@@ -310,8 +354,7 @@ def build_selffl_process(
             count = tf.where(keep, recorded[0], count)
             mean = [tf.where(keep, r, m) for r, m in zip(recorded[1], mean)]
             m2 = tf.where(keep, recorded[2], m2)
-        sums = building_blocks.training_metric_sums(stats)
-        sums['local_steps'] = tf.cast(steps, tf.float32)
+        sums = building_blocks.training_metric_sums(stats)  # local_steps: the SGD steps counted in training
         sums['sigma_m_sq'] = sigma_m_sq
         sums['active'] = tf.cast(active, tf.float32)
         return collections.OrderedDict(

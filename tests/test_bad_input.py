@@ -89,7 +89,7 @@ def test_bad_input_is_refused_before_anything_is_written(what, data, changes, me
     kwargs = dict(num_clients=4, rounds=1, output_dir=str(tmp_path / 'run'), **_dataset(data, tmp_path))
     kwargs.update(changes)
     with pytest.raises((experiment.ConfigError, sources.DataError, partition.PartitionError)) as raised:
-        experiment.run_experiment(experiment.ExperimentConfig(**kwargs), log=lambda line: None)
+        experiment.run_experiment(experiment.make_config(**kwargs), log=lambda line: None)
     assert message in str(raised.value)
     assert '\n' not in str(raised.value)
     assert not os.path.exists(kwargs['output_dir'])

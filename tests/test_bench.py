@@ -14,8 +14,8 @@ import pytest
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit, local_training
-from tff_pfl.program import bench
+from tff_pfl.computations import audit
+from tff_pfl.program import bench_report, bench_run, bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,13 +62,14 @@ distill_epochs = 1
 def test_communication_bytes_of_fedavg(tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
-    process = fedavg.build_fedavg_process(spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3))
+    process = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(batch_size=8, client_learning_rate=0.3))
     model_bytes = sum(w.size * w.dtype.itemsize for w in model_fn().get_weights())
     assert model_bytes == (4 * 3 + 3) * 4
     got = audit.communication_bytes(process.next)
     # Down: the model and the int32 round number. Up: the weighted update, its
-    # float32 weight, and the four float32 training metric sums.
-    assert got == {'bytes_down_per_client': model_bytes + 4, 'bytes_up_per_client': model_bytes + 4 + 4 * 4}
+    # float32 weight, and the five float32 training metric sums (loss, correct,
+    # examples, clients, local steps).
+    assert got == {'bytes_down_per_client': model_bytes + 4, 'bytes_up_per_client': model_bytes + 4 + 5 * 4}
     # Evaluation broadcasts the model and sends nothing up.
     assert audit.communication_bytes(process.evaluate) == {
         'bytes_down_per_client': model_bytes,
@@ -93,7 +94,7 @@ def test_type_bytes():
 
 
 def test_precedence_defaults_partition_overrides_partition_overrides():
-    suite = bench.parse_suite(
+    suite = bench_suite.parse_suite(
         """
 name = "p"
 [defaults]
@@ -124,11 +125,12 @@ rounds = 40
     a, b = suite.partitions
     alg = suite.algorithms[0]
     config = suite.config(a, alg, 3, 'out')
-    assert (config.rounds, config.batch_size, config.client_learning_rate, config.local_epochs) == (40, 8, 0.1, 2)
-    assert config.temperatures == (1.0, 2.0) and config.partition == 'iid' and config.seed == 3
+    settings = config.settings
+    assert (config.rounds, settings.batch_size, settings.client_learning_rate, settings.local_epochs) == (40, 8, 0.1, 2)
+    assert settings.temperatures == (1.0, 2.0) and config.partition == 'iid' and config.seed == 3
     assert config.algorithm == 'persfl' and config.output_dir == 'out'
     config = suite.config(b, alg, 3)
-    assert (config.rounds, config.batch_size, config.partition) == (30, 7, 'natural')
+    assert (config.rounds, config.settings.batch_size, config.partition) == (30, 7, 'natural')
     assert alg.model == 'global_model'  # headline_model's default
     assert [r.label for r in suite.runs()] == ['a/Alg/seed3', 'b/Alg/seed3']
 
@@ -145,7 +147,8 @@ def _suite_with(old, new):
         (_suite_with('name = "tiny"', 'name = "tiny"\nversion = 2'), 'tiny.toml: version: unknown key'),
         (_suite_with('num_clients = 3', 'num_client = 3'), 'tiny.toml: defaults.num_client: unknown key'),
         (_suite_with('num_clients = 3', 'seed = 3'), 'tiny.toml: defaults.seed: set by the harness'),
-        (_suite_with('rounds = 2', 'rounds = "two"'), 'tiny.toml: defaults.rounds: must be int'),
+        (_suite_with('rounds = 2', 'rounds = "two"'), 'tiny.toml: defaults.rounds: rounds must be an integer'),
+        (_suite_with('num_clients = 3', 'num_clients = 3\nkd_mu1 = 2.0'), 'defaults.kd_mu1: is a setting of none'),
         (_suite_with('seeds = [0, 1]', 'seeds = []'), 'defaults.seeds: required'),
         (_suite_with('seeds = [0, 1]', 'seeds = [0, 0]'), 'defaults.seeds: repeated seed'),
         (_suite_with('target_accuracy = 0.4', 'target_accuracy = 40'), 'defaults.target_accuracy'),
@@ -156,7 +159,11 @@ def _suite_with(old, new):
         (_suite_with('model = "global_model"', 'model = "best_model"'), 'algorithms "FedAvg".model: must be one of'),
         (
             _suite_with('distill_epochs = 1', 'distil_epochs = 1'),
-            'algorithms "PersFL".overrides.distil_epochs: unknown key (not an ExperimentConfig field)',
+            'algorithms "PersFL".overrides.distil_epochs: unknown key (not a setting: docs/settings.md)',
+        ),
+        (
+            _suite_with('distill_epochs = 1', 'distill_epochs = 1\nditto_lambda = 0.5'),
+            'algorithms "PersFL" on partitions "natural": ditto_lambda does not apply to persfl',
         ),
         (
             _suite_with('distill_epochs = 1', 'distill_epochs = 0'),
@@ -186,22 +193,22 @@ def _suite_with(old, new):
     ],
 )
 def test_suite_errors_are_one_line_naming_file_and_key(text, message):
-    with pytest.raises(bench.SuiteError) as error:
-        bench.parse_suite(text, 'tiny.toml')
+    with pytest.raises(bench_suite.SuiteError) as error:
+        bench_suite.parse_suite(text, 'tiny.toml')
     assert message in str(error.value)
     assert '\n' not in str(error.value)
 
 
 def test_load_suite_errors(tmp_path):
-    with pytest.raises(bench.SuiteError, match='suite file not found'):
-        bench.load_suite(str(tmp_path / 'nope.toml'))
+    with pytest.raises(bench_suite.SuiteError, match='suite file not found'):
+        bench_suite.load_suite(str(tmp_path / 'nope.toml'))
     (tmp_path / 'bad.toml').write_bytes(b'\xff\xfe')
-    with pytest.raises(bench.SuiteError, match='not UTF-8'):
-        bench.load_suite(str(tmp_path / 'bad.toml'))
+    with pytest.raises(bench_suite.SuiteError, match='not UTF-8'):
+        bench_suite.load_suite(str(tmp_path / 'bad.toml'))
 
 
 def test_selection():
-    suite = bench.parse_suite(TINY, 'tiny.toml')
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
     assert len(suite.runs()) == 8
     runs = suite.select(seeds=[1], algorithms=['PersFL'])
     assert [r.label for r in runs] == ['natural/PersFL/seed1', 'IID/PersFL/seed1']
@@ -211,15 +218,15 @@ def test_selection():
         (dict(algorithms=['FedAvg', 'pFedMe']), 'unknown algorithm pFedMe'),
         (dict(partitions=['ds1']), 'unknown partition ds1'),
     ]:
-        with pytest.raises(bench.SuiteError, match=message):
+        with pytest.raises(bench_suite.SuiteError, match=message):
             suite.select(**kwargs)
 
 
 def test_committed_suites():
-    smoke = bench.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'smoke.toml'))
+    smoke = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'smoke.toml'))
     assert len(smoke.runs()) == 4 and smoke.defaults['dataset'] == 'synthetic'
     path = os.path.join(REPO, 'benchmarks', 'suites', 'persfl_mnist.toml')
-    suite = bench.load_suite(path)
+    suite = bench_suite.load_suite(path)
     assert [p.name for p in suite.partitions] == ['ds1', 'ds2', 'ds3'] and suite.seeds == (0, 1, 2)
     assert [a.name for a in suite.algorithms] == [
         'FedAvg',
@@ -241,7 +248,7 @@ def test_committed_suites():
         'FedAvg+FT': [100, 50, 100],
     }
     assert suite.paper['PersFL']['ds3'] == (99.4, 0.3)
-    baselines = bench.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
+    baselines = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
     names = {a.algorithm for a in baselines.algorithms}
     assert {'local', 'fedavg_ft', 'fedper', 'ditto', 'pfedme', 'perfedavg_fo', 'perfedavg_hf', 'apfl'} <= names
 
@@ -256,7 +263,7 @@ def _read_csv(path):
 
 
 def _result_state(directory):
-    path = os.path.join(directory, bench.RESULT_FILE)
+    path = os.path.join(directory, bench_run.RESULT_FILE)
     with open(path, 'rb') as f:
         return os.stat(path).st_mtime_ns, f.read()
 
@@ -267,12 +274,12 @@ def tiny_run(tmp_path_factory, tff_runtime):
     out = str(tmp_path_factory.mktemp('bench') / 'tiny')
     suite_path = tmp_path_factory.mktemp('suite') / 'tiny.toml'
     suite_path.write_text(TINY)
-    suite = bench.load_suite(str(suite_path))
+    suite = bench_suite.load_suite(str(suite_path))
     first = []
-    bench.run_suite(suite, out, seeds=[0], command='first', log=first.append)
+    bench_run.run_suite(suite, out, seeds=[0], command='first', log=first.append)
     seed0 = {r.label: _result_state(r.directory(out)) for r in suite.select(seeds=[0])}
     second = []
-    rows = bench.run_suite(suite, out, command='second', log=second.append)
+    rows = bench_run.run_suite(suite, out, command='second', log=second.append)
     return dict(suite=suite, out=out, first=first, second=second, seed0=seed0, rows=rows)
 
 
@@ -292,11 +299,11 @@ def test_split_by_seed_then_resume(tiny_run):
     for run in suite.select(seeds=[0]):
         assert _result_state(run.directory(out)) == tiny_run['seed0'][run.label]
     for run in suite.runs():
-        assert os.path.exists(os.path.join(run.directory(out), bench.RESULT_FILE))
+        assert os.path.exists(os.path.join(run.directory(out), bench_run.RESULT_FILE))
         assert os.path.getsize(os.path.join(run.directory(out), 'progress.log')) > 0
-    with open(os.path.join(out, bench.COMMANDS_FILE)) as f:
+    with open(os.path.join(out, bench_run.COMMANDS_FILE)) as f:
         assert f.read() == 'first\nsecond\n'
-    with open(os.path.join(out, bench.SUITE_FILE)) as f:
+    with open(os.path.join(out, bench_run.SUITE_FILE)) as f:
         assert f.read() == TINY
 
 
@@ -364,7 +371,7 @@ def test_rounds_to_target_and_communication(tiny_run):
     target = suite.target_accuracy
     for run in suite.runs():
         directory = run.directory(out)
-        with open(os.path.join(directory, bench.RESULT_FILE)) as f:
+        with open(os.path.join(directory, bench_run.RESULT_FILE)) as f:
             record = json.load(f)
         metrics = _read_csv(os.path.join(directory, 'metrics.csv'))
         key = f'test_{run.algorithm.model}_accuracy_mean'
@@ -398,16 +405,16 @@ def test_incomplete_run_is_redone_and_others_are_not(tiny_run, tmp_path):
     out = str(tmp_path / 'copy')
     shutil.copytree(tiny_run['out'], out)
     redo = suite.select(seeds=[1], algorithms=['FedAvg'], partitions=['IID'])[0]
-    os.remove(os.path.join(redo.directory(out), bench.RESULT_FILE))
+    os.remove(os.path.join(redo.directory(out), bench_run.RESULT_FILE))
     with open(os.path.join(redo.directory(out), 'stale'), 'w') as f:
         f.write('left by an interrupted run')
     before = {r.label: _result_state(r.directory(out)) for r in suite.runs() if r != redo}
     lines = []
-    bench.run_suite(suite, out, log=lines.append)
+    bench_run.run_suite(suite, out, log=lines.append)
     assert lines[0] == 'tiny: 8 runs selected, 7 already complete, 1 to run'
     assert lines[1] == 'run 1/1 IID/FedAvg/seed1: incomplete, redoing it'
     assert not os.path.exists(os.path.join(redo.directory(out), 'stale'))
-    assert os.path.exists(os.path.join(redo.directory(out), bench.RESULT_FILE))
+    assert os.path.exists(os.path.join(redo.directory(out), bench_run.RESULT_FILE))
     assert before == {r.label: _result_state(r.directory(out)) for r in suite.runs() if r != redo}
 
 
@@ -418,43 +425,43 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
     fedavg_run, persfl_run = suite.select(seeds=[0], partitions=['natural'])
     with open(os.path.join(fedavg_run.directory(out), 'partition.csv'), 'a') as f:
         f.write('client_99999,1,1,1\n')
-    os.remove(os.path.join(persfl_run.directory(out), bench.RESULT_FILE))
+    os.remove(os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE))
     with pytest.raises(
-        bench.SuiteError, match='natural/PersFL/seed0 trains on another partition than natural/FedAvg/seed0'
+        bench_suite.SuiteError, match='natural/PersFL/seed0 trains on another partition than natural/FedAvg/seed0'
     ):
-        bench.run_suite(suite, out, seeds=[0], algorithms=['PersFL'], log=lambda line: None)
+        bench_run.run_suite(suite, out, seeds=[0], algorithms=['PersFL'], log=lambda line: None)
     # Aggregation checks the same from the stored results.
-    record_path = os.path.join(fedavg_run.directory(out), bench.RESULT_FILE)
+    record_path = os.path.join(fedavg_run.directory(out), bench_run.RESULT_FILE)
     with open(record_path) as f:
         record = json.load(f)
     record['partition_csv'] += 'x'
     with open(record_path, 'w') as f:
         json.dump(record, f)
     shutil.copy(
-        os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench.RESULT_FILE),
-        os.path.join(persfl_run.directory(out), bench.RESULT_FILE),
+        os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench_run.RESULT_FILE),
+        os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE),
     )
-    with pytest.raises(bench.SuiteError, match='trained on different partitions'):
-        bench.write_report(suite, out, log=lambda line: None)
+    with pytest.raises(bench_suite.SuiteError, match='trained on different partitions'):
+        bench_report.write_report(suite, out, log=lambda line: None)
 
 
 def test_a_different_suite_is_refused(tiny_run, tmp_path):
     out = tiny_run['out']
     state = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
-    changed = bench.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
-    with pytest.raises(bench.SuiteError, match='holds results of a different suite'):
-        bench.run_suite(changed, out, log=lambda line: None)
-    with pytest.raises(bench.SuiteError, match='different suite'):
-        bench.check_report_dir(changed, out)
+    changed = bench_suite.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
+    with pytest.raises(bench_suite.SuiteError, match='holds results of a different suite'):
+        bench_run.run_suite(changed, out, log=lambda line: None)
+    with pytest.raises(bench_suite.SuiteError, match='different suite'):
+        bench_run.check_report_dir(changed, out)
     assert state == {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
     # Comments and layout are not content.
-    bench.check_report_dir(bench.parse_suite('# a comment\n' + TINY, 'tiny.toml'), out)
+    bench_run.check_report_dir(bench_suite.parse_suite('# a comment\n' + TINY, 'tiny.toml'), out)
     # A directory that holds something else is not taken over without --overwrite.
     other = tmp_path / 'other'
     other.mkdir()
     (other / 'notes.txt').write_text('mine')
-    with pytest.raises(bench.SuiteError, match='holds no benchmark; pass --overwrite'):
-        bench.run_suite(changed, str(other), log=lambda line: None)
+    with pytest.raises(bench_suite.SuiteError, match='holds no benchmark; pass --overwrite'):
+        bench_run.run_suite(changed, str(other), log=lambda line: None)
     assert os.listdir(other) == ['notes.txt']
 
 

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,7 +113,12 @@ def train_in_process(capsys):
         (['--client_fraction=1.5'], 'client_fraction must be in (0, 1]'),
         (['--rounds=abc'], 'rounds'),
         (['--algorithm=persfl', '--temperatures=1,hot'], 'temperatures must be numbers'),
-        (['--teacher=best'], 'teacher'),
+        (['--algorithm=persfl', '--teacher=best'], 'teacher'),
+        (['--teacher=optimal'], '--teacher does not apply to fedavg (it is a setting of persfl, persfl_gd)'),
+        (['--kd_mu1=2'], '--kd_mu1 does not apply to fedavg'),
+        (['--algorithm=selffl', '--local_epochs=2'], '--local_epochs does not apply to selffl'),
+        (['--partition=iid', '--classes_per_client=2'], '--classes_per_client does not apply to partition iid'),
+        (['--algorithm=ktpfl', '--model=mnist_dnn'], '--model does not apply to ktpfl'),
         (['--dataset=tfds:mnist', '--partition=ds1', '--classes_per_client=11', '--data_dir=/nonexistent'], 'mnist'),
         (['--algorithm=nope'], 'unknown algorithm'),
         (['extra_argument'], 'unexpected arguments: extra_argument'),
@@ -140,27 +146,31 @@ def test_bad_input_one_line_exit_2_in_process(flags, message, tmp_path, train_in
         (dict(server_learning_rate=0.0), 'server_learning_rate'),
         (dict(split_fractions=(0.5, 0.5)), 'split_fractions'),
         (dict(split_fractions=(0.6, 0.3, 0.3)), 'split_fractions'),
-        (dict(dirichlet_alpha=0.0), 'dirichlet_alpha'),
-        (dict(classes_per_client=0), 'classes_per_client'),
+        (dict(partition='ds2', dirichlet_alpha=0.0), 'dirichlet_alpha'),
+        (dict(partition='ds1', classes_per_client=0), 'classes_per_client'),
+        (dict(partition='ds2', classes_per_client=2), 'classes_per_client does not apply to partition ds2'),
         (dict(eval_every=-1), 'eval_every'),
-        (dict(distill_epochs=0), 'distill_epochs'),
-        (dict(distill_learning_rate=0.0), 'distill_learning_rate'),
-        (dict(temperatures=(1.0, 0.0)), 'temperatures'),
-        (dict(imitations=(0.5, 1.5)), 'imitations'),
-        (dict(teacher='best'), 'teacher'),
+        (dict(algorithm='persfl', distill_epochs=0), 'distill_epochs'),
+        (dict(algorithm='persfl', distill_learning_rate=0.0), 'distill_learning_rate'),
+        (dict(algorithm='persfl', temperatures=(1.0, 0.0)), 'temperatures'),
+        (dict(algorithm='persfl', imitations=(0.5, 1.5)), 'imitations'),
+        (dict(algorithm='persfl', teacher='best'), 'teacher'),
+        (dict(distill_epochs=5), 'distill_epochs does not apply to fedavg'),
         (dict(local_steps=-1), 'local_steps'),
-        (dict(selffl_max_steps=0), 'selffl_max_steps'),
-        (dict(warmup_rounds=-2), 'warmup_rounds'),
+        (dict(algorithm='selffl', selffl_max_steps=0), 'selffl_max_steps'),
+        (dict(algorithm='selffl', warmup_rounds=-2), 'warmup_rounds'),
+        (dict(algorithm='selffl', local_steps=3), 'local_steps does not apply to selffl'),
+        (dict(rounds=2.5), 'rounds must be an integer'),
+        (dict(no_such_setting=1), "unknown setting 'no_such_setting'"),
     ],
 )
 def test_config_validation(changes, message):
-    config = experiment.ExperimentConfig(output_dir='x', **changes)
-    with pytest.raises(experiment.ConfigError, match=message):
-        config.validate()
+    with pytest.raises(experiment.ConfigError, match=re.escape(message)):
+        experiment.make_config(output_dir='x', **changes).validate()
 
 
 def test_partition_error_writes_nothing(tiny_npz, tmp_path):
-    config = experiment.ExperimentConfig(
+    config = experiment.make_config(
         output_dir=str(tmp_path / 'run'),
         dataset=f'npz:{tiny_npz}',
         partition='ds1',
@@ -175,7 +185,7 @@ def test_partition_error_writes_nothing(tiny_npz, tmp_path):
 def test_existing_output_dir_is_refused(tmp_path):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.csv').write_text('round\n')
-    config = experiment.ExperimentConfig(output_dir=str(tmp_path / 'run'))
+    config = experiment.make_config(output_dir=str(tmp_path / 'run'))
     with pytest.raises(experiment.ConfigError, match='not empty'):
         experiment.run_experiment(config)
     assert (tmp_path / 'run' / 'metrics.csv').read_text() == 'round\n'
@@ -186,6 +196,6 @@ def test_unwritable_output_dir(tmp_path):
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):  # root ignores permission bits
         pytest.skip('running as a user that can write anywhere')
-    config = experiment.ExperimentConfig(output_dir=str(locked / 'run'))
+    config = experiment.make_config(output_dir=str(locked / 'run'))
     with pytest.raises(experiment.ConfigError, match='not writable'):
         experiment.run_experiment(config)

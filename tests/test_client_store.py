@@ -129,7 +129,7 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
     """Store memory-mapped, evaluation and personalization 3 clients per call, crash after round 5: same numbers."""
 
     def config(out):
-        return experiment.ExperimentConfig(
+        return experiment.make_config(
             output_dir=str(out),
             algorithm=algorithm,
             dataset=f'npz:{tiny_npz}',

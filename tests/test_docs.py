@@ -65,10 +65,23 @@ def _defined_flags(*modules):
     return names | {'help', 'helpfull', 'helpshort'}
 
 
+def _settings_flags():
+    """The flags tff-pfl-train generates from the settings dataclasses (tff_pfl/cli/config_flags.py)."""
+    from tff_pfl.cli import config_flags
+
+    names = {'config'}
+    for entries in config_flags.setting_groups().values():
+        for name, hint, _ in entries:
+            names.add(name)
+            if hint is bool:
+                names.add('no' + name)
+    return names
+
+
 def test_commands_in_the_documentation_use_flags_that_exist():
     binaries = {
-        'tff-pfl-train': _defined_flags('tff_pfl/cli/train.py'),
-        'tff-pfl-export': _defined_flags('tff_pfl/cli/train.py', 'tff_pfl/cli/export.py'),
+        'tff-pfl-train': _defined_flags('tff_pfl/cli/train.py') | _settings_flags(),
+        'tff-pfl-export': _defined_flags('tff_pfl/cli/train.py', 'tff_pfl/cli/export.py') | _settings_flags(),
         'tff-pfl-bench': _defined_flags('tff_pfl/cli/bench.py'),
     }
     unknown, checked = [], 0
@@ -135,5 +148,6 @@ def test_the_checks_catch_a_broken_link_and_an_unknown_flag(tmp_path):
     page.write_text('# Title\n[a](missing.md) [b](#title) [c](#nope)\n')
     assert _LINK.findall(page.read_text()) == ['missing.md', '#title', '#nope']
     assert _headings(page) == {'title'}
-    assert 'rounds' in _defined_flags('tff_pfl/cli/train.py')
     assert 'noisolate_network' in _defined_flags('tff_pfl/cli/train.py')
+    assert {'rounds', 'nodownload', 'distill_epochs', 'kd_mu1'} <= _settings_flags()
+    assert 'distil_epochs' not in _settings_flags()

@@ -18,18 +18,20 @@ from tff_pfl.program import algorithms, experiment, export
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Small settings for speed, each given to the algorithms that have it.
+_SMALL = dict(
+    batch_size=16, temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, finetune_epochs=2, local_epochs=1
+)
+
+
+def _small(algorithm):
+    own = algorithms.get(algorithm).settings.field_names()
+    return {k: v for k, v in _SMALL.items() if k in own}
+
+
 def _config(out, algorithm, **kwargs):
-    return experiment.ExperimentConfig(
-        output_dir=str(out),
-        algorithm=algorithm,
-        dataset='synthetic',
-        num_clients=4,
-        batch_size=16,
-        temperatures=(1.0, 5.0),
-        imitations=(0.0, 0.5),
-        distill_epochs=1,
-        finetune_epochs=2,
-        **kwargs,
+    return experiment.make_config(
+        output_dir=str(out), algorithm=algorithm, dataset='synthetic', num_clients=4, **_small(algorithm), **kwargs
     )
 
 
@@ -39,7 +41,9 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp('exports')
     done = {}
     for algorithm in ('fedavg', 'persfl', 'local', 'feddf', 'ktpfl', 'ktpfl_homo', 'kdpdfl'):
-        extra = {'public_examples': 40, 'partition': 'iid'} if algorithm in ('feddf', 'ktpfl', 'ktpfl_homo') else {}
+        extra = {'partition': 'iid'} if algorithm in ('feddf', 'ktpfl', 'ktpfl_homo') else {}
+        if algorithm in ('feddf', 'ktpfl'):
+            extra['public_examples'] = 40
         if algorithm in ('feddf', 'ktpfl'):
             extra['architectures'] = ('logistic', 'mnist_dnn')
         if algorithm == 'kdpdfl':
@@ -58,7 +62,7 @@ def _in_process(export_dir, config):
 
     spec = client_data.load_client_data_spec(root)
     model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
-    return algorithms.build(config, spec, model_fn), spec
+    return algorithms.build(config.algorithm, config.settings, spec, model_fn, config), spec
 
 
 def _flat(value):
@@ -210,7 +214,7 @@ def test_ktpfl_round_is_exported_as_two_phases(exports):
         for phase in exported.phases
     }
     assert metric_names == {
-        'share': ['train_loss', 'train_accuracy', 'num_examples', 'num_clients'],
+        'share': ['train_loss', 'train_accuracy', 'num_examples', 'num_clients', 'mean_local_steps'],
         'distill': ['distill_kl'],
     }
 
@@ -277,17 +281,19 @@ def test_export_binary_bad_input(args, message, tmp_path):
 
 @pytest.mark.parametrize('algorithm', algorithms.names())
 def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
-    extra = {'public_examples': 40} if algorithm.startswith(('ktpfl', 'feddf', 'pfeddf')) else {}
-    config = experiment.ExperimentConfig(
+    own_architectures = algorithms.get(algorithm).own_architectures
+    extra = dict(public_examples=40, architectures=('logistic', 'mnist_dnn')) if own_architectures else {}
+    if not own_architectures:
+        extra['model'] = 'mnist_dnn'
+    if algorithm == 'fedavg_ft':
+        extra['finetune_epochs'] = 1
+    config = experiment.make_config(
         output_dir=str(tmp_path / 'out'),
         algorithm=algorithm,
         dataset=f'npz:{tiny_npz}',
         partition='iid',
         num_clients=3,
-        model='mnist_dnn',
-        batch_size=16,
-        finetune_epochs=1 if algorithm == 'fedavg_ft' else 0,
-        architectures=('logistic', 'mnist_dnn') if algorithm in ('ktpfl', 'feddf', 'pfeddf') else (),
+        **{k: v for k, v in _small(algorithm).items() if k != 'finetune_epochs'},
         **extra,
     )
     manifest = export.export(config, log=lambda line: None)
@@ -308,9 +314,14 @@ def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
 
 
 def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
-    config = experiment.ExperimentConfig(
-        output_dir=str(tmp_path / 'out'), algorithm='fedper', dataset='synthetic', num_clients=3, personal_layers=1
+    config = experiment.make_config(
+        output_dir=str(tmp_path / 'out'),
+        algorithm='fedper',
+        dataset='synthetic',
+        model='logistic',
+        num_clients=3,
+        personal_layers=1,
     )
-    with pytest.raises(experiment.ConfigError, match='personal_layers must be in'):
+    with pytest.raises(experiment.ConfigError, match='personal_layers=1 leaves no shared layer'):
         export.export(config, log=lambda line: None)
     assert not (tmp_path / 'out').exists()

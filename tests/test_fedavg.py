@@ -10,10 +10,12 @@ import tensorflow_federated as tff
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import audit, local_training
 from tff_pfl.data import client_data
 
 SEED = 7
+SETTINGS = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
 
 
 def _softmax(z):
@@ -22,36 +24,48 @@ def _softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
-def numpy_fedavg_round(weights, spec, client_ids, round_num, config, server_lr):
+def numpy_fedavg_round(weights, spec, client_ids, round_num, settings):
     """One FedAvg round of multinomial logistic regression in float64 numpy.
 
     Only the example order of each epoch is taken from the project (the
-    stateless permutation); gradients, SGD steps and weighted averaging are
-    computed here independently.
+    stateless permutation); gradients, SGD steps, the stop after
+    `local_steps` steps and weighted averaging are computed here
+    independently. Returns the new weights, each client's step count and the
+    number of examples the clients' steps saw.
     """
     w, b = (np.asarray(a, np.float64) for a in weights)
-    deltas, counts = [], []
+    epochs = settings.local_steps or settings.local_epochs
+    max_steps = settings.local_steps or np.inf
+    batch, lr = settings.batch_size, settings.client_learning_rate
+    deltas, counts, steps, seen = [], [], [], 0
     for client_id in client_ids:
         x, y = client_data.read_split_numpy(spec, client_id, 'train')
         x = x.astype(np.float64)
         n = len(y)
         seed = local_training.client_seed(SEED, tf.constant(round_num), tf.constant(client_id))
-        perms = local_training.epoch_permutations(seed, config.epochs, n).numpy()
+        perms = local_training.epoch_permutations(seed, epochs, n).numpy()
         cw, cb = w.copy(), b.copy()
-        for epoch in range(config.epochs):
-            for start in range(0, n, config.batch_size):
-                idx = perms[epoch, start : start + config.batch_size]
+        taken = 0
+        for epoch in range(epochs):
+            for start in range(0, n, batch):
+                if taken == max_steps:
+                    break
+                idx = perms[epoch, start : start + batch]
                 xb, yb = x[idx], y[idx]
                 p = _softmax(xb @ cw + cb)
                 p[np.arange(len(yb)), yb] -= 1.0
-                cw -= config.learning_rate * xb.T @ p / len(yb)
-                cb -= config.learning_rate * p.sum(axis=0) / len(yb)
+                cw -= lr * xb.T @ p / len(yb)
+                cb -= lr * p.sum(axis=0) / len(yb)
+                taken += 1
+                seen += len(yb)
         deltas.append((cw - w, cb - b))
         counts.append(n)
+        steps.append(taken)
     counts = np.asarray(counts, np.float64)
     mean_dw = sum(c * d[0] for c, d in zip(counts, deltas)) / counts.sum()
     mean_db = sum(c * d[1] for c, d in zip(counts, deltas)) / counts.sum()
-    return w + server_lr * mean_dw, b + server_lr * mean_db
+    server_lr = settings.server_learning_rate
+    return (w + server_lr * mean_dw, b + server_lr * mean_db), steps, seen
 
 
 @pytest.fixture(scope='module')
@@ -61,38 +75,101 @@ def problem(tmp_path_factory):
     return spec, model_fn
 
 
-@pytest.mark.parametrize('server_lr', [1.0, 0.5])
-def test_fedavg_matches_numpy(problem, tff_runtime, server_lr):
+@pytest.mark.parametrize(
+    'settings',
+    [
+        fedavg.FedAvgSettings(local_epochs=2, batch_size=8, client_learning_rate=0.3),
+        fedavg.FedAvgSettings(local_epochs=2, batch_size=8, client_learning_rate=0.3, server_learning_rate=0.5),
+        # Steps instead of epochs: fewer than one epoch, and (batch 32) more than one.
+        fedavg.FedAvgSettings(local_steps=3, batch_size=8, client_learning_rate=0.3),
+        fedavg.FedAvgSettings(local_steps=3, batch_size=32, client_learning_rate=0.3),
+    ],
+    ids=['epochs', 'server_lr', 'steps', 'steps_over_epochs'],
+)
+def test_fedavg_matches_numpy(problem, tff_runtime, settings):
     spec, model_fn = problem
-    config = local_training.TrainingConfig(epochs=2, batch_size=8, learning_rate=0.3)
-    process = fedavg.build_fedavg_process(
-        spec,
-        model_fn,
-        local_config=config,
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=server_lr),
-        seed=SEED,
-    )
+    process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=SEED)
     state = process.initialize()
     sampled = [spec.client_ids[0], spec.client_ids[2]]  # a subset, in a given order
     client_states = [process.initial_client_state(c) for c in sampled]
     expected = [np.asarray(a) for a in state['model']]
     for round_num in range(3):
-        expected = numpy_fedavg_round(expected, spec, sampled, round_num, config, server_lr)
+        expected, steps, seen = numpy_fedavg_round(expected, spec, sampled, round_num, settings)
         output = process.next(state, client_states)
         state, client_states = output.state, output.client_states
         for got, want in zip(state['model'], expected):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert output.metrics['mean_local_steps'] == np.mean(steps)
+        assert output.metrics['num_examples'] == seen
+    if settings.local_steps:
+        assert steps == [settings.local_steps] * len(sampled)
     assert state['round_num'] == 3
     assert [s['client_id'].decode() for s in client_states] == sampled
     assert all(s['num_participations'] == 3 and s['last_round'] == 2 for s in client_states)
     assert output.metrics['num_clients'] == 2
-    assert output.metrics['num_examples'] == 2 * (37 + 23)
+    if not settings.local_steps:
+        assert seen == settings.local_epochs * (37 + 23)
+
+
+@pytest.mark.parametrize('settings_cls', [fedavg.FedAvgSettings, fedavg.FedAvgFTSettings])
+def test_local_steps_are_exact(problem, tff_runtime, settings_cls):
+    """local_steps=3: every client runs exactly 3 SGD steps (37, 50 and 23 examples, batch 8 or 64)."""
+    spec, model_fn = problem
+    for batch_size in (8, 64):
+        settings = settings_cls(local_steps=3, batch_size=batch_size, client_learning_rate=0.3)
+        process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=SEED)
+        state = process.initialize()
+        states = [process.initial_client_state(c) for c in spec.client_ids]
+        for _ in range(2):
+            state, states, metrics = process.next(state, states)
+            assert metrics['mean_local_steps'] == 3.0
+    # Epochs (local_steps=0): one epoch is ceil(n / B) steps.
+    process = fedavg.build_fedavg_process(spec, model_fn, settings_cls(batch_size=8), seed=SEED)
+    _, _, metrics = process.next(process.initialize(), [process.initial_client_state(c) for c in spec.client_ids])
+    assert metrics['mean_local_steps'] == pytest.approx(np.mean([5, 7, 3]))
+
+
+@pytest.mark.parametrize(
+    'settings, message',
+    [
+        (fedavg.FedAvgSettings(local_steps=-1), 'local_steps must be >= 0, got -1'),
+        (fedavg.FedAvgSettings(local_epochs=0), 'local_epochs must be >= 1, got 0'),
+        (fedavg.FedAvgSettings(batch_size=0), 'batch_size must be >= 1, got 0'),
+        (fedavg.FedAvgSettings(client_learning_rate=0.0), 'client_learning_rate must be > 0, got 0.0'),
+        (fedavg.FedAvgSettings(server_learning_rate=-1.0), 'server_learning_rate must be > 0, got -1.0'),
+        (fedavg.FedAvgSettings(local_epochs=1.5), 'local_epochs must be an integer, got 1.5'),
+        (
+            fedavg.FedAvgSettings(local_epochs=2, local_steps=3),
+            'give local_epochs or local_steps, not both (local_epochs=2, local_steps=3)',
+        ),
+        (fedavg.FedAvgFTSettings(finetune_epochs=0), 'finetune_epochs must be >= 1, got 0'),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(problem, settings, message):
+    with pytest.raises(settings_lib.SettingsError) as error:
+        settings.validate()
+    assert str(error.value) == message and '\n' not in message
+    spec, model_fn = problem
+    with pytest.raises(settings_lib.SettingsError) as error:
+        fedavg.build_fedavg_process(spec, model_fn, settings)
+    assert str(error.value) == message
+
+
+def test_settings_defaults_and_finetuning(problem):
+    assert fedavg.FedAvgSettings() == fedavg.FedAvgSettings().validate()
+    assert fedavg.FedAvgFTSettings().finetune_epochs == 5
+    spec, model_fn = problem
+    assert fedavg.build_fedavg_process(spec, model_fn).personalize is None
+    tuned = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgFTSettings(finetune_epochs=2))
+    assert tuned.personalize is not None
+    assert 'finetune_val_accuracy' in str(tuned.initial_client_state.type_signature.result)
+    with pytest.raises(TypeError, match='FedAvgSettings'):
+        fedavg.build_fedavg_process(spec, model_fn, settings_lib.ClientSGD())
 
 
 def test_evaluate_is_per_client_on_test_split(problem, tff_runtime):
     spec, model_fn = problem
-    config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.3)
-    process = fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=SEED)
+    process = fedavg.build_fedavg_process(spec, model_fn, SETTINGS, seed=SEED)
     state = process.initialize()
     client_states = [process.initial_client_state(c) for c in spec.client_ids]
     results = process.evaluate(state, client_states)
@@ -111,8 +188,7 @@ def test_evaluate_is_per_client_on_test_split(problem, tff_runtime):
 
 def test_only_aggregates_reach_server(problem):
     spec, model_fn = problem
-    config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.3)
-    process = fedavg.build_fedavg_process(spec, model_fn, local_config=config)
+    process = fedavg.build_fedavg_process(spec, model_fn, SETTINGS)
     signature = process.next.type_signature
     # Client states go in and come out at CLIENTS; state and metrics are at SERVER.
     assert signature.parameter[1].placement is tff.CLIENTS

@@ -1,5 +1,6 @@
 """FedDF / pFedDF: per-architecture averaging, server distillation, what crosses."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -7,11 +8,18 @@ import pytest
 import tensorflow as tf
 
 from processes import fedavg, feddf
-from tff_pfl import models
-from tff_pfl.computations import audit, distillation, local_training
+from tff_pfl import models, settings
+from tff_pfl.computations import audit, distillation
 from tff_pfl.data import pipeline
 
-CONFIG = local_training.TrainingConfig(1, 16, 0.1)
+LOCAL = dict(local_epochs=1, batch_size=16, client_learning_rate=0.1)
+
+
+def _small(cls=feddf.FedDFSettings, **overrides):
+    """FedDF / pFedDF settings for the tiny image data (40 public examples)."""
+    values = dict(LOCAL, public_examples=40, public_batch=20)
+    values.update(overrides)
+    return cls(**values)
 
 
 @pytest.fixture(scope='module')
@@ -65,11 +73,9 @@ def _packed(weights):
 
 
 def test_without_distillation_one_architecture_is_fedavg(spec, tff_runtime):
-    proc = feddf.build_feddf_process(
-        spec, ['logistic'] * 3, local_config=CONFIG, server_distill_epochs=0, public_batch=20, seed=3
-    )
+    proc = feddf.build_feddf_process(spec, _small(architectures=('logistic',), feddf_distill_epochs=0), seed=3)
     model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
-    reference = fedavg.build_fedavg_process(spec, model_fn, local_config=CONFIG, seed=3)
+    reference = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**LOCAL), seed=3)
     state, ref_state = proc.initialize(), reference.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     ref_states = [reference.initial_client_state(c) for c in spec.client_ids]
@@ -89,20 +95,20 @@ def test_without_distillation_one_architecture_is_fedavg(spec, tff_runtime):
 def heterogeneous(spec):
     return feddf.build_feddf_process(
         spec,
-        ['logistic', 'mnist_dnn', 'logistic'],
-        local_config=CONFIG,
-        server_distill_epochs=2,
-        distill_batch_size=10,
-        public_batch=20,
-        finetune_epochs=2,
+        _small(
+            feddf.PFedDFSettings,
+            architectures=('logistic', 'mnist_dnn'),
+            feddf_distill_epochs=2,
+            public_distill_batch_size=10,
+            pfeddf_finetune_epochs=2,
+        ),
     )
 
 
 def test_heterogeneous_round_distils_and_pfeddf_finetunes(spec, heterogeneous, tff_runtime):
     proc = heterogeneous
-    plain = feddf.build_feddf_process(
-        spec, ['logistic', 'mnist_dnn', 'logistic'], local_config=CONFIG, server_distill_epochs=0, public_batch=20
-    )
+    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
+    plain = feddf.build_feddf_process(spec, _small(architectures=('logistic', 'mnist_dnn'), feddf_distill_epochs=0))
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     assert [int(s['architecture']) for s in states] == [0, 1, 0]
@@ -129,18 +135,98 @@ def test_what_crosses_to_the_server(spec, heterogeneous):
     assert 'client_id' not in str(heterogeneous.next.type_signature.result.state)
 
 
+@pytest.mark.parametrize(
+    'cls, values, message',
+    [
+        (feddf.FedDFSettings, dict(feddf_distill_epochs=-1), 'feddf_distill_epochs must be >= 0'),
+        (feddf.FedDFSettings, dict(public_batch=0), 'public_batch must be >= 1'),
+        (feddf.FedDFSettings, dict(public_examples=10, public_batch=20), r'public_batch \(20\) must be <='),
+        (feddf.FedDFSettings, dict(architectures=('lenet', 'nope')), "unknown model 'nope'"),
+        (feddf.FedDFSettings, dict(local_steps=-2), 'local_steps must be >= 0'),
+        (feddf.PFedDFSettings, dict(pfeddf_finetune_epochs=0), 'pfeddf_finetune_epochs must be >= 1'),
+        (feddf.PFedDFSettings, dict(client_learning_rate=0.0), 'client_learning_rate must be > 0'),
+    ],
+)
+def test_bad_settings(cls, values, message):
+    with pytest.raises(settings.SettingsError, match=message) as raised:
+        cls(**values).validate()
+    assert '\n' not in str(raised.value)
+
+
+def test_defaults_are_ktpfls_for_all_methods():
+    df, pdf = feddf.FedDFSettings(), feddf.PFedDFSettings()
+    # KT-pFL, Appendix B.2: "for all the methods" (heterogeneous, EMNIST / Fashion-MNIST).
+    assert (df.batch_size, df.local_epochs, df.client_learning_rate) == (128, 20, 0.01)
+    assert (df.feddf_distill_epochs, df.public_distill_batch_size, df.public_distill_learning_rate) == (1, 256, 0.01)
+    assert (df.public_temperature, df.public_examples, df.public_batch, df.architectures) == (10.0, 3000, None, ())
+    assert pdf.pfeddf_finetune_epochs == 5 and not hasattr(df, 'pfeddf_finetune_epochs')
+
+
 def test_bad_arguments(spec):
-    with pytest.raises(ValueError, match='one architecture per client'):
-        feddf.build_feddf_process(spec, ['logistic'], local_config=CONFIG)
-    with pytest.raises(ValueError, match='>= 0'):
-        feddf.build_feddf_process(spec, ['logistic'] * 3, local_config=CONFIG, finetune_epochs=-1)
+    with pytest.raises(settings.SettingsError, match='pfeddf_finetune_epochs'):
+        feddf.build_feddf_process(spec, _small(feddf.PFedDFSettings, pfeddf_finetune_epochs=-1))
+    with pytest.raises(TypeError, match='FedDFSettings'):
+        feddf.build_feddf_process(spec, settings.LocalTraining())
+    with pytest.raises(ValueError, match=r'^--architectures=resnet_small cannot take') as e:
+        feddf.build_feddf_process(_vector_spec(spec), _small(architectures=('resnet_small',)))
+    assert '(36,)' in str(e.value) and '\n' not in str(e.value)
+    with pytest.raises(ValueError, match=r"^--public_batch=30 exceeds the partition's 20 public examples$"):
+        feddf.build_feddf_process(_public_size(spec, 20), _small(public_batch=30))
+
+
+def _vector_spec(spec):
+    return dataclasses.replace(spec, feature_shape=(36,))
+
+
+def _public_size(spec, size):
+    return dataclasses.replace(spec, public_size=size)
+
+
+@pytest.fixture(scope='module')
+def vector_problem(tmp_path_factory):
+    from tests.test_ktpfl import linear_problem_with_public
+
+    return linear_problem_with_public(tmp_path_factory.mktemp('feddf_steps') / 'data')
+
+
+@pytest.mark.parametrize('cls', [feddf.FedDFSettings, feddf.PFedDFSettings])
+def test_local_steps_are_exact(vector_problem, tff_runtime, cls):
+    spec = vector_problem
+    proc = feddf.build_feddf_process(
+        spec, cls(local_steps=3, batch_size=4, public_examples=20, public_batch=15, public_distill_batch_size=10)
+    )
+    # No --architectures on 4-dim vectors: the vector models, in turn.
+    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
+    assert proc.communication['logit_bytes_up_per_client'] == 15 * 3 * 4
+    state = proc.initialize()
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(2):
+        state, states, metrics = proc.next(state, states)
+        # Clients of 37, 50 and 23 examples: an epoch would be 10, 13 and 6 steps of 4.
+        assert metrics['mean_local_steps'] == 3.0
+        assert metrics['num_examples'] == 3 * 3 * 4
+    reported = set(proc.evaluate(state, states)[0])
+    assert reported == ({'global_model', 'personalized_model'} if cls is feddf.PFedDFSettings else {'global_model'})
 
 
 @pytest.mark.parametrize('algorithm', ['pfeddf', 'ktpfl_homo'])
 def test_experiment_runs(tiny_npz, tmp_path, algorithm):
+    from processes import ktpfl
     from tff_pfl.program import experiment
 
     out = tmp_path / 'run'
+    if algorithm == 'pfeddf':
+        algorithm_settings = feddf.PFedDFSettings(
+            architectures=('logistic', 'mnist_dnn'),
+            public_examples=40,
+            public_batch=20,
+            feddf_distill_epochs=1,
+            public_distill_batch_size=10,
+            pfeddf_finetune_epochs=1,
+            **LOCAL,
+        )
+    else:
+        algorithm_settings = ktpfl.KTpFLHomoSettings(kt_transfer_steps=1, **LOCAL)
     config = experiment.ExperimentConfig(
         output_dir=str(out),
         algorithm=algorithm,
@@ -149,14 +235,7 @@ def test_experiment_runs(tiny_npz, tmp_path, algorithm):
         num_clients=4,
         examples_per_class=20,
         rounds=2,
-        batch_size=16,
-        client_learning_rate=0.1,
-        architectures=('logistic', 'mnist_dnn'),
-        public_examples=40,
-        public_batch=20,
-        distill_epochs=1,
-        distill_batch_size=10,
-        finetune_epochs=1,
+        settings=algorithm_settings,
     )
     result = experiment.run_experiment(config, log=lambda line: None)
     assert (out / 'communication.csv').exists()

@@ -1,6 +1,7 @@
-"""KD-PDFL: the star's exchange against numpy, neighbour draws, the driver."""
+"""KD-PDFL: the star's exchange against numpy, neighbour draws, the driver, the settings of each mode."""
 
 import collections
+import dataclasses
 import functools
 
 import numpy as np
@@ -10,8 +11,12 @@ import tensorflow as tf
 from processes import kdpdfl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit, local_training
+from tff_pfl import settings as settings_lib
+from tff_pfl.computations import audit, template
 from tff_pfl.data import client_data
+
+# One slot of local work in these tests: one epoch of batch 8 at learning rate 0.3.
+SLOT = dict(local_epochs=1, batch_size=8, client_learning_rate=0.3)
 
 
 def test_draw_neighbours_mean_and_cap():
@@ -84,21 +89,19 @@ def _softmax(z):
     return e / e.sum(-1, keepdims=True)
 
 
+def _settings(mode, **changes):
+    """The settings of `mode` with the test's slot of local work and `changes`."""
+    return kdpdfl.MODE_SETTINGS[mode](**{**SLOT, **changes})
+
+
 @pytest.mark.parametrize('mode', ['kdpdfl', 'fedavg'])
 def test_exchange_against_numpy(problem, tff_runtime, mode):
     spec, model_fn = problem
-    config = local_training.TrainingConfig(1, 8, 0.3)
-    proc = kdpdfl.build_kdpdfl_process(
-        spec,
-        model_fn,
-        local_config=config,
-        max_neighbours=3,
-        mu1=2.0,
-        mu2=0.5,
-        c_base=100.0,
-        distance_batch=1000,
-        mode=mode,
-    )
+    if mode == 'kdpdfl':
+        settings = _settings(mode, kd_max_neighbours=3, kd_mu1=2.0, kd_mu2=0.5, kd_c_base=100.0, kd_distance_batch=1000)
+    else:
+        settings = _settings(mode, kd_max_neighbours=3)
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
     ids = spec.client_ids
     states = [proc.initial_client_state(c) for c in ids]
     # Make the clients differ: one interval of local work (4 slots each).
@@ -113,21 +116,24 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
     x, _ = client_data.read_split_numpy(spec, ids[star], 'train')  # distance_batch covers all of it
     own = [np.asarray(w, np.float64) for w in states[star]['model']]
     theirs = [[np.asarray(w, np.float64) for w in states[j]['model']] for j in neighbours]
-    p_own = _softmax(_numpy_logits(own, x))
-    d = np.array([((_softmax(_numpy_logits(t, x)) - p_own) ** 2).sum(-1).mean() for t in theirs])
-    np.testing.assert_allclose(output.metrics['mean_distance'], d.mean(), rtol=1e-4)
     row = np.asarray(states[star]['connectivity'], np.float64)
-    c = min(23 / 100.0, 1 / 3)
     if mode == 'kdpdfl':
+        p_own = _softmax(_numpy_logits(own, x))
+        d = np.array([((_softmax(_numpy_logits(t, x)) - p_own) ** 2).sum(-1).mean() for t in theirs])
+        np.testing.assert_allclose(output.metrics['mean_distance'], d.mean(), rtol=1e-4)
+        c = min(23 / 100.0, 1 / 3)
         row = _numpy_connectivity(row, neighbours, [1, 1], d, 2.0, 0.5)
         w = row[neighbours] / row[neighbours].sum()
         want = [c * o + (1 - c) * (w[0] * t0 + w[1] * t1) for o, t0, t1 in zip(own, *theirs)]
-    else:
+    else:  # no distances, no W: the plain mean, the star's own share 1 / (|N| + 1)
+        assert 'mean_distance' not in output.metrics
+        c = 1 / 3
         want = [(o + t0 + t1) / 3 for o, t0, t1 in zip(own, *theirs)]
     np.testing.assert_allclose(new_star['connectivity'], row, atol=1e-5)
     for got, expected in zip(new_star['model'], want):
         np.testing.assert_allclose(got, expected, atol=1e-5)
     assert float(new_star['confidence']) == pytest.approx(c)
+    assert float(output.metrics['confidence']) == pytest.approx(c)
     for s in output.client_states:  # the neighbours adopt the star's new model
         for got, expected in zip(s['model'], want):
             np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -135,9 +141,7 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
 
 def test_only_models_of_invited_neighbours_reach_the_star(problem):
     spec, model_fn = problem
-    proc = kdpdfl.build_kdpdfl_process(
-        spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.3), max_neighbours=3
-    )
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, _settings('kdpdfl', kd_max_neighbours=3))
     moved = audit.clients_to_server_values(proc.next)
     assert {uri for uri, _ in moved} == {'federated_sum'}
     shapes = {str(t.member) for _, t in moved}
@@ -146,22 +150,30 @@ def test_only_models_of_invited_neighbours_reach_the_star(problem):
     assert 'float32[3]' in ' '.join(shapes)
 
 
+def _process(spec, model_fn, mode, **changes):
+    """A process of `mode` with the test's slot of local work."""
+    return kdpdfl.build_kdpdfl_process(spec, model_fn, _settings(mode, **changes), mode=mode)
+
+
 def test_driver_runs_every_mode(problem, tff_runtime):
     from tff_pfl.program import decentralized
 
     spec, model_fn = problem
     results = {}
     for mode in ('kdpdfl', 'fedavg', 'local'):
-        proc = kdpdfl.build_kdpdfl_process(
-            spec,
-            model_fn,
-            local_config=local_training.TrainingConfig(1, 8, 0.3),
-            max_neighbours=2,
-            mode=mode,
-            distance_batch=16,
-        )
+        if mode == 'local':
+            settings = _settings(mode, exchange_interval=3)
+        else:
+            settings = _settings(mode, kd_max_neighbours=2, kd_mean_neighbours=2.0, exchange_interval=3)
+        if mode == 'kdpdfl':
+            settings = dataclasses.replace(settings, kd_distance_batch=16)
+        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
+        assert isinstance(proc, template.ServerlessProcess) and proc.mode == mode
+        assert proc.max_neighbours == (1 if mode == 'local' else 2)
+        # Declared outputs only: nothing is assigned to the process after construction.
+        assert [k for k in vars(proc) if not k.startswith('_')] == []
         results[mode] = decentralized.run(
-            proc, spec.client_ids, intervals=3, exchange_interval=3, seed=0, mean_reachable=2.0, log=lambda line: None
+            proc, spec.client_ids, intervals=3, seed=0, log=lambda line: None, **settings.loop_arguments()
         )
     for result in results.values():
         assert len(result.rounds) == 3 and 0 <= result.summary['personalized_model']['mean'] <= 1
@@ -169,6 +181,49 @@ def test_driver_runs_every_mode(problem, tff_runtime):
     assert any('exchange_num_neighbours' in r for r in results['kdpdfl'].rounds)
     # Same seed, same draws: the stars of KD-PDFL and FedAvg coincide.
     assert [r.get('star') for r in results['kdpdfl'].rounds] == [r.get('star') for r in results['fedavg'].rounds]
+    with pytest.raises(ValueError, match='mean_reachable'):
+        decentralized.run(_process(spec, model_fn, 'fedavg'), spec.client_ids, intervals=1, exchange_interval=3, seed=0)
+
+
+@pytest.mark.parametrize('mode', kdpdfl.MODES)
+def test_a_slot_of_local_work_is_exactly_local_steps_sgd_steps(problem, tff_runtime, mode):
+    """local_steps = L: every client that trains takes L SGD steps per slot, whatever its data size."""
+    spec, model_fn = problem
+    # Batch 32: the 23-example client has one batch per epoch, the 50-example one two.
+    proc = _process(spec, model_fn, mode, local_steps=3, batch_size=32)
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    trained, metrics = proc.local_work(states, [4, 0, 2, 3], np.int32(0))
+    assert float(metrics['mean_local_steps']) == 3.0  # per slot
+    assert float(metrics['mean_local_slots']) == 3.0  # (4 + 2 + 3) / 3: the client without slots does not count
+    assert int(metrics['num_clients']) == 3
+    for before, after in zip(states[1]['model'], trained[1]['model']):
+        np.testing.assert_array_equal(before, after)  # no slot, no training
+    for before, after in zip(states[2]['model'], trained[2]['model']):
+        assert not np.allclose(before, after)
+
+
+def test_the_driver_reports_local_steps_per_slot(problem, tff_runtime):
+    from tff_pfl.program import decentralized
+
+    spec, model_fn = problem
+    settings = _settings('kdpdfl', local_steps=3, kd_max_neighbours=2, kd_mean_neighbours=2.0, exchange_interval=4)
+    result = decentralized.run(
+        kdpdfl.build_kdpdfl_process(spec, model_fn, settings),
+        spec.client_ids,
+        intervals=3,
+        exchange_interval=settings.exchange_interval,
+        seed=1,
+        mean_reachable=settings.kd_mean_neighbours,
+        log=lambda line: None,
+    )
+    assert any(row.get('num_neighbours') for row in result.rounds)
+    for row in result.rounds:
+        assert row['mean_local_steps'] == 3.0
+        # The star and its neighbours (if it reached any) train 2 slots fewer: gather and broadcast.
+        neighbours = row.get('num_neighbours', 0)
+        exchanging = 1 + neighbours if neighbours else 0
+        want_slots = (4 * len(spec.client_ids) - 2 * exchanging) / len(spec.client_ids)
+        assert row['mean_local_slots'] == pytest.approx(want_slots)
 
 
 def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
@@ -184,11 +239,9 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
         kd_split_sizes=(5, 15, 5, 10),
         model='mnist_dnn',
         rounds=3,
-        exchange_interval=3,
-        kd_mean_neighbours=2.0,
-        kd_max_neighbours=2,
-        batch_size=8,
-        client_learning_rate=0.1,
+        settings=kdpdfl.KDPDFLSettings(
+            exchange_interval=3, kd_mean_neighbours=2.0, kd_max_neighbours=2, batch_size=8, client_learning_rate=0.1
+        ),
     )
     result = experiment.run_experiment(config, log=lambda line: None)
     graph = np.loadtxt(out / 'collaboration_graph.csv', delimiter=',', skiprows=1, usecols=range(1, 5))
@@ -196,19 +249,22 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
     assert (out / 'collaboration_graph.png').stat().st_size > 0
     assert [r['slot'] for r in result.rounds] == [3, 6, 9]
     with pytest.raises(experiment.ConfigError, match='exchange_interval'):
-        experiment.ExperimentConfig(output_dir='x', algorithm='kdpdfl', exchange_interval=1).validate()
+        experiment.ExperimentConfig(
+            output_dir='x', algorithm='kdpdfl', settings=kdpdfl.KDPDFLSettings(exchange_interval=1)
+        ).validate()
 
 
 def test_without_mu_kdpdfl_is_decentralized_fedavg(problem, tff_runtime):
     """mu_1 = mu_2 = 0 keeps W at 1/M; with confidence at its cap 1/(|N| + 1) the star's mix is the plain mean."""
     spec, model_fn = problem
-    config = local_training.TrainingConfig(1, 8, 0.3)
     states = None
     outputs = {}
     for mode in ('kdpdfl', 'fedavg'):
-        proc = kdpdfl.build_kdpdfl_process(
-            spec, model_fn, local_config=config, max_neighbours=3, mu1=0.0, mu2=0.0, c_base=1.0, mode=mode
-        )
+        if mode == 'kdpdfl':
+            settings = _settings(mode, kd_max_neighbours=3, kd_mu1=0.0, kd_mu2=0.0, kd_c_base=1.0)
+        else:
+            settings = _settings(mode, kd_max_neighbours=3)
+        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
         if states is None:
             states = [proc.initial_client_state(c) for c in spec.client_ids]
             states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
@@ -225,14 +281,10 @@ def test_distances_at_a_hidden_layer(problem, tff_runtime):
     """The MidGetter at a shared hidden layer compares raw activations."""
     spec, _ = problem
     model_fn = functools.partial(models.get('mnist_dnn'), spec.feature_shape, spec.num_classes)
-    proc = kdpdfl.build_kdpdfl_process(
-        spec,
-        model_fn,
-        local_config=local_training.TrainingConfig(1, 8, 0.1),
-        max_neighbours=2,
-        distance_layer=2,
-        distance_batch=1000,
+    settings = _settings(
+        'kdpdfl', client_learning_rate=0.1, kd_max_neighbours=2, kd_distance_layer=2, kd_distance_batch=1000
     )
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
     server_state = collections.OrderedDict(
@@ -247,7 +299,68 @@ def test_distances_at_a_hidden_layer(problem, tff_runtime):
 
     want = ((hidden(states[3]) - hidden(states[0])) ** 2).sum(-1).mean()
     np.testing.assert_allclose(output.metrics['mean_distance'], want, rtol=1e-4)
-    with pytest.raises(ValueError, match='distance_layer'):
-        kdpdfl.build_kdpdfl_process(
-            spec, model_fn, local_config=local_training.TrainingConfig(1, 8, 0.1), distance_layer=9
-        )
+    with pytest.raises(ValueError, match=r'^--kd_distance_layer=9 is not a layer of the model: it has 3 layers'):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, dataclasses.replace(settings, kd_distance_layer=9))
+
+
+def test_the_loop_takes_from_each_mode_only_what_it_has():
+    assert kdpdfl.ServerlessLocalSettings(exchange_interval=4).loop_arguments() == dict(
+        exchange_interval=4, mean_reachable=None, finetune_from=None
+    )
+    assert kdpdfl.KDPDFLSettings(kd_mean_neighbours=3.0).loop_arguments() == dict(
+        exchange_interval=5, mean_reachable=3.0, finetune_from=None
+    )
+    assert kdpdfl.ServerlessFedAvgSettings().loop_arguments()['finetune_from'] is None
+    assert kdpdfl.ServerlessFedAvgPlusSettings(finetune_from_slot=40).loop_arguments() == dict(
+        exchange_interval=5, mean_reachable=5.0, finetune_from=40
+    )
+
+
+def test_each_mode_has_exactly_the_settings_it_uses():
+    names = {mode: set(cls.field_names()) for mode, cls in kdpdfl.MODE_SETTINGS.items()}
+    plus = set(kdpdfl.ServerlessFedAvgPlusSettings.field_names())
+    weight_update = {'kd_mu1', 'kd_mu2', 'kd_c_base', 'kd_distance_batch', 'kd_distance_layer'}
+    exchange = {'kd_mean_neighbours', 'kd_max_neighbours', 'kd_broadcast'}
+    local_work = {'batch_size', 'client_learning_rate', 'local_epochs', 'local_steps', 'exchange_interval'}
+    assert names['local'] == local_work
+    assert names['fedavg'] == local_work | exchange
+    assert plus == local_work | exchange | {'finetune_from_slot'}
+    assert names['kdpdfl'] == local_work | exchange | weight_update
+    for cls in (*kdpdfl.MODE_SETTINGS.values(), kdpdfl.ServerlessFedAvgPlusSettings):
+        assert issubclass(cls, kdpdfl.ServerlessSettings)
+        assert cls().validate() == cls()
+
+
+@pytest.mark.parametrize(
+    'cls,changes,message',
+    [
+        (kdpdfl.ServerlessLocalSettings, dict(exchange_interval=1), 'exchange_interval must be >= 2'),
+        (kdpdfl.ServerlessLocalSettings, dict(local_steps=-1), 'local_steps must be >= 0'),
+        (kdpdfl.ServerlessLocalSettings, dict(local_steps=2.5), 'local_steps must be an integer'),
+        (kdpdfl.ServerlessFedAvgSettings, dict(kd_mean_neighbours=0.0), 'kd_mean_neighbours must be > 0'),
+        (kdpdfl.ServerlessFedAvgSettings, dict(kd_max_neighbours=0), 'kd_max_neighbours must be >= 1'),
+        (kdpdfl.ServerlessFedAvgSettings, dict(kd_broadcast='shout'), 'kd_broadcast must be one of adopt, keep'),
+        (kdpdfl.ServerlessFedAvgPlusSettings, dict(finetune_from_slot=-5), 'finetune_from_slot must be >= 0'),
+        (kdpdfl.KDPDFLSettings, dict(kd_mu1=-1.0), 'kd_mu1 must be >= 0'),
+        (kdpdfl.KDPDFLSettings, dict(kd_mu2=-0.5), 'kd_mu2 must be >= 0'),
+        (kdpdfl.KDPDFLSettings, dict(kd_c_base=0.0), 'kd_c_base must be > 0'),
+        (kdpdfl.KDPDFLSettings, dict(kd_distance_batch=0), 'kd_distance_batch must be >= 1'),
+        (kdpdfl.KDPDFLSettings, dict(kd_distance_layer=0), 'kd_distance_layer must be -1'),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(cls, changes, message):
+    with pytest.raises(settings_lib.SettingsError, match=message) as caught:
+        cls(**changes).validate()
+    assert '\n' not in str(caught.value)
+
+
+def test_the_builder_refuses_a_mode_without_its_settings(problem):
+    spec, model_fn = problem
+    with pytest.raises(ValueError, match=r"^mode='fedavg' takes ServerlessFedAvgSettings, got KDPDFLSettings$"):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.KDPDFLSettings(), mode='fedavg')
+    with pytest.raises(ValueError, match=r"^mode='local' takes ServerlessLocalSettings"):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.ServerlessFedAvgSettings(), mode='local')
+    with pytest.raises(ValueError, match='mode must be one of'):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, mode='gossip')
+    with pytest.raises(settings_lib.SettingsError, match='kd_c_base must be > 0'):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.KDPDFLSettings(kd_c_base=-1.0))

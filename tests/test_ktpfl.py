@@ -6,9 +6,40 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import ktpfl
-from tff_pfl import models
-from tff_pfl.computations import audit, local_training
-from tff_pfl.data import pipeline
+from tff_pfl import models, settings
+from tff_pfl.computations import audit
+from tff_pfl.data import client_data, pipeline
+
+
+def linear_problem_with_public(root, sizes=(37, 50, 23), public_examples=20, dim=4, num_classes=3, seed=0):
+    """`make_linear_problem` (tests/conftest.py) with `public_examples` unlabeled public examples more."""
+    rng = np.random.default_rng(seed)
+    total = sum(3 * n for n in sizes) + public_examples
+    x = rng.normal(size=(total, dim)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(dim, num_classes)), axis=1).astype(np.int32)
+    splits, start = [], 0
+    for n in sizes:
+        idx = np.arange(start, start + 3 * n)
+        splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
+        start += 3 * n
+    public = np.arange(start, total)
+    return client_data.write_client_data(str(root), x, y, num_classes, splits, public_indices=public)
+
+
+def _small(**overrides):
+    """KT-pFL settings for the tiny image data (40 public examples), the old API defaults for c."""
+    values = dict(
+        local_epochs=1,
+        batch_size=16,
+        client_learning_rate=0.1,
+        public_examples=40,
+        public_batch=30,
+        public_distill_batch_size=10,
+        kt_coefficient_learning_rate=0.1,
+        kt_rho=0.7,
+    )
+    values.update(overrides)
+    return ktpfl.KTpFLSettings(**values)
 
 
 def _numpy_mix(c, s):
@@ -108,13 +139,7 @@ def test_baseline_modes_run(tiny_npz, tmp_path, tff_runtime, c_update):
         public_examples=40,
     )
     proc = ktpfl.build_ktpfl_process(
-        prepared.spec,
-        ['logistic'] * 3,
-        local_config=local_training.TrainingConfig(1, 16, 0.1),
-        public_batch=30,
-        distill_batch_size=10,
-        c_update=c_update,
-        top_k=2,
+        prepared.spec, _small(architectures=('logistic',), kt_c_update=c_update, kt_top_k=2)
     )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in prepared.spec.client_ids]
@@ -139,13 +164,7 @@ def process(tiny_npz, tmp_path_factory):
         seed=0,
         public_examples=40,
     )
-    proc = ktpfl.build_ktpfl_process(
-        prepared.spec,
-        ['logistic', 'mnist_dnn', 'logistic'],
-        local_config=local_training.TrainingConfig(1, 16, 0.1),
-        public_batch=30,
-        distill_batch_size=10,
-    )
+    proc = ktpfl.build_ktpfl_process(prepared.spec, _small(architectures=('logistic', 'mnist_dnn')))
     return prepared.spec, proc
 
 
@@ -163,6 +182,7 @@ def test_only_soft_predictions_reach_the_server(process):
         ):
             assert int(np.prod(tensor.shape)) <= largest, type_spec  # no weights (mnist_dnn has 3.6k+)
     assert proc.communication['soft_prediction_bytes_up_per_client'] == 30 * 4 * 4
+    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')  # assigned in turn, declared
 
 
 def test_rounds_train_distil_and_learn_c(process, tff_runtime):
@@ -186,14 +206,100 @@ def test_rounds_train_distil_and_learn_c(process, tff_runtime):
     assert all(0.0 <= r['personalized_model']['accuracy'] <= 1.0 for r in results)
 
 
+@pytest.mark.parametrize(
+    'values, message',
+    [
+        (dict(kt_c_update='mine'), 'kt_c_update must be one of'),
+        (dict(kt_top_k=0), 'kt_top_k must be >= 1'),
+        (dict(kt_distill_epochs=-1), 'kt_distill_epochs must be >= 0'),
+        (dict(kt_coefficient_learning_rate=-0.1), 'kt_coefficient_learning_rate must be >= 0'),
+        (dict(kt_rho=-1.0), 'kt_rho must be >= 0'),
+        (dict(kt_imitation=0.0), 'kt_imitation must be > 0'),
+        (dict(public_examples=0, public_batch=1), 'public_examples must be >= 1'),
+        (dict(public_batch=4000), r'public_batch \(4000\) must be <= public_examples \(3000\)'),
+        (dict(public_temperature=0.0), 'public_temperature must be > 0'),
+        (dict(public_distill_batch_size=0), 'public_distill_batch_size must be >= 1'),
+        (dict(public_distill_learning_rate=0.0), 'public_distill_learning_rate must be > 0'),
+        (dict(architectures=('resnet999',)), "architectures: unknown model 'resnet999'"),
+        (dict(local_steps=-1), 'local_steps must be >= 0'),
+        (dict(batch_size=0), 'batch_size must be >= 1'),
+        (dict(kt_top_k=2.5), 'kt_top_k must be an integer'),
+    ],
+)
+def test_bad_settings(values, message):
+    with pytest.raises(settings.SettingsError, match=message) as raised:
+        ktpfl.KTpFLSettings(**values).validate()
+    assert '\n' not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    'values, message',
+    [
+        (dict(kt_transfer_steps=-1), 'kt_transfer_steps must be >= 0'),
+        (dict(kt_transfer_learning_rate=-1.0), 'kt_transfer_learning_rate must be >= 0'),
+        (dict(kt_coefficient_learning_rate=-1.0), 'kt_coefficient_learning_rate must be >= 0'),
+        (dict(kt_imitation=-1.0), 'kt_imitation must be > 0'),
+        (dict(local_epochs=0), 'local_epochs must be >= 1'),
+    ],
+)
+def test_bad_homogeneous_settings(values, message):
+    with pytest.raises(settings.SettingsError, match=message) as raised:
+        ktpfl.KTpFLHomoSettings(**values).validate()
+    assert '\n' not in str(raised.value)
+
+
+def test_paper_defaults():
+    kt = ktpfl.KTpFLSettings()
+    # Appendix B.2, heterogeneous, EMNIST / Fashion-MNIST; footnote 4.
+    assert (kt.batch_size, kt.local_epochs, kt.kt_distill_epochs, kt.public_distill_batch_size) == (128, 20, 1, 256)
+    assert (kt.client_learning_rate, kt.public_distill_learning_rate, kt.kt_coefficient_learning_rate) == (0.01,) * 3
+    assert (kt.kt_rho, kt.public_temperature, kt.kt_imitation, kt.kt_top_k) == (0.6, 10.0, 1.0, 5)
+    assert (kt.public_examples, kt.public_batch, kt.architectures) == (3000, None, ())  # P: all 3000 each round
+    homo = ktpfl.KTpFLHomoSettings()
+    assert (homo.batch_size, homo.local_epochs, homo.kt_transfer_steps) == (32, 20, 1)
+    assert (homo.client_learning_rate, homo.kt_transfer_learning_rate) == (0.01, 0.01)
+    assert homo.kt_coefficient_learning_rate == 0.005
+
+
 def test_bad_arguments(process):
     spec, _ = process
-    with pytest.raises(ValueError, match='one architecture per client'):
-        ktpfl.build_ktpfl_process(spec, ['logistic'], local_config=local_training.TrainingConfig(1, 16, 0.1))
-    with pytest.raises(ValueError, match='c_update'):
-        ktpfl.build_ktpfl_process(
-            spec, ['logistic'] * 3, local_config=local_training.TrainingConfig(1, 16, 0.1), c_update='mine'
-        )
+    with pytest.raises(settings.SettingsError, match='kt_c_update'):
+        ktpfl.build_ktpfl_process(spec, _small(kt_c_update='mine'))
+    with pytest.raises(TypeError, match='KTpFLSettings'):
+        ktpfl.build_ktpfl_process(spec, ktpfl.KTpFLHomoSettings())
+    # The tiny images are 6x6x1: LeNet's two conv + pool stages need 16x16.
+    with pytest.raises(ValueError, match=r'^--architectures=lenet cannot take features of shape \(6, 6, 1\)') as e:
+        ktpfl.build_ktpfl_process(spec, _small(architectures=('logistic', 'lenet')))
+    assert '\n' not in str(e.value)
+    with pytest.raises(ValueError, match=r"^--public_batch=50 exceeds the partition's 40 public examples$"):
+        ktpfl.build_ktpfl_process(spec, _small(public_examples=50, public_batch=50))
+
+
+@pytest.fixture(scope='module')
+def vector_problem(tmp_path_factory):
+    return linear_problem_with_public(tmp_path_factory.mktemp('kt_steps') / 'data')
+
+
+@pytest.mark.parametrize('c_update', ['paper', 'fedmd'])
+def test_local_steps_are_exact(vector_problem, tff_runtime, c_update):
+    spec = vector_problem
+    proc = ktpfl.build_ktpfl_process(
+        spec,
+        ktpfl.KTpFLSettings(
+            local_steps=3, batch_size=4, public_examples=20, public_distill_batch_size=10, kt_c_update=c_update
+        ),
+    )
+    # No --architectures on 4-dim vectors: the vector models, in turn.
+    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
+    # No --public_batch: every public example, every round (20 examples x 3 classes x 4 bytes).
+    assert proc.communication['soft_prediction_bytes_up_per_client'] == 20 * 3 * 4
+    state = proc.initialize()
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(2):
+        state, states, metrics = proc.next(state, states)
+        # Clients of 37, 50 and 23 examples: an epoch would be 10, 13 and 6 steps of 4.
+        assert metrics['mean_local_steps'] == 3.0
+        assert metrics['num_examples'] == 3 * 3 * 4
 
 
 def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
@@ -207,20 +313,25 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
         partition='iid',
         num_clients=3,
         rounds=2,
-        batch_size=16,
-        client_learning_rate=0.1,
-        architectures=('logistic', 'mnist_dnn'),
-        public_examples=40,
-        public_batch=20,
-        distill_epochs=1,
-        distill_batch_size=10,
+        settings=ktpfl.KTpFLSettings(
+            local_epochs=1,
+            batch_size=16,
+            client_learning_rate=0.1,
+            architectures=('logistic', 'mnist_dnn'),
+            public_examples=40,
+            public_batch=20,
+            public_distill_batch_size=10,
+        ),
     )
     result = experiment.run_experiment(config, log=lambda line: None)
     assert (out / 'knowledge_coefficients.png').stat().st_size > 0
     assert len((out / 'knowledge_coefficients.csv').read_text().splitlines()) == 4
     assert [row['architecture_id'] for row in result.clients] == [0, 1, 0]
     with pytest.raises(experiment.ConfigError, match='public_examples'):
-        experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()
+        experiment.ExperimentConfig(
+            output_dir='x', algorithm='ktpfl', settings=ktpfl.KTpFLSettings(public_examples=0)
+        ).validate()
+    experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()  # the defaults need no flag
 
 
 def _numpy_homogeneous_objective(c, params, sizes, rho, lam):
@@ -264,17 +375,16 @@ def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, t
     from processes import fedavg
 
     spec, model_fn = equal_clients
-    config = local_training.TrainingConfig(2, 8, 0.3)
+    local = dict(local_epochs=2, batch_size=8, client_learning_rate=0.3)
     proc = ktpfl.build_ktpfl_homogeneous_process(
         spec,
         model_fn,
-        local_config=config,
-        transfer_steps=1,
-        transfer_learning_rate=1.0,
-        coefficient_learning_rate=0.0,
+        ktpfl.KTpFLHomoSettings(
+            kt_transfer_steps=1, kt_transfer_learning_rate=1.0, kt_coefficient_learning_rate=0.0, **local
+        ),
         seed=5,
     )
-    reference = fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=5)
+    reference = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**local), seed=5)
     state, ref_state = proc.initialize(), reference.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     ref_states = [reference.initial_client_state(c) for c in spec.client_ids]
@@ -293,11 +403,15 @@ def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     proc = ktpfl.build_ktpfl_homogeneous_process(
         spec,
         model_fn,
-        local_config=local_training.TrainingConfig(1, 8, 0.3),
-        transfer_steps=1,
-        transfer_learning_rate=0.5,
-        coefficient_learning_rate=0.05,
-        rho=0.6,
+        ktpfl.KTpFLHomoSettings(
+            local_epochs=1,
+            batch_size=8,
+            client_learning_rate=0.3,
+            kt_transfer_steps=1,
+            kt_transfer_learning_rate=0.5,
+            kt_coefficient_learning_rate=0.05,
+            kt_rho=0.6,
+        ),
     )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
@@ -314,3 +428,20 @@ def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     assert all(0 <= r['personalized_model']['accuracy'] <= 1 for r in proc.evaluate(state, states))
     moved = audit.clients_to_server_values(proc.next)
     assert any('float32[3,' in str(t) for _, t in moved)  # Appendix C exchanges parameters, by design
+
+
+def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):
+    from tests.conftest import make_linear_problem
+
+    spec = make_linear_problem(tmp_path / 'data')  # clients of 37, 50 and 23 examples
+    model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
+    proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(local_steps=3, batch_size=4))
+    assert proc.architectures == () and proc.communication['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
+    state = proc.initialize()
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(2):
+        state, states, metrics = proc.next(state, states)
+        assert metrics['mean_local_steps'] == 3.0
+        assert metrics['num_examples'] == 3 * 3 * 4
+    with pytest.raises(TypeError, match='KTpFLHomoSettings'):
+        ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLSettings())

@@ -97,3 +97,31 @@ def test_heterogeneous_architectures(name):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(model(tf.random.normal([2, 28, 28, 1])) ** 2)
     assert all(g is not None for g in tape.gradient(loss, model.trainable_weights))
+
+
+@pytest.mark.parametrize(
+    'shape, want',
+    [
+        ((28, 28, 1), models.PAPER_IMAGE_ARCHITECTURES),
+        ((32, 32, 3), models.PAPER_IMAGE_ARCHITECTURES),
+        ((16, 16, 1), models.PAPER_IMAGE_ARCHITECTURES),
+        ((15, 15, 1), models.VECTOR_ARCHITECTURES),  # too small for LeNet's two conv + pool stages
+        ((6, 6, 1), models.VECTOR_ARCHITECTURES),
+        ((784,), models.VECTOR_ARCHITECTURES),
+        ((60,), models.VECTOR_ARCHITECTURES),
+        ((4,), models.VECTOR_ARCHITECTURES),
+    ],
+)
+def test_default_architectures_build_on_the_shapes_they_are_chosen_for(shape, want):
+    assert models.PAPER_IMAGE_ARCHITECTURES == ('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small')
+    assert models.VECTOR_ARCHITECTURES == ('logistic', 'mnist_dnn')
+    chosen = models.default_architectures(shape)
+    assert chosen == want
+    for name in chosen:
+        model = models.get(name)(shape, 10)
+        assert model(tf.zeros([2, *shape])).shape == (2, 10)
+
+
+def test_lenet_needs_16x16():
+    with pytest.raises(ValueError), tf.Graph().as_default():
+        models.get('lenet')((15, 15, 1), 10)

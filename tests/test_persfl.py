@@ -1,5 +1,6 @@
 """PersFL: teacher selection against numpy, personalization, what stays at CLIENTS."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -9,11 +10,21 @@ import tensorflow_federated as tff
 from processes import persfl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit, local_training
+from tff_pfl import settings as settings_lib
+from tff_pfl.computations import audit, distillation
 from tff_pfl.data import client_data
 from tff_pfl.program import training_loop
 
-GRID = dict(temperatures=[1.0, 5.0], imitations=[0.0, 0.5, 1.0])
+SETTINGS = persfl.PersFLSettings(
+    local_epochs=1,
+    batch_size=8,
+    client_learning_rate=0.5,
+    distill_epochs=2,
+    distill_batch_size=8,
+    distill_learning_rate=0.1,
+    temperatures=(1.0, 5.0),
+    imitations=(0.0, 0.5, 1.0),
+)
 
 
 def _val_loss(weights, spec, client_id):
@@ -31,16 +42,10 @@ def problem(tmp_path_factory):
     return spec, model_fn
 
 
-def _build(problem, **kwargs):
+def _build(problem, soft_loss='kl', **changes):
     spec, model_fn = problem
     return persfl.build_persfl_process(
-        spec,
-        model_fn,
-        local_config=local_training.TrainingConfig(1, 8, 0.5),
-        distill_config=local_training.TrainingConfig(2, 8, 0.1),
-        seed=3,
-        **GRID,
-        **kwargs,
+        spec, model_fn, dataclasses.replace(SETTINGS, **changes), soft_loss=soft_loss, seed=3
     )
 
 
@@ -122,11 +127,58 @@ def test_teachers_and_personalized_models_stay_at_clients(problem):
     assert audit.clients_to_server_intrinsics(process.personalize) == set()
 
 
+@pytest.mark.parametrize('soft_loss', ['kl', 'ce'])
+def test_local_steps_are_exact_and_the_grid_is_declared(problem, tff_runtime, soft_loss):
+    """Stage 1 with local_steps=3: every sampled client runs exactly 3 SGD steps."""
+    spec, _ = problem
+    process = _build(problem, soft_loss=soft_loss, local_steps=3, batch_size=16)
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(2):
+        state, states, metrics = process.next(state, states)
+        assert metrics['mean_local_steps'] == 3.0
+    # The grid is a declared output of the constructor, not an attribute set afterwards.
+    assert 'grid_candidates' not in vars(process)
+    assert process.grid_candidates == tuple(distillation.grid_candidates(SETTINGS.temperatures, SETTINGS.imitations))
+
+
+@pytest.mark.parametrize(
+    'changes, message',
+    [
+        (dict(local_steps=-2), 'local_steps must be >= 0, got -2'),
+        (dict(distill_epochs=0), 'distill_epochs must be >= 1, got 0'),
+        (dict(distill_batch_size=0), 'distill_batch_size must be >= 1, got 0'),
+        (dict(distill_learning_rate=0.0), 'distill_learning_rate must be > 0, got 0.0'),
+        (dict(temperatures=()), 'temperatures must be positive numbers, got []'),
+        (dict(temperatures=(1.0, 0.0)), 'temperatures must be positive numbers, got [1.0, 0.0]'),
+        (dict(imitations=(0.5, 1.5)), 'imitations must be numbers in [0, 1], got [0.5, 1.5]'),
+        (dict(teacher='best'), "teacher must be 'optimal' or 'final', got 'best'"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(problem, changes, message):
+    settings = dataclasses.replace(SETTINGS, **changes)
+    with pytest.raises(settings_lib.SettingsError) as error:
+        settings.validate()
+    assert str(error.value) == message and '\n' not in message
+    with pytest.raises(settings_lib.SettingsError) as error:
+        _build(problem, **changes)
+    assert str(error.value) == message
+
+
 def test_bad_arguments(problem):
     with pytest.raises(ValueError, match='soft_loss'):
         _build(problem, soft_loss='l2')
-    with pytest.raises(ValueError, match='teacher'):
-        _build(problem, teacher='best')
+    spec, model_fn = problem
+    with pytest.raises(TypeError, match='PersFLSettings'):
+        persfl.build_persfl_process(spec, model_fn, settings_lib.LocalTraining())
+
+
+def test_defaults_are_the_papers_grid():
+    defaults = persfl.PersFLSettings().validate()
+    assert defaults.temperatures == (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
+    assert defaults.imitations == (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert defaults.teacher == 'optimal'
+    assert len(distillation.grid_candidates(defaults.temperatures, defaults.imitations)) == 23
 
 
 def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
@@ -141,11 +193,13 @@ def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
         classes_per_client=2,
         num_clients=3,
         rounds=2,
-        batch_size=8,
-        client_learning_rate=0.1,
-        distill_epochs=1,
-        temperatures=(1.0, 4.0),
-        imitations=(0.0, 0.5, 1.0),
+        settings=persfl.PersFLSettings(
+            batch_size=8,
+            client_learning_rate=0.1,
+            distill_epochs=1,
+            temperatures=(1.0, 4.0),
+            imitations=(0.0, 0.5, 1.0),
+        ),
     )
     result = experiment.run_experiment(config, log=lambda line: None)
     for name in (

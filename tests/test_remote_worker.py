@@ -8,7 +8,7 @@ import portpicker
 import pytest
 
 from tff_pfl import runtime
-from tff_pfl.program import experiment
+from tff_pfl.program import algorithms, experiment
 
 
 @pytest.fixture(scope='module')
@@ -40,17 +40,16 @@ def _rows(path):
 
 
 def _config(out, algorithm='persfl', **kwargs):
-    return experiment.ExperimentConfig(
+    small = dict(batch_size=16, temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, local_epochs=1)
+    own = algorithms.get(algorithm).settings.field_names()
+    return experiment.make_config(
         output_dir=str(out),
         algorithm=algorithm,
         dataset='synthetic',
         num_clients=5,
         rounds=2,
         eval_every=1,
-        batch_size=16,
-        temperatures=(1.0, 5.0),
-        imitations=(0.0, 0.5),
-        distill_epochs=1,
+        **{k: v for k, v in small.items() if k in own},
         **kwargs,
     )
 
@@ -72,7 +71,7 @@ def test_remote_worker_gives_the_local_runtimes_numbers(worker, tmp_path):
 
 
 @pytest.mark.parametrize(
-    'algorithm, extra', [('fedavg', {}), ('persfl', {}), ('ktpfl_homo', {'public_examples': 50, 'partition': 'iid'})]
+    'algorithm, extra', [('fedavg', {}), ('persfl', {}), ('ktpfl_homo', {'partition': 'iid'})]
 )  # a round of two phases
 def test_two_workers_give_the_local_runtimes_numbers(algorithm, extra, two_workers, tmp_path):
     experiment.run_experiment(_config(tmp_path / 'local', algorithm, **extra), log=lambda line: None)

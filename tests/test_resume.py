@@ -144,7 +144,7 @@ def test_a_crash_while_writing_keeps_the_last_good_checkpoint(tmp_path, monkeypa
 def test_same_seed_same_results(tiny_npz, uninterrupted, tmp_path):
     """Partition, sampling and training repeat exactly for the same configuration."""
     again = tmp_path / 'again'
-    config = experiment.ExperimentConfig(
+    config = experiment.make_config(
         output_dir=str(again),
         algorithm='persfl',
         dataset=f'npz:{tiny_npz}',

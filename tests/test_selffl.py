@@ -11,6 +11,7 @@ import tensorflow_federated as tff
 from processes import selffl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
+from tff_pfl import settings as settings_lib
 from tff_pfl.computations import aggregators, audit
 from tff_pfl.reference import selffl_gaussian as reference
 
@@ -105,8 +106,7 @@ def _gaussian_process(spec, **kwargs):
     return selffl.build_selffl_process(
         spec,
         model_fn,
-        learning_rate=0.001,
-        batch_size=1,
+        selffl.SelfFLSettings(client_learning_rate=0.001),
         loss='gaussian',
         known_sigma0_sq=1.0,
         gaussian_noise_var=1.0,
@@ -150,7 +150,10 @@ def test_iteration_approaches_the_closed_form_as_m_grows():
 def test_classifier_mode_runs_and_only_sums_cross(tff_runtime, tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
-    process = selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=5)
+    settings = selffl.SelfFLSettings(
+        client_learning_rate=0.1, batch_size=8, selffl_max_steps=10, selffl_default_steps=5
+    )
+    process = selffl.build_selffl_process(spec, model_fn, settings)
     assert audit.clients_to_server_intrinsics(process.next) <= {'federated_sum', 'federated_mean'}
     assert 'personal' not in str(process.next.type_signature.result.state)
     state = process.initialize()
@@ -160,6 +163,8 @@ def test_classifier_mode_runs_and_only_sums_cross(tff_runtime, tmp_path):
     assert np.isfinite(metrics['train_loss']) and metrics['aggregator']['sigma0_sq'] > 0
     assert metrics['mean_active'] == 1.0
     assert all(1 <= s['local_steps'] <= 10 and s['var_count'] == 6 for s in states)
+    # The round metric counts the SGD steps the clients took: their own (Eq. 8) step counts.
+    assert metrics['mean_local_steps'] == pytest.approx(np.mean([s['local_steps'] for s in states]))
     results = process.evaluate(state, states)
     assert all(set(r) == {'global_model', 'personalized_model'} for r in results)
 
@@ -168,9 +173,43 @@ def test_bad_arguments(tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
     with pytest.raises(ValueError, match='gaussian_noise_var'):
-        selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, loss='gaussian')
+        selffl.build_selffl_process(spec, model_fn, loss='gaussian')
     with pytest.raises(ValueError, match='activity_rate'):
-        selffl.build_selffl_process(spec, model_fn, learning_rate=0.1, batch_size=8, activity_rate=0.0)
+        selffl.build_selffl_process(spec, model_fn, activity_rate=0.0)
+    with pytest.raises(TypeError, match='SelfFLSettings'):
+        selffl.build_selffl_process(spec, model_fn, settings_lib.LocalTraining())
+
+
+@pytest.mark.parametrize(
+    'changes, message',
+    [
+        (dict(selffl_max_steps=0), 'selffl_max_steps must be >= 1, got 0'),
+        (dict(selffl_default_steps=0), 'selffl_default_steps must be >= 1, got 0'),
+        (dict(selffl_default_steps=50), 'selffl_default_steps must be <= selffl_max_steps (40), got 50'),
+        (dict(warmup_rounds=-1), 'warmup_rounds must be >= 0, got -1'),
+        (dict(client_learning_rate=0.0), 'client_learning_rate must be > 0, got 0.0'),
+        (dict(batch_size=0), 'batch_size must be >= 1, got 0'),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(tmp_path, changes, message):
+    settings = selffl.SelfFLSettings(**changes)
+    with pytest.raises(settings_lib.SettingsError) as error:
+        settings.validate()
+    assert str(error.value) == message and '\n' not in message
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    with pytest.raises(settings_lib.SettingsError) as error:
+        selffl.build_selffl_process(spec, model_fn, settings)
+    assert str(error.value) == message
+
+
+def test_settings_are_the_papers_and_take_no_local_epochs():
+    defaults = selffl.SelfFLSettings().validate()
+    # §4.2: MNIST eta = 0.03, batch 10; l_max = 40; the baselines' 20 local steps.
+    assert (defaults.client_learning_rate, defaults.batch_size) == (0.03, 10)
+    assert (defaults.selffl_max_steps, defaults.selffl_default_steps, defaults.warmup_rounds) == (40, 20, 0)
+    # Self-FL sets its own steps (Eq. 8): no local_epochs or local_steps to ignore.
+    assert not {'local_epochs', 'local_steps'} & set(selffl.SelfFLSettings.field_names())
 
 
 def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
@@ -186,10 +225,9 @@ def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
         num_clients=4,
         rounds=3,
         client_fraction=0.5,
-        batch_size=8,
-        client_learning_rate=0.05,
-        selffl_max_steps=8,
-        selffl_default_steps=4,
+        settings=selffl.SelfFLSettings(
+            batch_size=8, client_learning_rate=0.05, selffl_max_steps=8, selffl_default_steps=4
+        ),
     )
     result = experiment.run_experiment(config, log=lambda line: None)
     for name in ('local_steps.png', 'intra_client_variance.png'):
@@ -202,9 +240,10 @@ def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
 def test_warm_start_rounds_are_plain(tff_runtime, tmp_path):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
-    process = selffl.build_selffl_process(
-        spec, model_fn, learning_rate=0.1, batch_size=8, l_max=10, default_steps=3, warmup_rounds=3
+    settings = selffl.SelfFLSettings(
+        client_learning_rate=0.1, batch_size=8, selffl_max_steps=10, selffl_default_steps=3, warmup_rounds=3
     )
+    process = selffl.build_selffl_process(spec, model_fn, settings)
     state = process.initialize()
     states = [process.initial_client_state(c) for c in spec.client_ids]
     active = []

@@ -8,7 +8,6 @@ import pytest
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import local_training
 from tff_pfl.program import training_loop
 
 
@@ -28,8 +27,8 @@ def test_flatten():
 def process(tmp_path_factory):
     spec = make_linear_problem(tmp_path_factory.mktemp('loop') / 'data', num_clients=3)
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
-    config = local_training.TrainingConfig(epochs=1, batch_size=8, learning_rate=0.3)
-    return spec, fedavg.build_fedavg_process(spec, model_fn, local_config=config, seed=1)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
+    return spec, fedavg.build_fedavg_process(spec, model_fn, settings, seed=1)
 
 
 def _run(process, spec, **kwargs):

@@ -7,7 +7,7 @@ command resumes), then aggregates every complete run into `report.md`,
 `results.csv`, `summary.csv` and plots in `--output_dir`. `--seeds`,
 `--algorithms` and `--partitions` select a subset, to split a suite over
 sittings or over processes; `--report_only` only re-aggregates. See
-`tff_pfl.program.bench` and docs/benchmarks.md.
+`tff_pfl.program.bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
 
 Bad input prints one line `tff-pfl-bench: error: ...` and exits with 2.
 """
@@ -59,7 +59,7 @@ def _seeds():
 def _read_suite(path: str) -> str:
     """The suite file's text, checked to be TOML before TensorFlow is imported.
 
-    `bench.parse_suite` validates the rest; reading and parsing here first
+    `bench_suite.parse_suite` validates the rest; reading and parsing here first
     keeps the commonest mistakes (a wrong path, a typo in the TOML) fast.
     """
     try:
@@ -103,18 +103,18 @@ def main(argv) -> None:
     text = _read_suite(_SUITE.value)
     from tff_pfl import runtime
     from tff_pfl.data import partition, sources
-    from tff_pfl.program import bench, experiment
+    from tff_pfl.program import bench_report, bench_run, bench_suite, experiment
 
     logging.set_verbosity(logging.WARNING)
-    errors = (bench.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
+    errors = (bench_suite.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
     # The suite and the selection are checked before re-executing in a network
     # namespace: a bad suite costs one start-up, not two.
     try:
-        suite = bench.parse_suite(text, _SUITE.value)
+        suite = bench_suite.parse_suite(text, _SUITE.value)
         suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
-        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench.slug(suite.name))
+        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench_suite.slug(suite.name))
         if _REPORT_ONLY.value:
-            bench.check_report_dir(suite, output_dir)
+            bench_run.check_report_dir(suite, output_dir)
     except errors as e:
         _fail(str(e))
     if _ISOLATE_NETWORK.value:
@@ -122,10 +122,10 @@ def main(argv) -> None:
     runtime.install_sigterm_handler()
     try:
         if _REPORT_ONLY.value:
-            bench.write_report(suite, output_dir, log=_log)
+            bench_report.write_report(suite, output_dir, log=_log)
         else:
             command = ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
-            bench.run_suite(
+            bench_run.run_suite(
                 suite,
                 output_dir,
                 seeds=seeds,

@@ -10,6 +10,7 @@ optionally a clients-only personalization stage).
 """
 
 import collections
+import inspect
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -17,6 +18,10 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl.computations import building_blocks, device_state, local_training, template
+
+# The keyword arguments of `template.PersonalizedProcess` this module sets itself;
+# any other one is a declared output the caller may pass through.
+_SET_HERE = ('initial_client_state', 'evaluate', 'personalize', 'device')
 
 # Builds `personalize` from the server state type and the client state type.
 PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
@@ -61,6 +66,7 @@ def build_averaging_process(
     server_info: Callable[[tff.Type], tff.Computation] | None = None,
     shared_indices: Sequence[int] | None = None,
     seed: int = 0,
+    **declared_outputs,
 ) -> template.PersonalizedProcess:
     """Builds a FedAvg-shaped `PersonalizedProcess` around `client_work`.
 
@@ -88,6 +94,10 @@ def build_averaging_process(
         are global (broadcast, averaged), in order; default all of them.
         FedPer keeps the others on the clients.
       seed: fixes the initial global model.
+      **declared_outputs: passed on to `template.PersonalizedProcess`: the
+        process's declared extra outputs (e.g. PersFL's `grid_candidates`,
+        `architectures`, `communication`), so that nothing is assigned to the
+        process after construction.
 
     Returns:
       A `template.PersonalizedProcess` whose server state is `<model,
@@ -97,7 +107,17 @@ def build_averaging_process(
       measurements (`aggregator`). Its `device` form
       (`device_state.build_device_process`) runs the same round with the
       client states kept on the devices.
+
+    Raises:
+      TypeError: if `personalize_builder` was not made by
+        `broadcast_personalize`, or `declared_outputs` names an argument
+        `template.PersonalizedProcess` does not take.
     """
+    parameters = inspect.signature(template.PersonalizedProcess.__init__).parameters
+    declarable = [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY and n not in _SET_HERE]
+    unknown = sorted(set(declared_outputs) - set(declarable))
+    if unknown:
+        raise TypeError(f'PersonalizedProcess declares no output {unknown}; it declares {declarable}')
     if server_optimizer is None:
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
     if model_aggregator is None:
@@ -222,4 +242,5 @@ def build_averaging_process(
         evaluate=evaluate,
         personalize=personalize,
         device=device,
+        **declared_outputs,
     )

@@ -8,6 +8,11 @@
   plain average).
 * `build_client_evaluation`: a client's loss/accuracy of given weights on one
   of its splits.
+* `server_initialize`, `build_round_number`, `build_client_states_evaluation`
+  and `build_evaluation_at`: the small federated wrappers every hand-written
+  round repeats (`initialize`, the round number of the server state, an
+  `evaluate` of models kept in the client states, and the device form's
+  per-client evaluation).
 """
 
 import collections
@@ -67,13 +72,16 @@ def training_metric_sums(stats: local_training.Stats) -> collections.OrderedDict
       stats: the `local_training.Stats` of the client's local training.
 
     Returns:
-      `<loss_sum, num_correct, num_examples, num_clients=1.0>`, all float32.
+      `<loss_sum, num_correct, num_examples, num_clients=1.0, local_steps>`,
+      all float32; `local_steps` (the SGD steps taken) is reported as the
+      round's `mean_local_steps`.
     """
     return collections.OrderedDict(
         loss_sum=stats.loss_sum,
         num_correct=stats.num_correct,
         num_examples=stats.num_examples,
         num_clients=tf.constant(1.0),
+        local_steps=tf.cast(stats.num_steps, tf.float32),
     )
 
 
@@ -261,3 +269,90 @@ def build_client_evaluation(
         return template.client_metrics(stats)
 
     return client_evaluation
+
+
+def server_initialize(server_init: tff.Computation) -> tff.Computation:
+    """A process's `initialize`: the server state made at the server.
+
+    Args:
+      server_init: a no-arg `tff.tensorflow.computation` returning the server
+        state.
+
+    Returns:
+      A no-arg `tff.federated_computation` returning `server_init()@SERVER`.
+    """
+
+    @tff.federated_computation
+    def initialize():
+        return tff.federated_eval(server_init, tff.SERVER)
+
+    return initialize
+
+
+def build_round_number(state_type: tff.Type) -> tff.Computation:
+    """The round number of a server state that holds one (`round_num`).
+
+    Args:
+      state_type: the (unplaced) server state type, with an int32 `round_num`.
+
+    Returns:
+      A `tff.tensorflow.computation` `state -> state.round_num`.
+    """
+
+    @tff.tensorflow.computation(state_type)
+    def round_of(state):
+        return state['round_num']
+
+    return round_of
+
+
+def build_client_states_evaluation(server_state_type: tff.Type, evaluate_client: tff.Computation) -> tff.Computation:
+    """`evaluate` of personalized models kept in the client states.
+
+    The server state is not used: each client evaluates what its own state
+    holds.
+
+    Args:
+      server_state_type: the SERVER-placed server state type (the result of
+        `initialize`).
+      evaluate_client: a `tff.tensorflow.computation` `client_state ->
+        metrics`.
+
+    Returns:
+      A `tff.federated_computation` `(server_state@SERVER,
+      {client_state}@CLIENTS) -> {metrics}@CLIENTS`.
+    """
+    client_states_type = tff.FederatedType(evaluate_client.type_signature.parameter, tff.CLIENTS)
+
+    @tff.federated_computation(server_state_type, client_states_type)
+    def evaluate(state, client_states):
+        del state
+        return tff.federated_map(evaluate_client, client_states)
+
+    return evaluate
+
+
+def build_evaluation_at(evaluate_client: tff.Computation, input_type=np.int32) -> tff.Computation:
+    """The device form's per-client evaluation when the broadcast value is not needed.
+
+    `device_state.build_device_process` evaluates with one broadcast value
+    (`evaluate_input`); a method whose personalized model is in the client
+    state needs none and takes the round number only to fit.
+
+    Args:
+      evaluate_client: a `tff.tensorflow.computation` `client_state ->
+        metrics`.
+      input_type: the type of the broadcast value (default: the int32 round
+        number).
+
+    Returns:
+      A `tff.tensorflow.computation` `(value, client_state) ->
+      evaluate_client(client_state)`.
+    """
+
+    @tff.tensorflow.computation(input_type, evaluate_client.type_signature.parameter)
+    def evaluate_at(value, client_state):
+        del value  # the personalized model is in the client state
+        return evaluate_client(client_state)
+
+    return evaluate_at

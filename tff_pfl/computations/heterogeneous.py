@@ -7,12 +7,153 @@ inside the client computation `dispatch` builds every registered architecture,
 unpacks the vector into the client's own one and runs the work there through
 `tf.switch_case`. Only fixed-shape values (soft predictions) need to leave
 the client, so the round's type says exactly what is exchanged.
+
+`train_packed`, `evaluate_packed` and `build_personalized_evaluation` run
+local training and evaluation on a client's own architecture (KT-pFL,
+FedDF).
+
+`PublicKnowledge` holds the settings KT-pFL and FedDF share, with the same
+meaning in both: the clients' architectures and the distillation on
+unlabeled public data.
 """
 
+import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+import tensorflow_federated as tff
+
+from tff_pfl import models
+from tff_pfl import settings as settings_lib
+from tff_pfl.computations import local_training, template
+from tff_pfl.data import client_data
+
+_setting = settings_lib.setting
+
+
+@dataclasses.dataclass(frozen=True)
+class PublicKnowledge(settings_lib.Settings):
+    """Client architectures and distillation on unlabeled public data (KT-pFL, FedDF).
+
+    Defaults: Zhang et al. 2021 (KT-pFL), Appendix B.2, heterogeneous models,
+    EMNIST / Fashion-MNIST column ("for all the methods"); see
+    docs/algorithms/ktpfl.md.
+    """
+
+    architectures: tuple[str, ...] = _setting(
+        (),
+        'Client model names, assigned to clients in turn (empty: chosen from the data: lenet, alexnet_small, '
+        'resnet_small, shufflenet_small for images [H, W, C] of at least 16x16, else logistic, mnist_dnn).',
+    )
+    public_examples: int = _setting(
+        3000, '|D_r|, examples set aside as unlabeled public data before partitioning (no client holds them).'
+    )
+    public_batch: int | None = _setting(
+        None, 'P, public examples drawn each round, the same for every client and the server (unset: all of them).'
+    )
+    public_temperature: float = _setting(
+        10.0, 'T, the softmax temperature of the soft predictions and of distillation on the public data.'
+    )
+    public_distill_batch_size: int = _setting(
+        256, 'Mini-batch size of distillation on the public batch (KT-pFL: each client; FedDF: the server).'
+    )
+    public_distill_learning_rate: float = _setting(
+        0.01,
+        'eta_2, the SGD learning rate of distillation on the public batch (KT-pFL: each client; FedDF: the server).',
+    )
+
+    def _checks(self):
+        known = models.names()
+        unknown = [a for a in self.architectures if a not in known]
+        return super()._checks() + [
+            (
+                not unknown,
+                f'architectures: unknown model {unknown[0] if unknown else ""!r}; known: {", ".join(known)}',
+            ),
+            (self.public_examples >= 1, f'public_examples must be >= 1, got {self.public_examples}'),
+            (
+                self.public_batch is None or self.public_batch >= 1,
+                f'public_batch must be >= 1, got {self.public_batch}',
+            ),
+            (
+                self.public_batch is None or self.public_batch <= self.public_examples,
+                f'public_batch ({self.public_batch}) must be <= public_examples ({self.public_examples})',
+            ),
+            (self.public_temperature > 0, f'public_temperature must be > 0, got {self.public_temperature}'),
+            (
+                self.public_distill_batch_size >= 1,
+                f'public_distill_batch_size must be >= 1, got {self.public_distill_batch_size}',
+            ),
+            (
+                self.public_distill_learning_rate > 0,
+                f'public_distill_learning_rate must be > 0, got {self.public_distill_learning_rate}',
+            ),
+        ]
+
+
+def _why_not(name: str, feature_shape: Sequence[int], num_classes: int) -> str | None:
+    """Why model `name` cannot classify examples of `feature_shape` into `num_classes`, or None."""
+    try:
+        with tf.Graph().as_default():
+            model = models.get(name)(feature_shape, num_classes)
+    except ValueError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return first if len(first) <= 120 else first[:117] + '...'
+    if model.output_shape[-1] != num_classes:
+        return f'it has {model.output_shape[-1]} outputs, the data {num_classes} classes'
+    return None
+
+
+def public_batch_for(settings: PublicKnowledge, spec) -> int:
+    """P, checked against the partition's public data.
+
+    Args:
+      settings: the algorithm's settings (`public_batch`).
+      spec: the `client_data.ClientDataSpec` of the partition on disk.
+
+    Returns:
+      `settings.public_batch`, or every public example of the partition
+      when it is unset.
+
+    Raises:
+      ValueError: one line, if the partition has no public data or fewer
+        public examples than `public_batch`.
+    """
+    if not spec.public_size:
+        raise ValueError('no public data in the partition: prepare it with --public_examples > 0')
+    if settings.public_batch is None:
+        return spec.public_size
+    if settings.public_batch > spec.public_size:
+        raise ValueError(
+            f"--public_batch={settings.public_batch} exceeds the partition's {spec.public_size} public examples"
+        )
+    return settings.public_batch
+
+
+def client_architectures(architectures: Sequence[str], spec) -> tuple[str, ...]:
+    """Each client's model name: `architectures` in turn, or the data's default.
+
+    Args:
+      architectures: model names (`tff_pfl.models`), assigned to the clients
+        in turn; empty: `models.default_architectures(spec.feature_shape)`.
+      spec: the `client_data.ClientDataSpec` (feature shape, classes, clients).
+
+    Returns:
+      One model name per client, in `spec.client_ids` order.
+
+    Raises:
+      ValueError: one line, naming `--architectures` and the data's shape, if
+        one of the models cannot take the data.
+    """
+    names = tuple(architectures) or models.default_architectures(spec.feature_shape)
+    shape = tuple(int(d) for d in spec.feature_shape)
+    for name in dict.fromkeys(names):
+        problem = _why_not(name, shape, spec.num_classes)
+        if problem:
+            raise ValueError(f'--architectures={name} cannot take features of shape {shape}: {problem}')
+    return tuple(names[i % len(names)] for i in range(spec.num_clients))
 
 
 class Architectures:
@@ -105,8 +246,6 @@ class Architectures:
           A float32 tensor whose row `i` is `pack` of architecture `i`'s
           initial weights.
         """
-        from tff_pfl import models
-
         rows = []
         for index, fn in enumerate(self.model_fns):
             with models.seeded(seed + index):
@@ -128,10 +267,102 @@ def for_clients(architectures: Sequence[str], spec) -> tuple['Architectures', li
     Raises:
       ValueError: if there is not exactly one architecture per client.
     """
-    from tff_pfl import models
-
     if len(architectures) != spec.num_clients:
         raise ValueError(f'need one architecture per client ({spec.num_clients}), got {len(architectures)}')
     names = sorted(set(architectures))
     archs = Architectures([lambda n=n: models.get(n)(spec.feature_shape, spec.num_classes) for n in names])
     return archs, [names.index(a) for a in architectures]
+
+
+def train_packed(
+    archs: Architectures,
+    arch_id: tf.Tensor,
+    packed: tf.Tensor,
+    data,
+    config: local_training.TrainingConfig,
+    *,
+    seed: tf.Tensor,
+    outputs: Callable | None = None,
+) -> tuple:
+    """Local SGD on the client's own architecture, from packed weights (TF code).
+
+    Args:
+      archs: the `Architectures`.
+      arch_id: int32 scalar, the client's architecture index.
+      packed: float32 `[max_size]`, the weights to start from.
+      data: the client's training split (`client_data.read_split`).
+      config: the `local_training.TrainingConfig` (E epochs or exactly
+        `max_steps` SGD steps, batch size, learning rate).
+      seed: the batch-order seed (`local_training.client_seed`).
+      outputs: optional `model -> nest of tensors` (TF code), run on the
+        trained model, e.g. its predictions on the public batch.
+
+    Returns:
+      `(params, outputs, stats)`: the packed trained weights, what `outputs`
+      returned (None without it) and the training's `local_training.Stats`.
+    """
+
+    def work(model):
+        stats = local_training.train(
+            model,
+            data,
+            epochs=config.epochs,
+            batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            max_steps=config.max_steps,
+            seed=seed,
+        )
+        with tf.control_dependencies(list(stats)):
+            if outputs is None:
+                return archs.pack(model.trainable_weights), stats
+            return archs.pack(model.trainable_weights), outputs(model), stats
+
+    result = archs.dispatch(arch_id, packed, work)
+    params, extra, stats = (result[0], None, result[1]) if outputs is None else result
+    return params, extra, local_training.Stats(*stats)
+
+
+def evaluate_packed(archs: Architectures, arch_id: tf.Tensor, packed: tf.Tensor, data) -> collections.OrderedDict:
+    """A client's loss and accuracy with packed weights of its own architecture (TF code).
+
+    Args:
+      archs: the `Architectures`.
+      arch_id: int32 scalar, the client's architecture index.
+      packed: float32 `[max_size]`, the weights to evaluate.
+      data: the split to evaluate on (`client_data.read_split`).
+
+    Returns:
+      `template.client_metrics`: `<loss, accuracy, num_examples>`.
+    """
+    stats = archs.dispatch(arch_id, packed, lambda model: local_training.evaluate(model, data))
+    return template.client_metrics(local_training.Stats(*stats))
+
+
+def build_personalized_evaluation(
+    spec, archs: Architectures, client_state_type: tff.Type, split: str = 'test'
+) -> tff.Computation:
+    """Each client's evaluation of the model its state holds (`params`, packed).
+
+    The client's architecture is its state's `architecture`; a state without
+    one has the single architecture of `archs` (index 0).
+
+    Args:
+      spec: the `client_data.ClientDataSpec` of the partition on disk.
+      archs: the `Architectures`.
+      client_state_type: the client state type, with `client_id` and
+        `params` (and optionally `architecture`).
+      split: which split to evaluate on.
+
+    Returns:
+      A `tff.tensorflow.computation` `client_state ->
+      <personalized_model=<loss, accuracy, num_examples>>`.
+    """
+    per_client = 'architecture' in [name for name, _ in tff.structure.iter_elements(client_state_type)]
+
+    @tff.tensorflow.computation(client_state_type)
+    def evaluate_client(state):
+        data = client_data.read_split(spec, state['client_id'], split)
+        architecture = state['architecture'] if per_client else tf.constant(0)
+        return collections.OrderedDict(personalized_model=evaluate_packed(archs, architecture, state['params'], data))
+
+    return evaluate_client

@@ -18,13 +18,14 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models
+from tff_pfl import models, settings
 from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
 
-# Sums over the examples seen; divide by `num_examples` for means.
-Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples'])
+# Sums over the examples seen; divide by `num_examples` for means. `num_steps`
+# counts the SGD steps taken (`sgd_steps`; 0 for evaluation).
+Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples', 'num_steps'], defaults=(0.0,))
 
 
 def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
@@ -240,12 +241,12 @@ def sgd_steps(
             )
 
         zero = tf.constant(0.0)
-        _, loss_sum, num_correct, num_seen, flat_carry = tf.while_loop(
+        steps, loss_sum, num_correct, num_seen, flat_carry = tf.while_loop(
             lambda step, *_: step < total_steps,
             body,
             (tf.constant(0), zero, zero, zero, flat_carry),
         )
-        return Stats(loss_sum, num_correct, num_seen), flat_carry
+        return Stats(loss_sum, num_correct, num_seen, tf.cast(steps, tf.float32)), flat_carry
 
     stats, flat_carry = loop(data.features, data.labels, seed, flat_carry)
     return tf.nest.pack_sequence_as(carry, flat_carry), stats
@@ -446,28 +447,6 @@ def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt
     return tf.stack([tf.constant(base_seed, tf.int64) * 1_000_003 + round_part, client_hash])
 
 
-class TrainingConfig(
-    collections.namedtuple('TrainingConfig', ['epochs', 'batch_size', 'learning_rate', 'max_steps'], defaults=[None])
-):
-    """Local SGD settings: passes over the data, batch size, step size, and an
-    optional cap on the number of steps (e.g. "20 local steps")."""
-
-    def validate(self) -> 'TrainingConfig':
-        """Returns self, or raises ValueError naming the bad field.
-
-        Returns:
-          This `TrainingConfig`, unchanged.
-
-        Raises:
-          ValueError: if `epochs`, `batch_size` or `max_steps` (when set) is not
-            a positive integer, or `learning_rate` is not positive.
-        """
-        if int(self.epochs) != self.epochs or self.epochs < 1:
-            raise ValueError(f'local epochs must be a positive integer, got {self.epochs}')
-        if int(self.batch_size) != self.batch_size or self.batch_size < 1:
-            raise ValueError(f'batch size must be a positive integer, got {self.batch_size}')
-        if not self.learning_rate > 0:
-            raise ValueError(f'learning rate must be positive, got {self.learning_rate}')
-        if self.max_steps is not None and (int(self.max_steps) != self.max_steps or self.max_steps < 1):
-            raise ValueError(f'local steps must be a positive integer, got {self.max_steps}')
-        return self
+# The local SGD settings of a client computation (defined beside the settings
+# dataclasses that produce them, `tff_pfl.settings.LocalTraining`).
+TrainingConfig = settings.TrainingConfig

@@ -19,6 +19,7 @@ states into `next` and writes the returned ones back.
 """
 
 import collections
+from collections.abc import Mapping, Sequence
 
 import tensorflow as tf
 import tensorflow_federated as tff
@@ -76,6 +77,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         evaluate: tff.Computation,
         personalize: tff.Computation | None = None,
         device: DeviceProcess | None = None,
+        grid_candidates: Sequence[tuple[float, float]] = (),
+        architectures: Sequence[str] = (),
+        communication: Mapping[str, int] | None = None,
     ):
         """Builds the process; see the module docstring for the signatures.
 
@@ -88,6 +92,12 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
           device: optional; the same algorithm with device-held client
             states (`DeviceProcess`), whose round is one or more phases
             of the shape `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`.
+          grid_candidates: PersFL's stage-2 grid, the `(T, lambda)` of each
+            candidate in the order of a client's `grid_val_accuracy`.
+          architectures: the model name of each client (in client order), for
+            algorithms whose clients have their own architectures.
+          communication: bytes exchanged per client and round, by name, for
+            algorithms that report them (KT-pFL, FedDF).
 
         Raises:
           TypeError: if the client state types of the computations disagree.
@@ -106,6 +116,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._personalize = personalize
         self._device = device
         self._client_state_type = client_state_type
+        self._grid_candidates = tuple((float(t), float(lam)) for t, lam in grid_candidates)
+        self._architectures = tuple(architectures)
+        self._communication = collections.OrderedDict(communication or {})
 
     @property
     def client_state_type(self) -> tff.Type:
@@ -131,3 +144,68 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
     def device(self) -> DeviceProcess | None:
         """The same algorithm with device-held client states, or None."""
         return self._device
+
+    @property
+    def grid_candidates(self) -> tuple[tuple[float, float], ...]:
+        """PersFL's `(T, lambda)` candidates in grid order; empty for other algorithms."""
+        return self._grid_candidates
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """Each client's model name (client order); empty when every client shares `model_fn`."""
+        return self._architectures
+
+    @property
+    def communication(self) -> Mapping[str, int]:
+        """Bytes exchanged per client and round, by name; empty when not reported."""
+        return self._communication
+
+
+class ServerlessProcess(PersonalizedProcess):
+    """A `PersonalizedProcess` without a server, run by its own loop (KD-PDFL).
+
+    `next` is one exchange at a star node (SERVER stands for the star); the
+    loop (`tff_pfl.program.decentralized`) also needs each client's local
+    work between exchanges, the exchange mode and the largest neighbourhood.
+    """
+
+    def __init__(
+        self,
+        initialize_fn: tff.Computation,
+        next_fn: tff.Computation,
+        *,
+        local_work: tff.Computation,
+        mode: str,
+        max_neighbours: int,
+        **kwargs,
+    ):
+        """Builds the process.
+
+        Args:
+          initialize_fn: `() -> S@SERVER`.
+          next_fn: one exchange, as for `PersonalizedProcess`.
+          local_work: `({C}@CLIENTS, {slots: int32}@CLIENTS, slot_num@SERVER)
+            -> <{C}@CLIENTS, M@SERVER>`, each client's training for its slots.
+          mode: 'kdpdfl', 'fedavg' or 'local' (no exchange).
+          max_neighbours: the most neighbours a star gathers (slots of `next`).
+          **kwargs: the other `PersonalizedProcess` arguments.
+        """
+        super().__init__(initialize_fn, next_fn, **kwargs)
+        self._local_work = local_work
+        self._mode = mode
+        self._max_neighbours = int(max_neighbours)
+
+    @property
+    def local_work(self) -> tff.Computation:
+        """Each client's local training for its number of slots."""
+        return self._local_work
+
+    @property
+    def mode(self) -> str:
+        """'kdpdfl', 'fedavg' or 'local'."""
+        return self._mode
+
+    @property
+    def max_neighbours(self) -> int:
+        """The most neighbours one exchange gathers."""
+        return self._max_neighbours

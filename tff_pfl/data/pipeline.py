@@ -52,7 +52,9 @@ def prepare(
       download: whether TFDS may download.
       public_examples: examples set aside, before partitioning, as the
         public dataset every client may read (unlabeled; used by KT-pFL and
-        the distillation baselines); no client holds them.
+        the distillation baselines); no client holds them. From a natural
+        partition, each client gives up those of its examples that were
+        drawn (drawn uniformly from the whole pool).
 
     Returns:
       A `PreparedData`.
@@ -65,8 +67,6 @@ def prepare(
     public = None
     labels = pool.y
     if public_examples:
-        if partition_name == 'natural':
-            raise partition.PartitionError('public data cannot be set aside from a natural partition')
         if public_examples >= len(pool.y):
             raise partition.PartitionError(
                 f'public_examples ({public_examples}) must be smaller than the dataset ({len(pool.y)})'
@@ -84,6 +84,9 @@ def prepare(
             raise partition.PartitionError(
                 f'dataset {pool.name!r} has {len(clients)} natural clients, not {num_clients}'
             )
+        if public is not None:
+            # Each natural client keeps its own examples but the public ones.
+            clients = [np.setdiff1d(c, public) for c in clients]
     else:
         clients = partition.build_partition(partition_name, labels, num_clients, seed, **dict(partition_params or {}))
         if public is not None:

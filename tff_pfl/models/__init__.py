@@ -295,6 +295,32 @@ _REGISTRY: dict[str, ModelBuilder] = {
 }
 
 
+# KT-pFL's four architectures (Zhang et al. 2021, Section 5.1: LeNet, AlexNet,
+# ResNet-18, ShuffleNetV2; small CPU versions here), for images [H, W, C].
+PAPER_IMAGE_ARCHITECTURES = ('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small')
+# For features that are not such images: models that flatten any shape.
+VECTOR_ARCHITECTURES = ('logistic', 'mnist_dnn')
+# LeNet's two 5x5 convolutions, each followed by 2x2 pooling, need 16 x 16.
+_SMALLEST_IMAGE = 16
+
+
+def default_architectures(feature_shape: Sequence[int]) -> tuple[str, ...]:
+    """The client architectures chosen from the data when none are given.
+
+    Args:
+      feature_shape: the shape of one example.
+
+    Returns:
+      `PAPER_IMAGE_ARCHITECTURES` for images `[H, W, C]` of at least 16 x 16
+      (every one of them builds on those), else `VECTOR_ARCHITECTURES`
+      (vector features, or images too small for LeNet).
+    """
+    shape = tuple(int(d) for d in feature_shape)
+    if len(shape) == 3 and min(shape[:2]) >= _SMALLEST_IMAGE:
+        return PAPER_IMAGE_ARCHITECTURES
+    return VECTOR_ARCHITECTURES
+
+
 def names() -> list[str]:
     """Names of the registered models.
 

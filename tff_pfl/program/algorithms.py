@@ -1,8 +1,9 @@
-"""Algorithm name -> process builder, per-client report columns and plots.
+"""The algorithm registry: name -> settings type, process builder, report columns and plots.
 
-Each entry turns an `ExperimentConfig` into a `PersonalizedProcess`, and may
-say which client-state fields belong in `clients.csv` and which extra plots
-the run's report shows.
+Each entry names the algorithm's settings dataclass (`processes/<algo>.py`;
+the only place its defaults are written), builds its `PersonalizedProcess`
+from those settings, and may say which client-state fields belong in
+`clients.csv` and which extra plots the run's report shows.
 """
 
 import collections
@@ -11,21 +12,27 @@ import os
 from collections.abc import Callable, Mapping
 
 import numpy as np
-import tensorflow_federated as tff
 
-from tff_pfl.computations import local_training
+from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
+from tff_pfl import settings as settings_lib
+from tff_pfl.computations import heterogeneous
 from tff_pfl.program import reports
 
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """How the program runs and reports one algorithm.
+    """How the program builds, runs and reports one algorithm.
 
     Attributes:
-      build: `(config, spec, model_fn) -> PersonalizedProcess`.
+      title: one line: the algorithm and its paper, for `--helpfull` and docs.
+      settings: the algorithm's frozen settings dataclass (a
+        `tff_pfl.settings.Settings`).
+      build: `(settings, spec, model_fn, config) -> PersonalizedProcess`;
+        `config` is the run's `ExperimentConfig` (its seed, and for Self-FL
+        the client fraction).
       client_columns: `(client_state) -> {column: value}` for clients.csv.
       plots: `(output_dir, run_result, process) -> [(title, file)]`.
-      run: `(process, spec, config, on_round=, log=, checkpoints=,
+      run: `(process, spec, config, settings, on_round=, log=, checkpoints=,
         checkpoint_every=, on_resume=, spill_dir=) -> RunResult` for
         algorithms that need their own run loop (serverless ones); default
         `training_loop.run`.
@@ -34,65 +41,31 @@ class Algorithm:
         state each (so it can neither be split over several workers nor
         exported as MapReduceForm); None when the process has such a form
         (`process.device`).
+      default_models: dataset -> the model this algorithm uses when `--model`
+        is not given, where it differs from the dataset's default.
+      check: `(config) -> problem or None`, the algorithm's conditions on the
+        common settings (e.g. full participation).
     """
 
+    title: str
+    settings: type
     build: Callable
     client_columns: Callable[[Mapping], Mapping] | None = None
     plots: Callable | None = None
     run: Callable | None = None
     not_one_aggregation: str | None = None
+    default_models: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    check: Callable | None = None
+
+    @property
+    def own_architectures(self) -> bool:
+        """Whether each client has its own architecture (`--architectures`, no `--model`)."""
+        return issubclass(self.settings, heterogeneous.PublicKnowledge)
 
 
 def _short_ids(client_ids):
     """`client_00007` -> `00007`, for plot labels."""
     return [c.replace('client_', '') for c in client_ids]
-
-
-def _local_config(config):
-    if config.local_steps:
-        # "l local steps": enough epochs for them, capped at l.
-        return local_training.TrainingConfig(
-            config.local_steps, config.batch_size, config.client_learning_rate, max_steps=config.local_steps
-        )
-    return local_training.TrainingConfig(config.local_epochs, config.batch_size, config.client_learning_rate)
-
-
-def _server_optimizer(config):
-    return tff.learning.optimizers.build_sgdm(learning_rate=config.server_learning_rate)
-
-
-def _fedavg(config, spec, model_fn):
-    from processes import fedavg
-
-    return fedavg.build_fedavg_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        server_optimizer=_server_optimizer(config),
-        seed=config.seed,
-    )
-
-
-def _persfl_builder(soft_loss):
-    def build(config, spec, model_fn):
-        from processes import persfl
-
-        return persfl.build_persfl_process(
-            spec,
-            model_fn,
-            local_config=_local_config(config),
-            distill_config=local_training.TrainingConfig(
-                config.distill_epochs, config.distill_batch_size, config.distill_learning_rate
-            ),
-            temperatures=config.temperatures,
-            imitations=config.imitations,
-            soft_loss=soft_loss,
-            teacher=config.teacher,
-            server_optimizer=_server_optimizer(config),
-            seed=config.seed,
-        )
-
-    return build
 
 
 def _persfl_columns(state):
@@ -149,22 +122,6 @@ def _persfl_plots(out, result, process):
     ]
 
 
-def _selffl(config, spec, model_fn):
-    from processes import selffl
-
-    return selffl.build_selffl_process(
-        spec,
-        model_fn,
-        learning_rate=config.client_learning_rate,
-        batch_size=config.batch_size,
-        l_max=config.selffl_max_steps,
-        default_steps=config.selffl_default_steps,
-        activity_rate=config.client_fraction,
-        warmup_rounds=config.warmup_rounds,
-        seed=config.seed,
-    )
-
-
 def _selffl_columns(state):
     return collections.OrderedDict(
         num_participations=int(state['num_participations']),
@@ -197,71 +154,10 @@ def _selffl_plots(out, result, process):
     return [('Local steps per client', 'local_steps.png'), ('Intra-client uncertainty', 'intra_client_variance.png')]
 
 
-def _ktpfl(config, spec, model_fn):
-    from processes import ktpfl
-
-    del model_fn  # every client has its own architecture
-    return ktpfl.build_ktpfl_process(
-        spec,
-        _client_architectures(config, spec.num_clients),
-        local_config=_local_config(config),
-        distill_epochs=config.distill_epochs,
-        distill_batch_size=config.distill_batch_size,
-        distill_learning_rate=config.distill_learning_rate,
-        public_batch=config.public_batch,
-        temperature=config.kt_temperature,
-        coefficient_learning_rate=config.kt_coefficient_learning_rate,
-        rho=config.kt_rho,
-        c_update=config.kt_c_update,
-        seed=config.seed,
-    )
-
-
-def _client_architectures(config, num_clients):
-    """Architectures are assigned to clients in turn."""
-    return [config.architectures[i % len(config.architectures)] for i in range(num_clients)]
-
-
-def _feddf_builder(finetune):
-    def build(config, spec, model_fn):
-        from processes import feddf
-
-        del model_fn  # every client has its architecture's prototype
-        return feddf.build_feddf_process(
-            spec,
-            _client_architectures(config, spec.num_clients),
-            local_config=_local_config(config),
-            server_distill_epochs=config.distill_epochs,
-            distill_batch_size=config.distill_batch_size,
-            distill_learning_rate=config.distill_learning_rate,
-            public_batch=config.public_batch,
-            temperature=config.kt_temperature,
-            finetune_epochs=config.finetune_epochs if finetune else 0,
-            seed=config.seed,
-        )
-
-    return build
-
-
 def _communication_plots(out, result, process):
     del result
     reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.communication)])
     return []
-
-
-def _ktpfl_homogeneous(config, spec, model_fn):
-    from processes import ktpfl
-
-    return ktpfl.build_ktpfl_homogeneous_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        transfer_steps=config.distill_epochs,
-        transfer_learning_rate=config.distill_learning_rate,
-        coefficient_learning_rate=config.kt_coefficient_learning_rate,
-        rho=config.kt_rho,
-        seed=config.seed,
-    )
 
 
 def _client_matrix(out, name, title, matrix, client_ids, row_labels=None):
@@ -278,7 +174,7 @@ def _client_matrix(out, name, title, matrix, client_ids, row_labels=None):
 
 def _ktpfl_plots(out, result, process):
     client_ids = list(result.client_states)
-    architectures = getattr(process, 'architectures', None) or [''] * len(client_ids)
+    architectures = process.architectures or [''] * len(client_ids)
     labels = [f'{s} {a}'.strip() for s, a in zip(_short_ids(client_ids), architectures)]
     _client_matrix(
         out,
@@ -290,49 +186,6 @@ def _ktpfl_plots(out, result, process):
     )
     _communication_plots(out, result, process)
     return [('Knowledge coefficients', 'knowledge_coefficients.png')]
-
-
-def _kdpdfl_builder(mode):
-    def build(config, spec, model_fn):
-        from processes import kdpdfl
-
-        return kdpdfl.build_kdpdfl_process(
-            spec,
-            model_fn,
-            local_config=_local_config(config),
-            max_neighbours=config.kd_max_neighbours,
-            mu1=config.kd_mu1,
-            mu2=config.kd_mu2,
-            c_base=config.kd_c_base,
-            distance_batch=config.kd_distance_batch,
-            distance_layer=config.kd_distance_layer,
-            mode=mode,
-            broadcast=config.kd_broadcast,
-            seed=config.seed,
-        )
-
-    return build
-
-
-def _decentralized_run(finetune):
-    def run(process, spec, config, *, on_round, log, **loop):
-        from tff_pfl.program import decentralized
-
-        return decentralized.run(
-            process,
-            spec.client_ids,
-            intervals=config.rounds,
-            exchange_interval=config.exchange_interval,
-            seed=config.seed,
-            mean_reachable=config.kd_mean_neighbours,
-            finetune_from=config.finetune_from_slot if finetune else None,
-            eval_every=config.eval_every,
-            on_round=on_round,
-            log=log,
-            **loop,
-        )
-
-    return run
 
 
 def _kdpdfl_columns(state):
@@ -354,19 +207,6 @@ def _kdpdfl_plots(out, result, process):
     return [('Collaboration graph W', 'collaboration_graph.png')]
 
 
-def _fedavg_finetune(config, spec, model_fn):
-    from processes import fedavg
-
-    return fedavg.build_fedavg_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        server_optimizer=_server_optimizer(config),
-        finetune_epochs=config.finetune_epochs,
-        seed=config.seed,
-    )
-
-
 def _finetune_plots(out, result, process):
     del process
     states = list(result.client_states.values())
@@ -378,87 +218,6 @@ def _finetune_plots(out, result, process):
         'epochs',
     )
     return [('Fine-tuning epochs per client', 'finetune_epochs.png')]
-
-
-def _local(config, spec, model_fn):
-    from processes import local
-
-    return local.build_local_process(spec, model_fn, local_config=_local_config(config), seed=config.seed)
-
-
-def _fedper(config, spec, model_fn):
-    from processes import fedper
-
-    return fedper.build_fedper_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        personal_layers=config.personal_layers,
-        server_optimizer=_server_optimizer(config),
-        seed=config.seed,
-    )
-
-
-def _ditto(config, spec, model_fn):
-    from processes import ditto
-
-    return ditto.build_ditto_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        personal_config=local_training.TrainingConfig(
-            config.personal_epochs, config.batch_size, config.client_learning_rate
-        ),
-        ditto_lambda=config.ditto_lambda,
-        server_optimizer=_server_optimizer(config),
-        seed=config.seed,
-    )
-
-
-def _pfedme(config, spec, model_fn):
-    from processes import pfedme
-
-    return pfedme.build_pfedme_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        pfedme_lambda=config.pfedme_lambda,
-        inner_steps=config.pfedme_inner_steps,
-        personal_learning_rate=config.pfedme_personal_learning_rate,
-        beta=config.pfedme_beta,
-        seed=config.seed,
-    )
-
-
-def _perfedavg_builder(variant):
-    def build(config, spec, model_fn):
-        from processes import perfedavg
-
-        return perfedavg.build_perfedavg_process(
-            spec,
-            model_fn,
-            local_config=_local_config(config),
-            alpha=config.perfedavg_alpha,
-            variant=variant,
-            delta=config.perfedavg_delta,
-            seed=config.seed,
-        )
-
-    return build
-
-
-def _apfl(config, spec, model_fn):
-    from processes import apfl
-
-    return apfl.build_apfl_process(
-        spec,
-        model_fn,
-        local_config=_local_config(config),
-        initial_alpha=config.apfl_alpha,
-        alpha_learning_rate=config.apfl_alpha_learning_rate,
-        server_optimizer=_server_optimizer(config),
-        seed=config.seed,
-    )
 
 
 def _apfl_plots(out, result, process):
@@ -480,44 +239,188 @@ _KDPDFL_LIMIT = (
     'is not built'
 )
 
+
+def _serverless_run(process, spec, config, settings, *, on_round, log, **loop):
+    from tff_pfl.program import decentralized
+
+    return decentralized.run(
+        process,
+        spec.client_ids,
+        intervals=config.rounds,
+        seed=config.seed,
+        eval_every=config.eval_every,
+        on_round=on_round,
+        log=log,
+        **settings.loop_arguments(),
+        **loop,
+    )
+
+
+def _every_client_every_round(config):
+    if config.client_fraction != 1.0:
+        return f'{config.algorithm} trains every client every round: --client_fraction=1'
+    return None
+
+
+def _architecture_column(state):
+    return {'architecture_id': int(state['architecture'])}
+
+
 _ALGORITHMS = {
-    'fedavg': Algorithm(_fedavg),
-    'persfl': Algorithm(_persfl_builder('kl'), _persfl_columns, _persfl_plots),
-    'persfl_gd': Algorithm(_persfl_builder('ce'), _persfl_columns, _persfl_plots),
-    'selffl': Algorithm(_selffl, _selffl_columns, _selffl_plots),
-    'ktpfl': Algorithm(_ktpfl, lambda state: {'architecture_id': int(state['architecture'])}, _ktpfl_plots),
-    'ktpfl_homo': Algorithm(_ktpfl_homogeneous, plots=_ktpfl_plots),
+    'fedavg': Algorithm(
+        'FedAvg (McMahan et al., 2017)',
+        fedavg.FedAvgSettings,
+        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(spec, model_fn, s, seed=config.seed),
+    ),
+    'fedavg_ft': Algorithm(
+        'FedAvg + local fine-tuning chosen on validation',
+        fedavg.FedAvgFTSettings,
+        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(spec, model_fn, s, seed=config.seed),
+        lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
+        _finetune_plots,
+    ),
+    'persfl': Algorithm(
+        'PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid',
+        persfl.PersFLSettings,
+        lambda s, spec, model_fn, config: persfl.build_persfl_process(
+            spec, model_fn, s, soft_loss='kl', seed=config.seed
+        ),
+        _persfl_columns,
+        _persfl_plots,
+    ),
+    'persfl_gd': Algorithm(
+        'PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL',
+        persfl.PersFLSettings,
+        lambda s, spec, model_fn, config: persfl.build_persfl_process(
+            spec, model_fn, s, soft_loss='ce', seed=config.seed
+        ),
+        _persfl_columns,
+        _persfl_plots,
+    ),
+    'selffl': Algorithm(
+        'Self-FL (Chen et al., 2022): uncertainty-driven starting points, local steps and aggregation',
+        selffl.SelfFLSettings,
+        lambda s, spec, model_fn, config: selffl.build_selffl_process(
+            spec, model_fn, s, activity_rate=config.client_fraction, seed=config.seed
+        ),
+        _selffl_columns,
+        _selffl_plots,
+    ),
+    'ktpfl': Algorithm(
+        'KT-pFL (Zhang et al., 2021): soft predictions on public data mixed by a learned coefficient matrix',
+        ktpfl.KTpFLSettings,
+        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_process(spec, s, seed=config.seed),
+        _architecture_column,
+        _ktpfl_plots,
+        check=_every_client_every_round,
+    ),
+    'ktpfl_homo': Algorithm(
+        'KT-pFL, homogeneous variant (Zhang et al., 2021): parameters mixed by the coefficient matrix',
+        ktpfl.KTpFLHomoSettings,
+        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, s, seed=config.seed),
+        plots=_ktpfl_plots,
+        check=_every_client_every_round,
+    ),
     'feddf': Algorithm(
-        _feddf_builder(False), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots
+        'FedDF (Lin et al., 2020): per-architecture averaging, then ensemble distillation on public data',
+        feddf.FedDFSettings,
+        lambda s, spec, model_fn, config: feddf.build_feddf_process(spec, s, seed=config.seed),
+        _architecture_column,
+        _communication_plots,
     ),
     'pfeddf': Algorithm(
-        _feddf_builder(True), lambda state: {'architecture_id': int(state['architecture'])}, _communication_plots
+        'pFedDF: FedDF with local fine-tuning of the prototype',
+        feddf.PFedDFSettings,
+        lambda s, spec, model_fn, config: feddf.build_feddf_process(spec, s, seed=config.seed),
+        _architecture_column,
+        _communication_plots,
     ),
-    'local': Algorithm(_local),
-    'fedavg_ft': Algorithm(
-        _fedavg_finetune, lambda state: {'finetune_epochs': int(state['finetune_epochs'])}, _finetune_plots
+    'local': Algorithm(
+        'Local-only training',
+        local.LocalSettings,
+        lambda s, spec, model_fn, config: local.build_local_process(spec, model_fn, s, seed=config.seed),
     ),
-    'fedper': Algorithm(_fedper),
-    'ditto': Algorithm(_ditto),
-    'pfedme': Algorithm(_pfedme),
-    'perfedavg_fo': Algorithm(_perfedavg_builder('fo')),
-    'perfedavg_hf': Algorithm(_perfedavg_builder('hf')),
-    'apfl': Algorithm(_apfl, lambda state: {'alpha': float(state['alpha'])}, _apfl_plots),
+    'fedper': Algorithm(
+        'FedPer (Arivazhagan et al., 2019): shared base layers, personal head',
+        fedper.FedPerSettings,
+        lambda s, spec, model_fn, config: fedper.build_fedper_process(spec, model_fn, s, seed=config.seed),
+        # Logistic regression has one layer: nothing would be shared.
+        default_models={'synthetic': 'mnist_dnn'},
+    ),
+    'ditto': Algorithm(
+        'Ditto (Li et al., 2021): personal models pulled towards the global one',
+        ditto.DittoSettings,
+        lambda s, spec, model_fn, config: ditto.build_ditto_process(spec, model_fn, s, seed=config.seed),
+    ),
+    'pfedme': Algorithm(
+        'pFedMe (Dinh et al., 2020): Moreau envelopes',
+        pfedme.PFedMeSettings,
+        lambda s, spec, model_fn, config: pfedme.build_pfedme_process(spec, model_fn, s, seed=config.seed),
+    ),
+    'perfedavg_fo': Algorithm(
+        'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
+        perfedavg.PerFedAvgSettings,
+        lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
+            spec, model_fn, s, variant='fo', seed=config.seed
+        ),
+    ),
+    'perfedavg_hf': Algorithm(
+        'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
+        perfedavg.PerFedAvgHFSettings,
+        lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
+            spec, model_fn, s, variant='hf', seed=config.seed
+        ),
+    ),
+    'apfl': Algorithm(
+        'APFL (Deng et al., 2020): adaptive mixture of local and global models',
+        apfl.APFLSettings,
+        lambda s, spec, model_fn, config: apfl.build_apfl_process(spec, model_fn, s, seed=config.seed),
+        lambda state: {'alpha': float(state['alpha'])},
+        _apfl_plots,
+    ),
     'kdpdfl': Algorithm(
-        _kdpdfl_builder('kdpdfl'),
+        'KD-PDFL (Jeong & Kountouris, 2023): serverless, star nodes weigh neighbours by logit distances',
+        kdpdfl.KDPDFLSettings,
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
+            spec, model_fn, s, mode='kdpdfl', seed=config.seed
+        ),
         _kdpdfl_columns,
         _kdpdfl_plots,
-        _decentralized_run(False),
+        _serverless_run,
         not_one_aggregation=_KDPDFL_LIMIT,
     ),
     'kdpdfl_fedavg': Algorithm(
-        _kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(False), not_one_aggregation=_KDPDFL_LIMIT
+        'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)',
+        kdpdfl.ServerlessFedAvgSettings,
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
+            spec, model_fn, s, mode='fedavg', seed=config.seed
+        ),
+        _kdpdfl_columns,
+        None,
+        _serverless_run,
+        not_one_aggregation=_KDPDFL_LIMIT,
     ),
     'kdpdfl_fedavg_plus': Algorithm(
-        _kdpdfl_builder('fedavg'), _kdpdfl_columns, None, _decentralized_run(True), not_one_aggregation=_KDPDFL_LIMIT
+        'Serverless FedAvg, then local fine-tuning from a slot on (KD-PDFL baseline)',
+        kdpdfl.ServerlessFedAvgPlusSettings,
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
+            spec, model_fn, s, mode='fedavg', seed=config.seed
+        ),
+        _kdpdfl_columns,
+        None,
+        _serverless_run,
+        not_one_aggregation=_KDPDFL_LIMIT,
     ),
     'kdpdfl_local': Algorithm(
-        _kdpdfl_builder('local'), _kdpdfl_columns, None, _decentralized_run(False), not_one_aggregation=_KDPDFL_LIMIT
+        'Local learning in the serverless loop (KD-PDFL baseline)',
+        kdpdfl.ServerlessLocalSettings,
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
+            spec, model_fn, s, mode='local', seed=config.seed
+        ),
+        _kdpdfl_columns,
+        None,
+        _serverless_run,
+        not_one_aggregation=_KDPDFL_LIMIT,
     ),
 }
 
@@ -546,21 +449,44 @@ def get(name: str) -> Algorithm:
     return _ALGORITHMS[name]
 
 
-def build(config, spec, model_fn):
-    """Builds the process of `config.algorithm` for the partition `spec`.
+def all_setting_names() -> set[str]:
+    """Every algorithm setting's name (the algorithm flags), over the registry.
+
+    Returns:
+      The union of the settings classes' field names.
+    """
+    return {name for entry in _ALGORITHMS.values() for name in entry.settings.field_names()}
+
+
+def users_of(name: str) -> list[str]:
+    """The algorithms that have the setting `name`.
 
     Args:
-      config: the run's `ExperimentConfig`; `config.algorithm` picks the
-        builder, the other fields set its hyperparameters.
+      name: a settings field name.
+
+    Returns:
+      Registered algorithm names, sorted.
+    """
+    return [a for a in names() if name in _ALGORITHMS[a].settings.field_names()]
+
+
+def build(algorithm: str, settings: settings_lib.Settings, spec, model_fn, config):
+    """Builds the process of `algorithm` for the partition `spec`.
+
+    Args:
+      algorithm: a registered name.
+      settings: its settings (an instance of `get(algorithm).settings`).
       spec: the `client_data.ClientDataSpec` of the partitioned client data.
       model_fn: no-argument callable returning a fresh `tf.keras.Model` for
         the data's feature shape and classes (ignored by the algorithms
         whose clients each have their own architecture).
+      config: the run's `ExperimentConfig` (seed; Self-FL's activity rate).
 
     Returns:
       The algorithm's `PersonalizedProcess`.
 
     Raises:
-      KeyError: for an unknown `config.algorithm`.
+      KeyError: for an unknown `algorithm`.
+      ValueError: the process cannot be built for this data and model.
     """
-    return _ALGORITHMS[config.algorithm].build(config, spec, model_fn)
+    return _ALGORITHMS[algorithm].build(settings, spec, model_fn, config)

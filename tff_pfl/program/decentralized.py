@@ -6,7 +6,13 @@ the driver hands the star's state to the process as the SERVER value of one
 exchange and the neighbours' states as CLIENTS, then stores what comes back.
 The star and its neighbours spend two slots on the exchange (gather, then
 broadcast); in every other slot every client trains locally
-(`process.local_work`). One row of metrics per exchange interval.
+(`process.local_work`, one slot of local work each). One row of metrics per
+exchange interval.
+
+The loop reads what it needs from the process's declared properties
+(`template.ServerlessProcess`: `mode`, `max_neighbours`, `local_work`); the
+exchange settings come from the algorithm's settings through `run`'s
+arguments.
 """
 
 import collections
@@ -15,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
 from tff_pfl.program import training_loop
 
@@ -26,7 +33,7 @@ def run(
     intervals: int,
     exchange_interval: int,
     seed: int,
-    mean_reachable: float = 5.0,
+    mean_reachable: float | None = None,
     finetune_from: int | None = None,
     eval_every: int = 0,
     on_round: Callable[[Mapping], None] | None = None,
@@ -39,12 +46,15 @@ def run(
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
     Args:
-      process: a process built by `processes.kdpdfl.build_kdpdfl_process`.
+      process: a `template.ServerlessProcess`
+        (`processes.kdpdfl.build_kdpdfl_process`).
       client_ids: every client.
       intervals: number of exchange intervals (rows of metrics).
       exchange_interval: T_ex, slots per interval (>= 2).
       seed: seeds the star and neighbour draws.
-      mean_reachable: mean number of reachable peers (Rayleigh fading).
+      mean_reachable: mean number of reachable peers (Rayleigh fading),
+        `kd_mean_neighbours`; required unless `process.mode` is 'local'
+        (which never draws neighbours).
       finetune_from: slot from which exchanges stop and clients only train
         locally (FedAvg+); None: never.
       eval_every: evaluate every client every this many intervals (0: only at
@@ -61,13 +71,19 @@ def run(
       A `training_loop.RunResult` (its `rounds` are the intervals).
 
     Raises:
-      ValueError: if `exchange_interval` < 2, or the newest checkpoint in
-        `checkpoints` belongs to another run.
+      TypeError: if `process` is not a `template.ServerlessProcess`.
+      ValueError: if `exchange_interval` < 2, `mean_reachable` is missing for
+        a mode that exchanges, or the newest checkpoint in `checkpoints`
+        belongs to another run.
     """
     from processes import kdpdfl
 
+    if not isinstance(process, template.ServerlessProcess):
+        raise TypeError(f'decentralized.run takes a template.ServerlessProcess, got {type(process).__name__}')
     if exchange_interval < 2:
         raise ValueError(f'exchange_interval must be >= 2 (gather and broadcast slots), got {exchange_interval}')
+    if process.mode != 'local' and (mean_reachable is None or not mean_reachable > 0):
+        raise ValueError(f'mode {process.mode!r} draws neighbours: mean_reachable must be > 0, got {mean_reachable}')
     rng = np.random.default_rng([seed, 0x4B44])
     num_clients = len(client_ids)
     store = training_loop.ClientStateStore(process, client_ids, spill_dir=spill_dir)

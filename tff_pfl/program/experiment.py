@@ -24,106 +24,167 @@ import json
 import os
 import shutil
 import tempfile
+import typing
 from collections.abc import Callable
 
 from tff_pfl import models, runtime
+from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms, checkpoints, reports, training_loop
 
 
-class ConfigError(ValueError):
+class ConfigError(settings_lib.SettingsError):
     """A configuration that cannot run; the message is one line."""
 
 
-_NEEDS_PUBLIC = ('ktpfl', 'feddf', 'pfeddf')
-
 DEFAULT_MODELS = {'synthetic': 'logistic', 'mnist': 'mnist_dnn', 'fashion_mnist': 'mnist_dnn'}
+
+# Partition -> (ExperimentConfig field -> the partitioner's keyword argument).
+_PARTITION_FIELDS = {
+    'ds1': {'classes_per_client': 'k', 'examples_per_client': 'examples_per_client'},
+    'ds2': {'dirichlet_alpha': 'alpha'},
+    'dirichlet_clients': {'dirichlet_alpha': 'alpha'},
+    'dirichlet': {'dirichlet_alpha': 'alpha', 'examples_per_client': 'examples_per_client'},
+    'kd_dirichlet': {
+        'dirichlet_alpha': 'alpha',
+        'kd_split_sizes': ('min_train', 'max_train', 'val_examples', 'test_examples'),
+    },
+    'shards': {'classes_per_client': 'shards_per_client'},
+    'iid': {'examples_per_client': 'examples_per_client'},
+    'ds3': {'classes_per_client': 'classes_per_client'},
+    'kt_case1': {'kt_case1_counts': ('major', 'minor')},
+    'kt_case2': {'classes_per_client': 'classes_per_client', 'examples_per_class': 'examples_per_class'},
+    'natural': {},
+}
+_PARTITION_DEFAULTS = {'dirichlet': {'alpha': 0.9}}
+PARTITIONS = tuple(_PARTITION_FIELDS)
+
+_setting = settings_lib.setting
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
-    """Everything that defines a run; saved as `config.json`.
+class ExperimentConfig(settings_lib.Settings):
+    """Everything that defines a run: the common settings and the algorithm's.
 
-    Attributes mirror the `tff-pfl-train` flags; see `tff_pfl.cli.train`.
+    The common settings are the fields below; `settings` is the chosen
+    algorithm's settings dataclass (`algorithms.get(algorithm).settings`;
+    None: its defaults). The flat form (`to_dict`, `from_dict`) puts both side
+    by side: it is `config.json`, a `--config` file and a bench suite entry.
     """
 
     output_dir: str
-    algorithm: str = 'fedavg'
-    dataset: str = 'synthetic'
-    data_dir: str | None = None
-    download: bool = False
-    partition: str = 'natural'
-    num_clients: int = 30
-    classes_per_client: int | None = None
-    dirichlet_alpha: float | None = None
-    examples_per_client: int | None = None
-    examples_per_class: int | None = None
-    kt_case1_counts: tuple = (450, 150)
-    kd_split_sizes: tuple = (15, 100, 20, 100)
-    split_fractions: tuple = (0.6, 0.2, 0.2)
-    model: str | None = None
-    rounds: int = 100
-    client_fraction: float = 1.0
-    local_epochs: int = 1
-    local_steps: int = 0
-    batch_size: int = 10
-    client_learning_rate: float = 0.05
-    server_learning_rate: float = 1.0
-    eval_every: int = 10
-    checkpoint_every: int = 10
-    seed: int = 0
-    max_concurrent_clients: int = 2
-    # PersFL / PersFL-GD stage 2.
-    distill_epochs: int = 5
-    distill_batch_size: int = 32
-    distill_learning_rate: float = 0.01
-    temperatures: tuple = (1.0, 5.0, 9.0, 13.0, 17.0, 21.0, 25.0)
-    imitations: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
-    teacher: str = 'optimal'
-    # Self-FL.
-    selffl_max_steps: int = 40
-    selffl_default_steps: int = 20
-    warmup_rounds: int = 0
-    # KT-pFL (distillation settings above are shared).
-    architectures: tuple = ('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small')
-    public_examples: int = 0
-    public_batch: int = 1000
-    kt_temperature: float = 10.0
-    kt_coefficient_learning_rate: float = 0.1
-    kt_rho: float = 0.7
-    kt_c_update: str = 'paper'
-    # FedDF / pFedDF (distill_epochs: the server's passes per prototype).
-    finetune_epochs: int = 5
-    # KD-PDFL and its serverless baselines: --rounds counts exchange intervals.
-    exchange_interval: int = 5
-    kd_mean_neighbours: float = 5.0
-    kd_max_neighbours: int = 5
-    kd_mu1: float = 1.0
-    kd_mu2: float = 1.0
-    kd_c_base: float = 100.0
-    kd_distance_batch: int = 32
-    kd_distance_layer: int = -1
-    kd_broadcast: str = 'adopt'
-    finetune_from_slot: int = 150
-    # Runtime: a TFF worker someone runs at host:port (deploy/README.md); empty: a local one.
-    workers: tuple = ()
-    # Baselines (fedavg_ft uses finetune_epochs as its largest fine-tuning epoch count).
-    personal_layers: int = 1
-    ditto_lambda: float = 0.1
-    personal_epochs: int = 1
-    pfedme_lambda: float = 15.0
-    pfedme_inner_steps: int = 5
-    pfedme_personal_learning_rate: float = 0.09
-    pfedme_beta: float = 1.0
-    perfedavg_alpha: float = 0.01
-    perfedavg_delta: float = 0.001
-    apfl_alpha: float = 0.5
-    apfl_alpha_learning_rate: float = 0.01
+    algorithm: str = _setting('fedavg', 'Algorithm to run: ' + ', '.join(algorithms.names()) + '.')
+    # Data.
+    dataset: str = _setting('synthetic', 'synthetic[:alpha,beta] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH.')
+    data_dir: str | None = _setting(None, 'TFDS data directory.')
+    download: bool = _setting(False, 'Let TFDS download the dataset.')
+    partition: str = _setting('natural', ' | '.join(PARTITIONS) + ' (docs/data.md).')
+    num_clients: int = _setting(30, 'Number of clients.')
+    classes_per_client: int | None = _setting(
+        None, 'ds1: k (default 4); shards: shards per client (2); ds3, kt_case2: classes per client (2).'
+    )
+    dirichlet_alpha: float | None = _setting(
+        None, 'ds2, dirichlet, dirichlet_clients, kd_dirichlet: Dirichlet concentration (0.9; kd_dirichlet 0.1).'
+    )
+    examples_per_client: int | None = _setting(
+        None, 'ds1, iid, dirichlet: examples per client (default: as many as fit).'
+    )
+    examples_per_class: int | None = _setting(None, "kt_case2: examples of each of a client's classes (300).")
+    kt_case1_counts: tuple[int, ...] | None = _setting(
+        None, "kt_case1: examples per class of a group's own half of the classes, and of the other (450,150)."
+    )
+    kd_split_sizes: tuple[int, ...] | None = _setting(
+        None, 'kd_dirichlet: min and max training examples, validation and test examples per client (15,100,20,100).'
+    )
+    split_fractions: tuple[float, ...] = _setting((0.6, 0.2, 0.2), 'Train, validation, test fractions of each client.')
+    model: str | None = _setting(None, 'Model name; default: chosen from the dataset (and the algorithm).')
+    # The run.
+    rounds: int = _setting(100, 'Training rounds (serverless algorithms: exchange intervals).')
+    client_fraction: float = _setting(1.0, 'Clients sampled per round, in (0, 1].')
+    eval_every: int = _setting(10, 'Evaluate every client every N rounds (0: at the end only).')
+    checkpoint_every: int = _setting(
+        10,
+        'Write a checkpoint every this many rounds (0: never); rerun the same command in the same --output_dir to '
+        'continue an interrupted run.',
+    )
+    seed: int = _setting(0, 'Seed of the partition, the sampling and the training.')
+    max_concurrent_clients: int = _setting(2, 'Client computations the TFF worker runs at once (-1: no limit).')
+    workers: tuple[str, ...] = _setting(
+        (),
+        'host:port of each TFF worker_binary to run the rounds on (deploy/README.md); several split every round '
+        'over the workers; default: a local one.',
+    )
+    settings: settings_lib.Settings | None = None
 
-    def model_name(self) -> str:
-        """The model to use: the explicit one, else the dataset's default.
+    def __post_init__(self):
+        if self.settings is None and self.algorithm in algorithms.names():
+            object.__setattr__(self, 'settings', algorithms.get(self.algorithm).settings())
+
+    @classmethod
+    def common_fields(cls) -> list[str]:
+        """The names of the common settings (every field but `output_dir` and `settings`).
 
         Returns:
-          A `tff_pfl.models` registry name: `model` if set; else
+          Field names in declaration order.
+        """
+        return [f.name for f in dataclasses.fields(cls) if f.name not in ('output_dir', 'settings')]
+
+    @classmethod
+    def from_dict(cls, values, where: str = '') -> 'ExperimentConfig':
+        """A configuration from its flat form: common and algorithm settings side by side.
+
+        Args:
+          values: `name -> value`; `output_dir` is required unless given as
+            `values['output_dir']` later by the caller; `algorithm` defaults to
+            'fedavg'. Every other name is a common setting or one of the
+            algorithm's.
+          where: prefix of error messages (e.g. `'run.toml: '`).
+
+        Returns:
+          The (not yet validated) configuration.
+
+        Raises:
+          ConfigError: an unknown name, a name that does not apply to the
+            algorithm, or a value of the wrong type.
+        """
+        values = dict(values)
+        algorithm = values.get('algorithm', 'fedavg')
+        if algorithm not in algorithms.names():
+            raise ConfigError(f'{where}unknown algorithm {algorithm!r}; known: {", ".join(algorithms.names())}')
+        common_names = set(cls.common_fields()) | {'output_dir'}
+        common = {k: v for k, v in values.items() if k in common_names}
+        rest = {k: v for k, v in values.items() if k not in common_names}
+        settings_cls = algorithms.get(algorithm).settings
+        own = set(settings_cls.field_names())
+        for name in rest:
+            if name not in own:
+                if name in algorithms.all_setting_names():
+                    raise ConfigError(f'{where}{name} does not apply to {algorithm}')
+                raise ConfigError(f'{where}unknown setting {name!r}')
+        hints = typing.get_type_hints(cls)
+        try:
+            kwargs = {k: settings_lib.coerce(k, v, hints[k], where) for k, v in common.items()}
+            kwargs.setdefault('output_dir', '')
+            return cls(settings=settings_cls.from_dict(rest, where), **kwargs)
+        except settings_lib.SettingsError as e:
+            raise ConfigError(str(e)) from None
+
+    def to_dict(self) -> dict:
+        """The flat form: `output_dir`, the common settings, then the algorithm's.
+
+        Returns:
+          A JSON-ready dict (what `config.json` records).
+        """
+        flat = {'output_dir': self.output_dir}
+        flat.update((name, settings_lib.plain(getattr(self, name))) for name in self.common_fields())
+        flat.update(self.settings.to_dict())
+        return flat
+
+    def model_name(self) -> str:
+        """The model to use: the explicit one, else the dataset's (and algorithm's) default.
+
+        Returns:
+          A `tff_pfl.models` registry name: `model` if set; else the
+          algorithm's default for the dataset, if it has one; else
           `mnist_dnn` for `.npz` data, the `DEFAULT_MODELS` entry of the
           dataset, or `persfl_cnn`.
         """
@@ -132,93 +193,80 @@ class ExperimentConfig:
         base = self.dataset.split(':', 1)[-1] if self.dataset.startswith('tfds:') else self.dataset
         base = base.split(':', 1)[0]
         if base.endswith('.npz') or base == 'npz':
+            base = 'npz'
+        if self.algorithm in algorithms.names():
+            own = algorithms.get(self.algorithm).default_models.get(base)
+            if own:
+                return own
+        if base == 'npz':
             return 'mnist_dnn'
         return DEFAULT_MODELS.get(base, 'persfl_cnn')
 
     def partition_params(self) -> dict:
-        """Keyword arguments of the chosen partitioner.
+        """Keyword arguments of the chosen partitioner, from the fields that are set.
 
         Returns:
-          Parameter name -> value for `partition`; values may be None (unset
-          flags); empty for a partition without parameters.
+          Parameter name -> value for `partition` (unset fields are left to
+          the partitioner's defaults); empty for a partition without
+          parameters.
         """
-        params = {
-            'ds1': {'k': self.classes_per_client, 'examples_per_client': self.examples_per_client},
-            'ds2': {'alpha': self.dirichlet_alpha},
-            'dirichlet_clients': {'alpha': self.dirichlet_alpha},
-            'dirichlet': {
-                'alpha': 0.9 if self.dirichlet_alpha is None else self.dirichlet_alpha,
-                'examples_per_client': self.examples_per_client,
-            },
-            'kd_dirichlet': {
-                'alpha': self.dirichlet_alpha,
-                'min_train': int(self.kd_split_sizes[0]),
-                'max_train': int(self.kd_split_sizes[1]),
-                'val_examples': int(self.kd_split_sizes[2]),
-                'test_examples': int(self.kd_split_sizes[3]),
-            },
-            'shards': {'shards_per_client': self.classes_per_client},
-            'iid': {'examples_per_client': self.examples_per_client},
-            'ds3': {'classes_per_client': self.classes_per_client},
-            'kt_case1': {'major': int(self.kt_case1_counts[0]), 'minor': int(self.kt_case1_counts[1])},
-            'kt_case2': {'classes_per_client': self.classes_per_client, 'examples_per_class': self.examples_per_class},
-            'natural': {},
-        }
-        return params.get(self.partition, {})
+        params = dict(_PARTITION_DEFAULTS.get(self.partition, {}))
+        for field, names in _PARTITION_FIELDS.get(self.partition, {}).items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if isinstance(names, tuple):
+                params.update(zip(names, (int(v) for v in value)))
+            else:
+                params[names] = value
+        return params
 
-    def validate(self) -> 'ExperimentConfig':
-        """Returns self, or raises ConfigError on the first bad value.
-
-        Returns:
-          This configuration.
-
-        Raises:
-          ConfigError: on the first value that cannot run.
-        """
-        checks = [
-            (
-                self.algorithm in algorithms.names(),
-                f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}',
-            ),
-            (
-                self.model_name() in models.names(),
-                f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}',
-            ),
+    def _checks(self):
+        optional_positive = [
+            (name, getattr(self, name))
+            for name in ('classes_per_client', 'examples_per_class', 'examples_per_client')
+            if getattr(self, name) is not None
+        ]
+        applies = _PARTITION_FIELDS.get(self.partition, {})
+        stray = [
+            name
+            for name in (
+                'classes_per_client',
+                'dirichlet_alpha',
+                'examples_per_client',
+                'examples_per_class',
+                'kt_case1_counts',
+                'kd_split_sizes',
+            )
+            if getattr(self, name) is not None and name not in applies
+        ]
+        return super()._checks() + [
+            (self.partition in PARTITIONS, f'unknown partition {self.partition!r}; known: {", ".join(PARTITIONS)}'),
+            (not stray, f'--{stray[0] if stray else ""} does not apply to partition {self.partition}'),
             (self.rounds >= 1, f'rounds must be >= 1, got {self.rounds}'),
             (0.0 < self.client_fraction <= 1.0, f'client_fraction must be in (0, 1], got {self.client_fraction}'),
             (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
-            (self.local_epochs >= 1, f'local_epochs must be >= 1, got {self.local_epochs}'),
-            (self.batch_size >= 1, f'batch_size must be >= 1, got {self.batch_size}'),
-            (self.client_learning_rate > 0, f'client_learning_rate must be > 0, got {self.client_learning_rate}'),
-            (self.server_learning_rate > 0, f'server_learning_rate must be > 0, got {self.server_learning_rate}'),
             (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
             (self.checkpoint_every >= 0, f'checkpoint_every must be >= 0, got {self.checkpoint_every}'),
+            *[(value >= 1, f'{name} must be >= 1, got {value}') for name, value in optional_positive],
             (
-                self.classes_per_client is None or self.classes_per_client >= 1,
-                f'classes_per_client must be >= 1, got {self.classes_per_client}',
+                self.kt_case1_counts is None
+                or (len(self.kt_case1_counts) == 2 and all(c >= 1 for c in self.kt_case1_counts)),
+                f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts or ())}',
             ),
             (
-                self.examples_per_class is None or self.examples_per_class >= 1,
-                f'examples_per_class must be >= 1, got {self.examples_per_class}',
-            ),
-            (
-                len(self.kt_case1_counts) == 2 and all(int(c) == c and c >= 1 for c in self.kt_case1_counts),
-                f'kt_case1_counts must be two positive integers, got {list(self.kt_case1_counts)}',
-            ),
-            (
-                len(self.kd_split_sizes) == 4
-                and all(int(c) == c and c >= 1 for c in self.kd_split_sizes)
-                and self.kd_split_sizes[0] <= self.kd_split_sizes[1],
-                f'kd_split_sizes must be min_train <= max_train, val, test (positive integers), '
-                f'got {list(self.kd_split_sizes)}',
+                self.kd_split_sizes is None
+                or (
+                    len(self.kd_split_sizes) == 4
+                    and all(c >= 1 for c in self.kd_split_sizes)
+                    and self.kd_split_sizes[0] <= self.kd_split_sizes[1]
+                ),
+                'kd_split_sizes must be min_train <= max_train, val, test (positive integers), '
+                f'got {list(self.kd_split_sizes or ())}',
             ),
             (
                 self.dirichlet_alpha is None or self.dirichlet_alpha > 0,
                 f'dirichlet_alpha must be > 0, got {self.dirichlet_alpha}',
-            ),
-            (
-                self.examples_per_client is None or self.examples_per_client >= 1,
-                f'examples_per_client must be >= 1, got {self.examples_per_client}',
             ),
             (
                 len(self.split_fractions) == 3
@@ -230,87 +278,47 @@ class ExperimentConfig:
                 self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
                 f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}',
             ),
-            (self.distill_epochs >= 1, f'distill_epochs must be >= 1, got {self.distill_epochs}'),
-            (self.distill_batch_size >= 1, f'distill_batch_size must be >= 1, got {self.distill_batch_size}'),
-            (self.distill_learning_rate > 0, f'distill_learning_rate must be > 0, got {self.distill_learning_rate}'),
-            (
-                len(self.temperatures) >= 1 and all(t > 0 for t in self.temperatures),
-                f'temperatures must be positive numbers, got {list(self.temperatures)}',
-            ),
-            (
-                len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
-                f'imitations must be numbers in [0, 1], got {list(self.imitations)}',
-            ),
-            (self.teacher in ('optimal', 'final'), f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
-            (self.local_steps >= 0, f'local_steps must be >= 0, got {self.local_steps}'),
-            (self.selffl_max_steps >= 1, f'selffl_max_steps must be >= 1, got {self.selffl_max_steps}'),
-            (self.selffl_default_steps >= 1, f'selffl_default_steps must be >= 1, got {self.selffl_default_steps}'),
-            (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
-            (
-                all(a in models.names() for a in self.architectures),
-                f'unknown architecture in {list(self.architectures)}; known: {", ".join(models.names())}',
-            ),
-            (self.public_examples >= 0, f'public_examples must be >= 0, got {self.public_examples}'),
-            (
-                self.algorithm not in _NEEDS_PUBLIC or self.public_examples > 0,
-                f'{self.algorithm} needs --public_examples > 0',
-            ),
-            (
-                self.algorithm not in ('ktpfl', 'ktpfl_homo') or self.client_fraction == 1.0,
-                f'{self.algorithm} trains every client every round: --client_fraction=1',
-            ),
-            (self.finetune_epochs >= 0, f'finetune_epochs must be >= 0, got {self.finetune_epochs}'),
-            (self.exchange_interval >= 2, f'exchange_interval must be >= 2, got {self.exchange_interval}'),
-            (self.kd_mean_neighbours > 0, f'kd_mean_neighbours must be > 0, got {self.kd_mean_neighbours}'),
-            (self.kd_max_neighbours >= 1, f'kd_max_neighbours must be >= 1, got {self.kd_max_neighbours}'),
-            (
-                self.kd_mu1 >= 0 and self.kd_mu2 >= 0,
-                f'kd_mu1 and kd_mu2 must be >= 0, got {self.kd_mu1}, {self.kd_mu2}',
-            ),
-            (self.kd_c_base > 0, f'kd_c_base must be > 0, got {self.kd_c_base}'),
-            (self.kd_distance_batch >= 1, f'kd_distance_batch must be >= 1, got {self.kd_distance_batch}'),
-            (
-                self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
-                f'kd_distance_layer must be -1 (output) or >= 1, got {self.kd_distance_layer}',
-            ),
-            (self.kd_broadcast in ('adopt', 'keep'), f'kd_broadcast must be adopt or keep, got {self.kd_broadcast!r}'),
-            (self.finetune_from_slot >= 0, f'finetune_from_slot must be >= 0, got {self.finetune_from_slot}'),
-            (self.personal_layers >= 1, f'personal_layers must be >= 1, got {self.personal_layers}'),
-            (self.ditto_lambda >= 0, f'ditto_lambda must be >= 0, got {self.ditto_lambda}'),
-            (self.personal_epochs >= 1, f'personal_epochs must be >= 1, got {self.personal_epochs}'),
-            (self.pfedme_lambda > 0, f'pfedme_lambda must be > 0, got {self.pfedme_lambda}'),
-            (self.pfedme_inner_steps >= 1, f'pfedme_inner_steps must be >= 1, got {self.pfedme_inner_steps}'),
-            (
-                self.pfedme_personal_learning_rate > 0,
-                f'pfedme_personal_learning_rate must be > 0, got {self.pfedme_personal_learning_rate}',
-            ),
-            (self.pfedme_beta > 0, f'pfedme_beta must be > 0, got {self.pfedme_beta}'),
-            (self.perfedavg_alpha > 0, f'perfedavg_alpha must be > 0, got {self.perfedavg_alpha}'),
-            (self.perfedavg_delta > 0, f'perfedavg_delta must be > 0, got {self.perfedavg_delta}'),
-            (0 <= self.apfl_alpha <= 1, f'apfl_alpha must be in [0, 1], got {self.apfl_alpha}'),
-            (
-                self.apfl_alpha_learning_rate >= 0,
-                f'apfl_alpha_learning_rate must be >= 0, got {self.apfl_alpha_learning_rate}',
-            ),
-            (
-                self.algorithm != 'fedavg_ft' or self.finetune_epochs >= 1,
-                f'fedavg_ft needs --finetune_epochs >= 1, got {self.finetune_epochs}',
-            ),
-            (self.public_batch >= 1, f'public_batch must be >= 1, got {self.public_batch}'),
-            (self.kt_temperature > 0, f'kt_temperature must be > 0, got {self.kt_temperature}'),
-            (
-                self.kt_c_update in ('paper', 'released', 'fedmd', 'similarity', 'topk'),
-                f'kt_c_update must be paper, released, fedmd, similarity or topk, got {self.kt_c_update!r}',
-            ),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(message)
+
+    def validate(self) -> 'ExperimentConfig':
+        """Returns self, or raises ConfigError on the first value that cannot run.
+
+        Checks the common settings, that `settings` is the algorithm's
+        settings type and valid, the model against the algorithm, and the
+        algorithm's own conditions on the run (e.g. full participation).
+
+        Returns:
+          This configuration.
+
+        Raises:
+          ConfigError: on the first value that cannot run.
+        """
+        if self.algorithm not in algorithms.names():
+            raise ConfigError(f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}')
+        entry = algorithms.get(self.algorithm)
+        if type(self.settings) is not entry.settings:
+            raise ConfigError(f'{self.algorithm} takes {entry.settings.__name__}, got {type(self.settings).__name__}')
+        try:
+            super().validate()
+            self.settings.validate()
+        except ConfigError:
+            raise
+        except settings_lib.SettingsError as e:
+            raise ConfigError(str(e)) from None
+        if entry.own_architectures and self.model is not None:
+            raise ConfigError(
+                f'--model does not apply to {self.algorithm}: each client has its own architecture (--architectures)'
+            )
+        if self.model_name() not in models.names():
+            raise ConfigError(f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}')
+        problem = entry.check(self) if entry.check else None
+        if problem:
+            raise ConfigError(problem)
         if len(self.workers) > 1:
-            limit = algorithms.get(self.algorithm).not_one_aggregation
-            if limit:
+            if entry.not_one_aggregation:
                 raise ConfigError(
-                    f'--workers: {self.algorithm} cannot be split over several workers: {limit}; give one worker'
+                    f'--workers: {self.algorithm} cannot be split over several workers: {entry.not_one_aggregation}; '
+                    'give one worker'
                 )
             if len(set(self.workers)) != len(self.workers):
                 raise ConfigError(f'--workers: an address repeats: {",".join(self.workers)}')
@@ -320,6 +328,24 @@ class ExperimentConfig:
             except ValueError as e:
                 raise ConfigError(f'--workers: {e}') from None
         return self
+
+
+def make_config(**values) -> ExperimentConfig:
+    """`ExperimentConfig.from_dict(values)`: a configuration from flat keyword arguments.
+
+    Args:
+      **values: `output_dir`, `algorithm` and any common or algorithm
+        setting, e.g. `make_config(output_dir='runs/x', algorithm='persfl',
+        rounds=50, distill_epochs=5)`.
+
+    Returns:
+      The (not yet validated) configuration.
+
+    Raises:
+      ConfigError: a name that does not apply to the algorithm, or a value
+        of the wrong type.
+    """
+    return ExperimentConfig.from_dict(values)
 
 
 def prepare_output_dir(path: str, overwrite: bool) -> None:
@@ -348,11 +374,32 @@ def prepare_output_dir(path: str, overwrite: bool) -> None:
         raise ConfigError(f'output_dir {path} is not writable: {e.strerror}') from None
 
 
-def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], None] = print):
-    """Partitions the dataset into `out`: `client_data/`, `config.json`, `partition.csv` and `.png`.
+def public_examples(config: ExperimentConfig) -> int:
+    """Examples the algorithm needs set aside as public data.
 
-    The data and `config.json` are written to a staging directory first and
-    renamed to `out` (replacing it) in one step.
+    Args:
+      config: the run's configuration.
+
+    Returns:
+      The algorithm's `public_examples` setting; 0 for an algorithm without
+      public data.
+    """
+    from tff_pfl.computations import heterogeneous
+
+    if isinstance(config.settings, heterogeneous.PublicKnowledge):
+        return config.settings.public_examples
+    return 0
+
+
+def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] = print):
+    """Writes a new run's client data and config, and builds its process; all or nothing.
+
+    The client data, `config.json` and the partition summary are written to a
+    staging directory beside `out`; the algorithm's process is built (its
+    model against the data, the algorithm's checks against the model) for
+    the data's final place, `out/client_data`; only then is the staging
+    directory renamed to `out` (replacing it). On any failure nothing is
+    left: `out` is as it was.
 
     Args:
       config: a validated configuration.
@@ -360,11 +407,13 @@ def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], N
       log: receives one line about the data.
 
     Returns:
-      The `client_data.ClientDataSpec` rooted at `out/client_data`.
+      `(spec, process)`: the `client_data.ClientDataSpec` rooted at
+      `out/client_data`, and the built `PersonalizedProcess`.
 
     Raises:
-      sources.DataError, partition.PartitionError: bad input; nothing is
-        written then.
+      ConfigError: the model or the process cannot be built for this data
+        (one line, e.g. a convolutional model on vector features).
+      sources.DataError, partition.PartitionError: bad data or partition.
     """
     from tff_pfl.data import pipeline
 
@@ -377,27 +426,50 @@ def write_client_data(config: ExperimentConfig, out: str, log: Callable[[str], N
             num_clients=config.num_clients,
             seed=config.seed,
             split_fractions=config.split_fractions,
-            partition_params={k: v for k, v in config.partition_params().items() if v is not None},
+            partition_params=config.partition_params(),
             data_dir=config.data_dir,
             download=config.download,
-            public_examples=config.public_examples,
+            public_examples=public_examples(config),
         )
         with open(os.path.join(staging, 'config.json'), 'w') as f:
-            json.dump(dataclasses.asdict(config), f, indent=2)
+            json.dump(config.to_dict(), f, indent=2)
+        spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
+        _write_partition_summary(staging, spec, prepared.class_histogram)
+        process = build_process(config, spec)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
-    _write_partition_summary(out, spec, prepared.class_histogram)
     log(
         f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
         f'{sum(spec.split_sizes["test"])}'
     )
-    return spec
+    return spec, process
+
+
+def build_process(config: ExperimentConfig, spec):
+    """Builds the algorithm's process for `spec`; one-line ConfigError when it cannot be.
+
+    Args:
+      config: a validated configuration.
+      spec: the run's `client_data.ClientDataSpec`.
+
+    Returns:
+      The algorithm's `PersonalizedProcess`.
+
+    Raises:
+      ConfigError: the model does not take the data, or the algorithm does
+        not take the model (e.g. FedPer's personal layers, PersFL's stacked
+        grid), with the builder's message.
+    """
+    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
+    try:
+        return algorithms.build(config.algorithm, config.settings, spec, model_fn, config)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f'{config.algorithm} cannot run on this data and model: {e}') from None
 
 
 class RunComplete(Exception):
@@ -423,7 +495,9 @@ def _saved_config(out: str) -> dict | None:
 
 
 def _changed_fields(saved: dict, config: ExperimentConfig) -> list[str]:
-    current = json.loads(json.dumps(dataclasses.asdict(config)))
+    # The flat form holds only the common settings and the chosen algorithm's:
+    # a setting of another algorithm can neither be set nor differ.
+    current = json.loads(json.dumps(config.to_dict()))
     return [
         f'{k}: {saved.get(k)!r} -> {current[k]!r}'
         for k in current
@@ -483,6 +557,7 @@ def run_experiment(
         from tff_pfl.data import client_data
 
         spec = client_data.load_client_data_spec(os.path.join(out, 'client_data'))
+        process = build_process(config, spec)
         log(f'continuing the run in {out}')
         # Rows past the last checkpoint are rewritten as the rounds are run again.
         for stale in ('metrics.csv', 'tensorboard'):
@@ -492,9 +567,7 @@ def run_experiment(
             elif os.path.exists(path):
                 os.remove(path)
     else:
-        spec = write_client_data(config, out, log)
-    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
-    process = algorithms.build(config, spec, model_fn)
+        spec, process = prepare_run(config, out, log)
     if on_process is not None:
         on_process(process)
     metrics_path = os.path.join(out, 'metrics.csv')
@@ -525,7 +598,7 @@ def run_experiment(
             )
             custom_run = algorithms.get(config.algorithm).run
             if custom_run is not None:
-                result = custom_run(process, spec, config, **loop)
+                result = custom_run(process, spec, config, config.settings, **loop)
             else:
                 result = training_loop.run(
                     process,
@@ -683,4 +756,6 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         '![partition](partition.png)',
     ]
     lines += [f'![{title}]({path})' for title, path in extra_plots]
+    lines += ['', f'## Settings ({config.algorithm} and common; `config.json` holds the same)', '']
+    lines += [f'- `{name}`: {json.dumps(value)}' for name, value in config.to_dict().items() if name != 'output_dir']
     return '\n'.join(lines) + '\n'

@@ -26,8 +26,6 @@ algorithm's process and writes to `config.output_dir`:
 """
 
 import collections
-import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -39,7 +37,6 @@ from importlib import metadata
 
 import tensorflow_federated as tff
 
-from tff_pfl import models
 from tff_pfl.program import algorithms, experiment
 
 MANIFEST = 'manifest.json'
@@ -146,21 +143,16 @@ def export(
     config.validate()
     out = os.path.abspath(config.output_dir)
     experiment.prepare_output_dir(out, overwrite)
-    spec = experiment.write_client_data(config, out, log)
+    spec, process = experiment.prepare_run(config, out, log)
     try:
-        manifest = _export_into(out, config, spec, log)
+        manifest = _export_into(out, config, spec, process, log)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
     return manifest
 
 
-def _export_into(out, config, spec, log) -> collections.OrderedDict:
-    model_fn = functools.partial(models.get(config.model_name()), spec.feature_shape, spec.num_classes)
-    try:
-        process = algorithms.build(config, spec, model_fn)
-    except ValueError as e:  # e.g. a model that does not fit the data
-        raise experiment.ConfigError(str(e)) from None
+def _export_into(out, config, spec, process, log) -> collections.OrderedDict:
     limit = algorithms.get(config.algorithm).not_one_aggregation
     manifest = collections.OrderedDict(
         format_version=FORMAT_VERSION,
@@ -174,7 +166,7 @@ def _export_into(out, config, spec, log) -> collections.OrderedDict:
         phases=list(process.device.phases) if process.device is not None else [],
         forms=collections.OrderedDict(),
         computations=collections.OrderedDict(),
-        config=dataclasses.asdict(config),
+        config=config.to_dict(),
     )
     for name, comp in exported_computations(process).items():
         manifest['computations'][name] = _write_computation(out, f'computations/{name}.pb', comp)

@@ -1,0 +1,420 @@
+"""The report of a benchmark suite: its complete runs aggregated, tabled and plotted.
+
+Reads the `bench_result.json` of every complete run of a suite's output
+directory (`bench_run`) and writes, next to them (`write_report`):
+
+    <output_dir>/results.csv           one row per run and client
+    <output_dir>/summary.csv           one row per partition and algorithm
+    <output_dir>/report.md             the tables and plots below
+    <output_dir>/curves_<p>.png, clients_<p>.png, std_<p>.png
+"""
+
+import collections
+import json
+import os
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+from tff_pfl.program import bench_run, bench_suite, reports
+
+
+def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
+    """The `bench_result.json` of every complete run of the suite, in `runs()` order.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's directory.
+
+    Returns:
+      The records, each with the `Run` under `'run'`.
+
+    Raises:
+      bench_suite.SuiteError: complete runs of one (partition, seed) have
+        different partitions.
+    """
+    records, reference = [], {}
+    for run in suite.runs():
+        path = os.path.join(run.directory(output_dir), bench_run.RESULT_FILE)
+        if not os.path.exists(path):
+            continue
+        with open(path, encoding='utf-8') as f:
+            record = json.load(f)
+        record['run'] = run
+        key = (run.partition.name, run.seed)
+        if key not in reference:
+            reference[key] = record
+        elif record['partition_csv'] != reference[key]['partition_csv']:
+            raise bench_suite.SuiteError(
+                f'runs {reference[key]["run"].label} and {run.label} trained on different partitions'
+            )
+        records.append(record)
+    return records
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _stdev(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict]:
+    """One summary row per (partition, algorithm) with at least one complete run.
+
+    Accuracies are in %: `accuracy_mean` is the mean over seeds of the
+    across-client mean, `accuracy_std_over_seeds` its standard deviation over
+    seeds (n - 1), `client_std` the mean over seeds of the across-client
+    (population) standard deviation, `worst_10` the mean over seeds of the
+    mean of the worst 10% of clients, `per_client` client i's accuracy
+    averaged over seeds.
+
+    Args:
+      suite: the suite.
+      records: `load_results(...)`.
+
+    Returns:
+      The rows, partition-major, algorithms in suite order.
+    """
+    rows = []
+    for partition in suite.partitions:
+        for algorithm in suite.algorithms:
+            mine = [r for r in records if r['run'].partition is partition and r['run'].algorithm is algorithm]
+            if not mine:
+                continue
+            model = algorithm.model
+            means = [100 * r['summary'][model]['mean'] for r in mine]
+            stds = [100 * r['summary'][model]['std'] for r in mine]
+            worst = [100 * r['summary'][model]['worst_10'] for r in mine]
+            num_clients = len(mine[0]['clients'])
+            if any(len(r['clients']) != num_clients for r in mine):
+                raise bench_suite.SuiteError(
+                    f'runs of {partition.name}/{algorithm.name} have different numbers of clients'
+                )
+            per_client = [statistics.fmean(100 * r['clients'][i]['accuracy'] for r in mine) for i in range(num_clients)]
+            reached = [r['rounds_to_target'] for r in mine if r['rounds_to_target'] is not None]
+            communication = [r['communication'] for r in mine]
+            rows.append(
+                collections.OrderedDict(
+                    partition=partition.name,
+                    algorithm=algorithm.name,
+                    model=model,
+                    seeds=' '.join(str(r['seed']) for r in mine),
+                    runs=f'{len(mine)}/{len(suite.seeds)}',
+                    accuracy_mean=statistics.fmean(means),
+                    accuracy_std_over_seeds=_stdev(means),
+                    client_std=statistics.fmean(stds),
+                    client_std_over_seeds=_stdev(stds),
+                    worst_10=statistics.fmean(worst),
+                    rounds=mine[0]['rounds'],
+                    rounds_to_target=_mean(reached),
+                    rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
+                    bytes_down_per_client_per_round=_mean(
+                        c.get('bytes_down_per_client_per_round') for c in communication
+                    ),
+                    bytes_up_per_client_per_round=_mean(c.get('bytes_up_per_client_per_round') for c in communication),
+                    bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
+                    bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
+                    minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
+                    per_client=per_client,
+                )
+            )
+    return rows
+
+
+def write_report(suite: bench_suite.Suite, output_dir: str, *, log: Callable[[str], None] = print) -> list[dict]:
+    """Writes results.csv, summary.csv, report.md and the plots from the complete runs.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's directory (holding `suite.toml`).
+      log: receives where the report is.
+
+    Returns:
+      `aggregate`'s rows.
+    """
+    output_dir = os.path.abspath(output_dir)
+    with bench_run.locked(os.path.join(output_dir, '.lock')):
+        records = load_results(suite, output_dir)
+        rows = aggregate(suite, records)
+        reports.write_csv(
+            os.path.join(output_dir, 'results.csv'),
+            [
+                collections.OrderedDict(
+                    partition=r['partition'],
+                    algorithm=r['algorithm'],
+                    seed=r['seed'],
+                    client=i,
+                    client_id=c['client_id'],
+                    model=r['model'],
+                    accuracy=c['accuracy'],
+                )
+                for r in records
+                for i, c in enumerate(r['clients'])
+            ],
+        )
+        reports.write_csv(
+            os.path.join(output_dir, 'summary.csv'),
+            [{k: v for k, v in row.items() if k != 'per_client'} for row in rows],
+        )
+        plots = _write_plots(suite, output_dir, records, rows)
+        commands = (bench_run.file_text(os.path.join(output_dir, bench_run.COMMANDS_FILE)) or '').splitlines()
+        text = render_report(suite, output_dir, records, rows, plots, commands)
+        reports.write_text_atomic(os.path.join(output_dir, 'report.md'), text)
+    log(f'report: {os.path.join(output_dir, "report.md")} ({len(records)} of {len(suite.runs())} runs complete)')
+    return rows
+
+
+def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
+    plots = []
+    for partition in suite.partitions:
+        mine = [row for row in rows if row['partition'] == partition.name]
+        if not mine:
+            continue
+        labels = [row['algorithm'] for row in mine]
+        curves = collections.defaultdict(dict)
+        for row in mine:
+            points = collections.defaultdict(list)
+            for record in records:
+                if record['run'].partition is partition and record['algorithm'] == row['algorithm']:
+                    for point in record['curve']:
+                        points[point['round']].append(100 * point['accuracy'])
+            for round_num, values in points.items():
+                curves[round_num][row['algorithm']] = statistics.fmean(values)
+        curve_rows = [{'round': r, **curves[r]} for r in sorted(curves)]
+        name = f'curves_{partition.slug}.png'
+        reports.plot_curves(
+            curve_rows,
+            'round',
+            labels,
+            os.path.join(output_dir, name),
+            f"{suite.name}, {partition.name}: test accuracy of each algorithm's model (mean over seeds)",
+            'test accuracy (%)',
+        )
+        plots.append((f'Test accuracy per round, {partition.name}', name))
+        num_clients = max(len(row['per_client']) for row in mine)
+        series = {row['algorithm']: row['per_client'] for row in mine if len(row['per_client']) == num_clients}
+        name = f'clients_{partition.slug}.png'
+        reports.plot_client_bars(
+            [str(i) for i in range(num_clients)],
+            series,
+            os.path.join(output_dir, name),
+            f'{suite.name}, {partition.name}: test accuracy per client (mean over seeds)',
+            'test accuracy (%)',
+        )
+        plots.append((f'Per-client accuracy, {partition.name}', name))
+        name = f'std_{partition.slug}.png'
+        reports.plot_bars(
+            labels,
+            [row['client_std'] for row in mine],
+            os.path.join(output_dir, name),
+            f'{suite.name}, {partition.name}: std of accuracy across clients (error bar: std over seeds)',
+            'std across clients (%)',
+            errors=[row['client_std_over_seeds'] for row in mine],
+        )
+        plots.append((f'Std across clients, {partition.name}', name))
+    return plots
+
+
+def _display_path(path: str) -> str:
+    """`path` relative to the working directory when it is inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith('..') else relative
+
+
+def _kilobytes(value: float | None) -> str:
+    return '' if value is None else f'{value / 1e3:.1f}'
+
+
+def _pct(value: float | None, decimals: int = 2) -> str:
+    return '' if value is None else f'{value:.{decimals}f}'
+
+
+def _mean_std(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return ''
+    return _pct(mean) if std is None else f'{_pct(mean)} ± {_pct(std)}'
+
+
+def paper_table(suite: bench_suite.Suite, rows: Sequence[Mapping]) -> tuple[list, list]:
+    """The PersFL paper's Table 3 shape: User i rows, Avg. Acc., Std Dev.
+
+    Columns are `<algorithm> <partition>`, grouped by algorithm. A cell is
+    client i's test accuracy (%) averaged over seeds; Avg. Acc. is the mean
+    over seeds of the across-client mean and Std Dev the mean over seeds of
+    the across-client (population) standard deviation.
+
+    Args:
+      suite: the suite.
+      rows: `aggregate`'s rows.
+
+    Returns:
+      `(table rows, columns)` for `reports.markdown_table`.
+    """
+    by_key = {(row['algorithm'], row['partition']): row for row in rows}
+    columns = ['']
+    for algorithm in suite.algorithms:
+        for partition in suite.partitions:
+            if (algorithm.name, partition.name) in by_key:
+                columns.append(f'{algorithm.name} {partition.name}')
+    num_clients = max([len(row['per_client']) for row in rows] or [0])
+    table = [{'': f'User {i}'} for i in range(num_clients)]
+    table += [{'': 'Avg. Acc.'}, {'': 'Std Dev'}]
+    for (algorithm, partition), row in by_key.items():
+        column = f'{algorithm} {partition}'
+        for i, value in enumerate(row['per_client']):
+            table[i][column] = _pct(value)
+        table[num_clients][column] = _pct(row['accuracy_mean'])
+        table[num_clients + 1][column] = _pct(row['client_std'])
+    return table, columns
+
+
+def render_report(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    records: Sequence[Mapping],
+    rows: Sequence[Mapping],
+    plots: Sequence[tuple[str, str]],
+    commands: Sequence[str],
+) -> str:
+    """The markdown report of a suite's complete runs.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's directory.
+      records: `load_results(...)`.
+      rows: `aggregate(...)`.
+      plots: `(title, file)` of the plots.
+      commands: the recorded invocations.
+
+    Returns:
+      The report's text.
+    """
+    total = len(suite.runs())
+    defaults = ', '.join(f'{k}={v}' for k, v in suite.defaults.items())
+    lines = [f'# {suite.name}', '']
+    if suite.description:
+        lines += [suite.description.strip(), '']
+    lines += [
+        f'Suite `{suite.path}`; seeds {", ".join(str(s) for s in suite.seeds)}; {len(records)} of {total} runs '
+        'complete.',
+        f'Defaults: {defaults}.',
+        '',
+        '## Test accuracy per client (%)',
+        '',
+        "Each cell is client i's test accuracy of the algorithm's model, averaged over seeds. Avg. Acc. is the",
+        'mean over seeds of the across-client mean; Std Dev the mean over seeds of the across-client (population)',
+        'standard deviation of each run (so it is not the std of the column above, which is seed-averaged).',
+        '',
+    ]
+    table, columns = paper_table(suite, rows)
+    lines += [reports.markdown_table(table, columns) if rows else '(no complete runs)', '']
+    lines += [
+        '## Ours vs the paper (%)',
+        '',
+        'ours: mean over seeds ± std over seeds of the across-client mean; std: mean over seeds of the',
+        'across-client std; worst 10%: mean over seeds of the mean of the worst 10% of clients; diff: ours - paper.',
+        '',
+    ]
+    comparison = []
+    for row in rows:
+        paper_mean, paper_std = suite.paper.get(row['algorithm'], {}).get(row['partition'], (None, None))
+        comparison.append(
+            {
+                'algorithm': row['algorithm'],
+                'partition': row['partition'],
+                'model': row['model'],
+                'runs': row['runs'],
+                'ours': _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds']),
+                'ours std': _pct(row['client_std']),
+                'worst 10%': _pct(row['worst_10']),
+                'paper': _pct(paper_mean, 1),
+                'paper std': _pct(paper_std, 1),
+                'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
+                'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
+            }
+        )
+    columns = [
+        'algorithm',
+        'partition',
+        'model',
+        'runs',
+        'ours',
+        'ours std',
+        'worst 10%',
+        'paper',
+        'paper std',
+        'diff',
+        'diff std',
+    ]
+    lines += [reports.markdown_table(comparison, columns), '']
+    target = (
+        'no target_accuracy set'
+        if suite.target_accuracy is None
+        else (
+            f'first evaluated round whose mean test accuracy across clients is >= {100 * suite.target_accuracy:g}%, '
+            'averaged over the seeds that reach it (reached: seeds that do)'
+        )
+    )
+    lines += [
+        '## Communication and rounds to target',
+        '',
+        f'Rounds to target: {target}. A model made by a final `personalize` stage exists only at the last round.',
+        "Communication: bytes of one round per participating client, read from the round's type signature",
+        '(`audit.communication_bytes`: every `federated_broadcast` down, every CLIENTS -> SERVER aggregation up),',
+        "times the clients of each round, summed over the rounds, plus a final `personalize` stage's bytes for",
+        'every client; divided by the number of clients. Evaluation is not counted. kB = 10^3 bytes, MB = 10^6.',
+        "Per round: one participating client's bytes in one training round.",
+        '',
+    ]
+    cost = []
+    for row in rows:
+        cost.append(
+            {
+                'algorithm': row['algorithm'],
+                'partition': row['partition'],
+                'rounds': row['rounds'],
+                'rounds to target': f'{row["rounds_to_target"]:.1f}'
+                if row['rounds_to_target'] is not None
+                else ('not reached' if suite.target_accuracy is not None else ''),
+                'reached': row['rounds_to_target_reached'],
+                'kB down / client / round': _kilobytes(row['bytes_down_per_client_per_round']),
+                'kB up / client / round': _kilobytes(row['bytes_up_per_client_per_round']),
+                'MB down / client': ''
+                if row['bytes_down_per_client'] is None
+                else f'{row["bytes_down_per_client"] / 1e6:.3f}',
+                'MB up / client': ''
+                if row['bytes_up_per_client'] is None
+                else f'{row["bytes_up_per_client"] / 1e6:.3f}',
+                'minutes / run': f'{row["minutes_per_run"]:.2f}',
+            }
+        )
+    columns = [
+        'algorithm',
+        'partition',
+        'rounds',
+        'rounds to target',
+        'reached',
+        'kB down / client / round',
+        'kB up / client / round',
+        'MB down / client',
+        'MB up / client',
+        'minutes / run',
+    ]
+    lines += [reports.markdown_table(cost, columns), '']
+    lines += [
+        '## Commands',
+        '',
+        'Reproduce (skips complete runs; add `--seeds=`, `--algorithms=`, `--partitions=` to split the work):',
+        '',
+        f'    tff-pfl-bench --suite={suite.path} --output_dir={_display_path(output_dir)}',
+        '',
+    ]
+    if commands:
+        lines += ['Invocations that wrote this directory:', '']
+        lines += [f'    {command}' for command in commands]
+        lines += ['']
+    lines += [f'![{title}]({path})' for title, path in plots]
+    return '\n'.join(lines) + '\n'

@@ -1,0 +1,464 @@
+"""Running a benchmark suite: every run not complete yet, resumable, split over processes.
+
+Every (partition, algorithm, seed) of a suite (`bench_suite`) is one
+`experiment.run_experiment` run in its own directory; the harness skips runs
+that are already complete, so a suite can be resumed after an interruption,
+run in several sittings, or split over processes by seed, algorithm or
+partition. At the end `run_suite` aggregates whatever is complete into the
+report (`bench_report`).
+
+Output directory (`run_suite`):
+
+    <output_dir>/suite.toml            the suite the results belong to
+    <output_dir>/commands.txt          every invocation, one per line
+    <output_dir>/runs/<partition>/<algorithm>/seed<k>/
+                                       a `run_experiment` directory, plus
+                                       bench_result.json, written last: a
+                                       run is complete when it exists
+    <output_dir>/results.csv, summary.csv, report.md and plots: `bench_report`
+"""
+
+import collections
+import contextlib
+import dataclasses
+import fcntl
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+
+import tensorflow_federated as tff
+
+from tff_pfl.computations import audit
+from tff_pfl.program import bench_suite, experiment, reports
+
+RESULT_FILE = 'bench_result.json'
+SUITE_FILE = 'suite.toml'
+COMMANDS_FILE = 'commands.txt'
+
+
+# ----------------------------------------------------------------------------
+# The output directory.
+
+
+@contextlib.contextmanager
+def locked(path: str):
+    """An exclusive `flock` on `path` (created if needed), released on exit.
+
+    Args:
+      path: the lock file, e.g. `<output_dir>/.lock`.
+
+    Yields:
+      None, with the lock held.
+    """
+    with open(path, 'a') as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def file_text(path: str) -> str | None:
+    """The text of a file, or None when it does not exist.
+
+    Args:
+      path: the file.
+
+    Returns:
+      Its text (UTF-8), or None.
+    """
+    try:
+        with open(path, encoding='utf-8') as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _stored_suite(output_dir: str) -> str | None:
+    path = os.path.join(output_dir, SUITE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding='utf-8') as f:
+        return f.read()
+
+
+def _same_suite(stored: str, suite: bench_suite.Suite) -> bool:
+    """Same parsed content (comments and layout aside)."""
+    try:
+        return tomllib.loads(stored) == tomllib.loads(suite.text)
+    except tomllib.TOMLDecodeError:
+        return False
+
+
+def _check_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool) -> None:
+    """Refuses an output directory that cannot hold this suite's results; writes nothing."""
+    if os.path.exists(output_dir):
+        if not os.path.isdir(output_dir):
+            raise bench_suite.SuiteError(f'output_dir {output_dir} exists and is not a directory')
+        stored = _stored_suite(output_dir)
+        if not overwrite:
+            if stored is None and os.listdir(output_dir):
+                raise bench_suite.SuiteError(
+                    f'output_dir {output_dir} is not empty and holds no benchmark; pass --overwrite to replace it'
+                )
+            if stored is not None and not _same_suite(stored, suite):
+                raise bench_suite.SuiteError(
+                    f'output_dir {output_dir} holds results of a different suite '
+                    f'(see {os.path.join(output_dir, SUITE_FILE)}); pass --overwrite to replace them'
+                )
+        probe_dir = output_dir
+    else:
+        probe_dir = os.path.dirname(output_dir) or '.'
+        while not os.path.exists(probe_dir):
+            probe_dir = os.path.dirname(probe_dir) or '.'
+    try:
+        tempfile.NamedTemporaryFile(dir=probe_dir, prefix='.probe.').close()
+    except OSError as e:
+        raise bench_suite.SuiteError(f'output_dir {output_dir} is not writable: {e.strerror}') from None
+
+
+def _prepare_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool, command: str | None) -> None:
+    _check_output_dir(suite, output_dir, overwrite)
+    os.makedirs(output_dir, exist_ok=True)
+    with locked(os.path.join(output_dir, '.lock')):
+        stored = _stored_suite(output_dir)
+        if overwrite:
+            for name in os.listdir(output_dir):
+                if name == '.lock':
+                    continue
+                path = os.path.join(output_dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+        elif stored is not None and not _same_suite(stored, suite):  # another process got here first
+            raise bench_suite.SuiteError(f'output_dir {output_dir} holds results of a different suite')
+        if _stored_suite(output_dir) is None:
+            reports.write_text_atomic(os.path.join(output_dir, SUITE_FILE), suite.text)
+        if command:
+            with open(os.path.join(output_dir, COMMANDS_FILE), 'a', encoding='utf-8') as f:
+                f.write(command.replace('\n', ' ') + '\n')
+
+
+def check_report_dir(suite: bench_suite.Suite, output_dir: str) -> None:
+    """Raises `bench_suite.SuiteError` unless `output_dir` holds results of `suite`.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's output directory.
+    """
+    if not os.path.isdir(output_dir):
+        raise bench_suite.SuiteError(f'output_dir {output_dir} does not exist')
+    stored = _stored_suite(output_dir)
+    if stored is None:
+        raise bench_suite.SuiteError(f'output_dir {output_dir} holds no benchmark ({SUITE_FILE} is missing)')
+    if not _same_suite(stored, suite):
+        raise bench_suite.SuiteError(
+            f'output_dir {output_dir} holds results of a different suite (see {os.path.join(output_dir, SUITE_FILE)})'
+        )
+
+
+def _check_data(suite: bench_suite.Suite, runs: Sequence[bench_suite.Run]) -> None:
+    """Data files named by the selected runs exist (cheap; before anything is written)."""
+    for run in runs:
+        dataset = suite.config(run.partition, run.algorithm, run.seed).dataset
+        kind, _, arg = dataset.partition(':')
+        path = arg if kind in ('npz', 'folder') else (dataset if dataset.endswith('.npz') else None)
+        if path is not None and not os.path.exists(path):
+            raise bench_suite.SuiteError(
+                f'{suite.path}: dataset {dataset!r} of partitions "{run.partition.name}": '
+                f'{path} not found (paths are relative to the working directory)'
+            )
+
+
+# ----------------------------------------------------------------------------
+# Running.
+
+
+def _format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
+
+
+def _one_line(error: BaseException) -> str:
+    return ' '.join(str(error).split())
+
+
+class _RunLog:
+    """A run's own progress lines, appended to `<run dir>/progress.log`."""
+
+    def __init__(self, directory: str):
+        self._path = os.path.join(directory, 'progress.log')
+        self._pending = []
+
+    def __call__(self, line: str) -> None:
+        self._pending.append(line)
+        if os.path.isdir(os.path.dirname(self._path)):  # run_experiment creates it
+            with open(self._path, 'a', encoding='utf-8') as f:
+                f.write('\n'.join(self._pending) + '\n')
+            self._pending = []
+
+
+def _reference_partition(
+    suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run
+) -> tuple[str | None, str | None]:
+    """`partition.csv` of the first complete run of the same (partition, seed)."""
+    for other in suite.runs():
+        if other.partition is run.partition and other.seed == run.seed and other != run:
+            directory = other.directory(output_dir)
+            if os.path.exists(os.path.join(directory, RESULT_FILE)):
+                return other.label, file_text(os.path.join(directory, 'partition.csv'))
+    return None, None
+
+
+def _check_process(run: bench_suite.Run, process, partition_text: str | None, reference) -> dict:
+    """Before training: the chosen model exists, the partition is shared; communication."""
+    models = [name for name, _ in tff.structure.iter_elements(process.evaluate.type_signature.result.member)]
+    if run.algorithm.model not in models:
+        raise bench_suite.SuiteError(
+            f'algorithms "{run.algorithm.name}" ({run.algorithm.algorithm}) evaluates '
+            f'{", ".join(models)}, not model {run.algorithm.model!r}'
+        )
+    reference_label, reference_text = reference
+    if reference_text is not None and partition_text != reference_text:
+        raise bench_suite.SuiteError(
+            f'run {run.label} trains on another partition than {reference_label} '
+            '(partition.csv differs); every algorithm of a partition must share it'
+        )
+    communication = {'has_personalize': process.personalize is not None}
+    try:
+        communication.update(audit.communication_bytes(process.next))
+        if process.personalize is not None:
+            personalize = audit.communication_bytes(process.personalize)
+            communication['personalize_bytes_down_per_client'] = personalize['bytes_down_per_client']
+            communication['personalize_bytes_up_per_client'] = personalize['bytes_up_per_client']
+    except ValueError as e:  # a type without a fixed size
+        communication['error'] = _one_line(e)
+    return communication
+
+
+def _participants(config: experiment.ExperimentConfig, num_clients: int, row: Mapping) -> int:
+    if row.get('num_clients') is not None:
+        return int(row['num_clients'])
+    if config.client_fraction >= 1.0:
+        return num_clients
+    return max(1, int(math.ceil(config.client_fraction * num_clients)))
+
+
+def communication_totals(
+    per_call: Mapping, config: experiment.ExperimentConfig, rounds: Sequence[Mapping], num_clients: int
+) -> dict:
+    """Bytes of a whole run from the bytes of one call per client.
+
+    Args:
+      per_call: `_check_process`'s communication: `bytes_down_per_client`,
+        `bytes_up_per_client` of one round, and those of `personalize`.
+      config: the run's configuration (client fraction, for rounds whose
+        metrics do not count their clients).
+      rounds: the run's metrics rows.
+      num_clients: clients of the partition.
+
+    Returns:
+      `has_personalize` and the `personalize_*` entries of `per_call`;
+      `bytes_down_per_client_per_round` / `bytes_up_per_client_per_round`
+      (`per_call`'s `bytes_*_per_client`); `client_rounds`, the clients of
+      every round summed over rounds; `bytes_down_total` / `bytes_up_total`,
+      rounds and `personalize` for every client; and `bytes_down_per_client`
+      / `bytes_up_per_client`, the totals divided by `num_clients`. Only
+      `per_call` when it holds an `error` (a type without a fixed size).
+    """
+    result = dict(per_call)
+    if 'error' in per_call:
+        return result
+    client_rounds = sum(_participants(config, num_clients, row) for row in rounds)
+    down = client_rounds * per_call['bytes_down_per_client']
+    up = client_rounds * per_call['bytes_up_per_client']
+    if per_call.get('has_personalize'):
+        down += num_clients * per_call['personalize_bytes_down_per_client']
+        up += num_clients * per_call['personalize_bytes_up_per_client']
+    result['bytes_down_per_client_per_round'] = result.pop('bytes_down_per_client')
+    result['bytes_up_per_client_per_round'] = result.pop('bytes_up_per_client')
+    result.update(
+        client_rounds=client_rounds,
+        bytes_down_total=down,
+        bytes_up_total=up,
+        bytes_down_per_client=down / num_clients,
+        bytes_up_per_client=up / num_clients,
+    )
+    return result
+
+
+def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool) -> list[dict]:
+    """Per-round mean test accuracy of `model` on the rounds where it was evaluated.
+
+    Args:
+      rounds: the run's metrics rows.
+      model: e.g. 'global_model'.
+      final_only: the model is made by a final `personalize` stage, so only
+        the last round's value is that model.
+
+    Returns:
+      `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction.
+    """
+    key = f'test_{model}_accuracy_mean'
+    points = [
+        {'round': int(row['round']), 'accuracy': float(row[key])}
+        for row in rounds
+        if row.get(key) is not None and row.get(key) != ''
+    ]
+    if final_only and points:
+        last = int(rounds[-1]['round'])
+        points = [p for p in points if p['round'] == last]
+    return points
+
+
+def rounds_to_target(curve: Sequence[Mapping], target: float | None) -> int | None:
+    """The first round of `curve` whose accuracy is >= `target`; None if none is.
+
+    Args:
+      curve: `[{'round': r, 'accuracy': a}, ...]` in round order, as
+        `model_curve` returns.
+      target: accuracy as a fraction, or None.
+
+    Returns:
+      The round number, or None when `target` is None or never reached.
+    """
+    if target is None:
+        return None
+    for point in curve:
+        if point['accuracy'] >= target:
+            return point['round']
+    return None
+
+
+def _bench_result(suite, run, config, result, seconds, communication, partition_text) -> dict:
+    model = run.algorithm.model
+    num_clients = len(result.clients)
+    final_only = communication['has_personalize'] and model != 'global_model'
+    curve = model_curve(result.rounds, model, final_only)
+    return collections.OrderedDict(
+        suite=suite.name,
+        partition=run.partition.name,
+        algorithm=run.algorithm.name,
+        registry_name=run.algorithm.algorithm,
+        seed=run.seed,
+        model=model,
+        seconds=seconds,
+        rounds=config.rounds,
+        final_round=int(result.rounds[-1]['round']),
+        summary={name: {k: float(v) for k, v in s.items()} for name, s in result.summary.items()},
+        clients=[
+            collections.OrderedDict(
+                client_id=row['client_id'],
+                accuracy=float(row[f'{model}_accuracy']),
+                num_examples=int(row[f'{model}_num_examples']),
+            )
+            for row in result.clients
+        ],
+        final_only=final_only,
+        curve=curve,
+        target_accuracy=suite.target_accuracy,
+        rounds_to_target=rounds_to_target(curve, suite.target_accuracy),
+        communication=communication_totals(communication, config, result.rounds, num_clients),
+        partition_csv=partition_text,
+        config=dataclasses.asdict(config),
+    )
+
+
+def run_suite(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    *,
+    seeds: Sequence[int] | None = None,
+    algorithms: Sequence[str] | None = None,
+    partitions: Sequence[str] | None = None,
+    overwrite: bool = False,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Runs the selected runs of a suite that are not complete, then writes the report.
+
+    Each run is `experiment.run_experiment(config, overwrite=True)` into
+    `<output_dir>/runs/<partition>/<algorithm>/seed<k>/` (its per-round lines
+    go to `progress.log` there), then `bench_result.json` is written last. A
+    run whose directory lacks `bench_result.json` is removed and redone; a
+    run another process is doing (its lock is held) is left alone.
+
+    Args:
+      suite: the suite (`bench_suite.load_suite`).
+      output_dir: the benchmark's directory; created if needed.
+      seeds: run only these seeds (None: all).
+      algorithms: run only these algorithm labels (None: all).
+      partitions: run only these partition labels (None: all).
+      overwrite: discard everything in `output_dir` first (required when it
+        holds results of a different suite).
+      command: recorded in `commands.txt` and shown in the report.
+      log: receives one line per run.
+
+    Returns:
+      `bench_report.write_report`'s summary rows.
+
+    Raises:
+      bench_suite.SuiteError: bad selection, an output directory that does
+        not fit, a missing data file (all raised before anything is written),
+        or a run that does not share its partition with the others of its seed.
+    """
+    output_dir = os.path.abspath(output_dir)
+    runs = suite.select(seeds=seeds, algorithms=algorithms, partitions=partitions)
+    _check_output_dir(suite, output_dir, overwrite)
+    _check_data(suite, runs)
+    _prepare_output_dir(suite, output_dir, overwrite, command)
+    todo = [run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), RESULT_FILE))]
+    log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} already complete, {len(todo)} to run')
+    spent, done = 0.0, 0
+    for i, run in enumerate(todo, start=1):
+        directory = run.directory(output_dir)
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        with open(os.path.join(os.path.dirname(directory), f'.seed{run.seed}.lock'), 'a') as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log(f'run {i}/{len(todo)} {run.label}: another process is running it, skipped')
+                continue
+            if os.path.exists(os.path.join(directory, RESULT_FILE)):  # finished elsewhere meanwhile
+                continue
+            if os.path.exists(directory):
+                log(f'run {i}/{len(todo)} {run.label}: incomplete, redoing it')
+                shutil.rmtree(directory)
+            started = time.monotonic()
+            record = _run_one(suite, output_dir, run)
+            seconds = time.monotonic() - started
+            spent, done = spent + seconds, done + 1
+            eta = spent / done * (len(todo) - i)
+            accuracy = record['summary'][run.algorithm.model]['mean']
+            log(
+                f'run {i}/{len(todo)} {run.label}: {seconds:.1f}s  test_acc[{run.algorithm.model}] '
+                f'{accuracy:.4f}  ETA {_format_seconds(eta)}'
+            )
+    # Imported here, not at the top: bench_report imports this module (the file names, the lock).
+    from tff_pfl.program import bench_report
+
+    return bench_report.write_report(suite, output_dir, log=log)
+
+
+def _run_one(suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run) -> dict:
+    directory = run.directory(output_dir)
+    config = suite.config(run.partition, run.algorithm, run.seed, directory)
+    reference = _reference_partition(suite, output_dir, run)
+    found = {}
+
+    def on_process(process):
+        found['partition'] = file_text(os.path.join(directory, 'partition.csv'))
+        found['communication'] = _check_process(run, process, found['partition'], reference)
+
+    started = time.monotonic()
+    result = experiment.run_experiment(config, overwrite=True, log=_RunLog(directory), on_process=on_process)
+    seconds = time.monotonic() - started
+    record = _bench_result(suite, run, config, result, seconds, found['communication'], found['partition'])
+    reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
+    return record

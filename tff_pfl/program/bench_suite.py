@@ -1,0 +1,504 @@
+"""Benchmark suites: the TOML suite format, its validation and each run's configuration.
+
+A suite is a TOML file: algorithms x partitions x seeds on one dataset. Every
+(partition, algorithm, seed) of it is one `experiment.run_experiment` run in
+its own directory (`bench_run` runs and resumes them); the complete runs are
+aggregated into a paper-style report (`bench_report`).
+
+Suite format (`tomllib`; see docs/benchmarks.md):
+
+    name = "persfl_mnist"              # required
+    description = "..."                # optional
+    [defaults]                         # settings (docs/settings.md), except
+    dataset = "npz:../shared/data/mnist.npz"   # output_dir, algorithm,
+    num_clients = 10                   # partition and seed; paths are
+    rounds = 100                       # relative to the working directory;
+    batch_size = 32                    # each run takes those it has
+    seeds = [0, 1, 2]                  # required: the suite's seeds
+    target_accuracy = 0.95             # optional: for rounds-to-target
+    headline_model = "global_model"    # optional: default `model` below
+    [[partitions]]
+    name = "ds1"                       # label used in tables and paths
+    partition = "ds1"                  # ExperimentConfig.partition
+    classes_per_client = 4             # any other common settings
+    [[algorithms]]
+    name = "FedAvg"                    # label used in tables
+    algorithm = "fedavg"               # ExperimentConfig.algorithm
+    model = "global_model"             # global_model | personalized_model
+    [algorithms.overrides]             # the algorithm's or common settings
+    client_learning_rate = 0.05
+    [algorithms.partition_overrides.ds2]   # fields for one partition label
+    rounds = 50
+    [paper]                            # optional reference numbers (%):
+    "FedAvg" = { ds1 = [92.0, 1.7] }   # algorithm label -> partition -> [mean, std]
+
+A run's configuration is the settings' defaults (the common
+`ExperimentConfig` and the algorithm's settings dataclass), updated in this
+order (later wins): `[defaults]` (each run takes the common settings and its
+algorithm's, so that one table can serve algorithms with different
+settings; a key no algorithm of the suite has is an error), the partition
+entry, the algorithm's `overrides` and its `partition_overrides` for that
+partition (a key there that the algorithm does not have is an error). The
+whole suite is validated when it is loaded (`load_suite`): unknown keys,
+unknown settings, unknown algorithms, every resulting configuration's
+`validate()`, and that every algorithm of a partition trains on the same
+client data; errors are `SuiteError`s with a one-line message naming the file
+and the key.
+"""
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+
+from tff_pfl import settings as settings_lib
+from tff_pfl.program import algorithms as algorithms_lib
+from tff_pfl.program import experiment
+
+MODELS = ('global_model', 'personalized_model')
+
+_RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
+_COMMON_HINTS = typing.get_type_hints(experiment.ExperimentConfig)
+_SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper')
+_DEFAULTS_EXTRA = ('seeds', 'target_accuracy', 'headline_model')
+_ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides')
+# What decides a run's client data besides `partition_params()` and the seed.
+_DATA_FIELDS = ('dataset', 'data_dir', 'num_clients', 'split_fractions')
+
+
+class SuiteError(ValueError):
+    """A suite, selection or output directory that cannot run; one-line message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionEntry:
+    """One `[[partitions]]` entry.
+
+    Attributes:
+      name: the label used in tables.
+      slug: the label as a directory name.
+      fields: ExperimentConfig fields of the entry, `partition` included.
+    """
+
+    name: str
+    slug: str
+    fields: Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry:
+    """One `[[algorithms]]` entry.
+
+    Attributes:
+      name: the label used in tables.
+      slug: the label as a directory name.
+      algorithm: the `algorithms` registry name.
+      model: which evaluated model is the row's result.
+      overrides: ExperimentConfig fields for every partition.
+      partition_overrides: partition label -> ExperimentConfig fields.
+    """
+
+    name: str
+    slug: str
+    algorithm: str
+    model: str
+    overrides: Mapping
+    partition_overrides: Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One (partition, algorithm, seed) of a suite."""
+
+    partition: PartitionEntry
+    algorithm: AlgorithmEntry
+    seed: int
+
+    @property
+    def label(self) -> str:
+        """`<partition>/<algorithm>/seed<k>`, with the entries' labels."""
+        return f'{self.partition.name}/{self.algorithm.name}/seed{self.seed}'
+
+    def directory(self, output_dir: str) -> str:
+        """`<output_dir>/runs/<partition>/<algorithm>/seed<k>`.
+
+        Args:
+          output_dir: the suite's output directory.
+
+        Returns:
+          The run's directory, with the entries' slugs.
+        """
+        return os.path.join(output_dir, 'runs', self.partition.slug, self.algorithm.slug, f'seed{self.seed}')
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """A validated benchmark suite.
+
+    Attributes:
+      name: the suite's name.
+      description: free text.
+      path: the file it was read from.
+      text: the file's text (stored with the results).
+      defaults: ExperimentConfig fields shared by every run.
+      seeds: the seeds every (partition, algorithm) runs with.
+      target_accuracy: accuracy (fraction) for rounds-to-target, or None.
+      partitions: the partition entries, in file order.
+      algorithms: the algorithm entries, in file order.
+      paper: algorithm label -> partition label -> (mean, std), in %.
+    """
+
+    name: str
+    description: str
+    path: str
+    text: str
+    defaults: Mapping
+    seeds: tuple
+    target_accuracy: float | None
+    partitions: tuple
+    algorithms: tuple
+    paper: Mapping
+
+    def config(
+        self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
+    ) -> experiment.ExperimentConfig:
+        """The run's configuration (not validated; `load_suite` did that).
+
+        Args:
+          partition: the partition entry.
+          algorithm: the algorithm entry.
+          seed: the run's seed.
+          output_dir: the run's directory.
+
+        Returns:
+          defaults < partition entry < algorithm overrides < the algorithm's
+          overrides for this partition, as an `ExperimentConfig`.
+        """
+        # `[defaults]` and partition entries are shared by algorithms with
+        # different settings: each run takes those that are common or its
+        # algorithm's. The entries'
+        # own keys must apply (ExperimentConfig.from_dict refuses the others).
+        own = set(algorithms_lib.get(algorithm.algorithm).settings.field_names())
+        common = set(experiment.ExperimentConfig.common_fields())
+        values = {k: v for k, v in self.defaults.items() if k in common or k in own}
+        values.update((k, v) for k, v in partition.fields.items() if k in common or k in own)
+        values.update(algorithm.overrides)
+        values.update(algorithm.partition_overrides.get(partition.name, {}))
+        values.update(output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed)
+        return experiment.ExperimentConfig.from_dict(values)
+
+    def runs(self) -> list[Run]:
+        """Every run, partition-major, then seed, then algorithm.
+
+        Returns:
+          A `Run` per (partition, seed, algorithm) of the suite.
+        """
+        return [Run(p, a, s) for p in self.partitions for s in self.seeds for a in self.algorithms]
+
+    def select(
+        self,
+        *,
+        seeds: Sequence[int] | None = None,
+        algorithms: Sequence[str] | None = None,
+        partitions: Sequence[str] | None = None,
+    ) -> list[Run]:
+        """The runs of a subset of the suite.
+
+        Args:
+          seeds: seeds to run; None: all of the suite's.
+          algorithms: algorithm labels; None: all.
+          partitions: partition labels; None: all.
+
+        Returns:
+          The selected runs, in `runs()` order.
+
+        Raises:
+          SuiteError: a selection names a seed or label the suite does not have.
+        """
+        _check_selection('seed', seeds, self.seeds)
+        _check_selection('algorithm', algorithms, [a.name for a in self.algorithms])
+        _check_selection('partition', partitions, [p.name for p in self.partitions])
+        return [
+            run
+            for run in self.runs()
+            if (seeds is None or run.seed in seeds)
+            and (algorithms is None or run.algorithm.name in algorithms)
+            and (partitions is None or run.partition.name in partitions)
+        ]
+
+
+def _check_selection(what: str, selected, known) -> None:
+    if selected is None:
+        return
+    unknown = [str(s) for s in selected if s not in known]
+    if unknown:
+        raise SuiteError(f'unknown {what} {", ".join(unknown)}; the suite has {", ".join(str(k) for k in known)}')
+    if not selected:
+        raise SuiteError(f'empty {what} selection')
+
+
+def slug(label: str) -> str:
+    """A label as a directory name: `Per-FedAvg` -> `per-fedavg`.
+
+    Args:
+      label: a partition or algorithm label.
+
+    Returns:
+      `label` lower-cased, each run of characters other than `a-z0-9_.`
+      replaced by `-`, without leading or trailing `-` and `.`.
+    """
+    return re.sub(r'[^a-z0-9_.]+', '-', label.lower()).strip('-.')
+
+
+# ----------------------------------------------------------------------------
+# Loading and validation.
+
+
+def load_suite(path: str) -> Suite:
+    """Reads and validates a suite file.
+
+    Args:
+      path: the TOML file.
+
+    Returns:
+      The `Suite`.
+
+    Raises:
+      SuiteError: the file is missing or unreadable, is not TOML, or does not
+        describe a valid suite.
+    """
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise SuiteError(f'suite file not found: {path}') from None
+    except OSError as e:
+        raise SuiteError(f'cannot read suite file {path}: {e.strerror}') from None
+    try:
+        text = data.decode('utf-8')
+    except UnicodeDecodeError:
+        raise SuiteError(f'{path}: not UTF-8 text') from None
+    return parse_suite(text, path)
+
+
+def parse_suite(text: str, path: str = '<suite>') -> Suite:
+    """Parses and validates a suite from its TOML text.
+
+    Args:
+      text: the TOML text.
+      path: the file name used in error messages and in the report.
+
+    Returns:
+      The `Suite`.
+
+    Raises:
+      SuiteError: the text is not TOML or does not describe a valid suite.
+    """
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SuiteError(f'{path}: bad TOML: {_one_line(e)}') from None
+
+    def fail(where, message):
+        raise SuiteError(f'{path}: {where}: {message}')
+
+    _unknown_keys(raw, _SUITE_KEYS, '(top level)', fail)
+    name = raw.get('name')
+    if not isinstance(name, str) or not name.strip():
+        fail('name', 'required, a non-empty string')
+    description = raw.get('description', '')
+    if not isinstance(description, str):
+        fail('description', 'must be a string')
+
+    defaults = _table(raw.get('defaults', {}), 'defaults', fail)
+    seeds = defaults.get('seeds')
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+    ):
+        fail('defaults.seeds', 'required, a non-empty list of non-negative integers')
+    if len(set(seeds)) != len(seeds):
+        fail('defaults.seeds', f'repeated seed in {seeds}')
+    target = defaults.get('target_accuracy')
+    if target is not None and (not _is_number(target) or not 0 < target <= 1):
+        fail('defaults.target_accuracy', f'must be a number in (0, 1], got {target!r}')
+    headline_model = defaults.get('headline_model', 'global_model')
+    if headline_model not in MODELS:
+        fail('defaults.headline_model', f'must be one of {", ".join(MODELS)}, got {headline_model!r}')
+    config_defaults = _config_fields(
+        {k: v for k, v in defaults.items() if k not in _DEFAULTS_EXTRA}, 'defaults', fail, _RESERVED
+    )
+
+    partitions = []
+    raw_partitions = raw.get('partitions')
+    if not isinstance(raw_partitions, list) or not raw_partitions:
+        fail('partitions', 'required, at least one [[partitions]] table')
+    for i, entry in enumerate(raw_partitions):
+        where = f'partitions[{i}]'
+        entry = _table(entry, where, fail)
+        label = _label(entry, where, fail)
+        where = f'partitions "{label}"'
+        if not isinstance(entry.get('partition'), str):
+            fail(f'{where}.partition', 'required, a string (ExperimentConfig.partition)')
+        fields = _config_fields(
+            {k: v for k, v in entry.items() if k != 'name'}, where, fail, ('output_dir', 'algorithm', 'seed')
+        )
+        partitions.append(PartitionEntry(label, slug(label), fields))
+    _unique_labels(partitions, 'partitions', fail)
+    partition_names = [p.name for p in partitions]
+
+    entries = []
+    raw_algorithms = raw.get('algorithms')
+    if not isinstance(raw_algorithms, list) or not raw_algorithms:
+        fail('algorithms', 'required, at least one [[algorithms]] table')
+    for i, entry in enumerate(raw_algorithms):
+        where = f'algorithms[{i}]'
+        entry = _table(entry, where, fail)
+        label = _label(entry, where, fail)
+        where = f'algorithms "{label}"'
+        _unknown_keys(entry, _ALGORITHM_KEYS, where, fail)
+        registry = entry.get('algorithm')
+        if not isinstance(registry, str):
+            fail(f'{where}.algorithm', 'required, a string (ExperimentConfig.algorithm)')
+        if registry not in algorithms_lib.names():
+            fail(f'{where}.algorithm', f'unknown algorithm {registry!r}; known: {", ".join(algorithms_lib.names())}')
+        model = entry.get('model', headline_model)
+        if model not in MODELS:
+            fail(f'{where}.model', f'must be one of {", ".join(MODELS)}, got {model!r}')
+        overrides = _config_fields(
+            _table(entry.get('overrides', {}), f'{where}.overrides', fail), f'{where}.overrides', fail, _RESERVED
+        )
+        per_partition = {}
+        for partition_name, values in _table(
+            entry.get('partition_overrides', {}), f'{where}.partition_overrides', fail
+        ).items():
+            key = f'{where}.partition_overrides.{partition_name}'
+            if partition_name not in partition_names:
+                fail(key, f'unknown partition; the suite has {", ".join(partition_names)}')
+            per_partition[partition_name] = _config_fields(_table(values, key, fail), key, fail, _RESERVED)
+        entries.append(AlgorithmEntry(label, slug(label), registry, model, overrides, per_partition))
+    _unique_labels(entries, 'algorithms', fail)
+    algorithm_names = [a.name for a in entries]
+
+    paper = {}
+    for algorithm_name, cells in _table(raw.get('paper', {}), 'paper', fail).items():
+        if algorithm_name not in algorithm_names:
+            fail(f'paper.{algorithm_name}', f'unknown algorithm label; the suite has {", ".join(algorithm_names)}')
+        paper[algorithm_name] = {}
+        for partition_name, value in _table(cells, f'paper.{algorithm_name}', fail).items():
+            key = f'paper.{algorithm_name}.{partition_name}'
+            if partition_name not in partition_names:
+                fail(key, f'unknown partition label; the suite has {", ".join(partition_names)}')
+            if not (isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)):
+                fail(key, f'must be [mean, std] in %, got {value!r}')
+            paper[algorithm_name][partition_name] = (float(value[0]), float(value[1]))
+
+    suite = Suite(
+        name=name,
+        description=description,
+        path=path,
+        text=text,
+        defaults=config_defaults,
+        seeds=tuple(seeds),
+        target_accuracy=None if target is None else float(target),
+        partitions=tuple(partitions),
+        algorithms=tuple(entries),
+        paper=paper,
+    )
+    used = set(experiment.ExperimentConfig.common_fields()).union(
+        *(algorithms_lib.get(a.algorithm).settings.field_names() for a in entries)
+    )
+    for key in config_defaults:
+        if key not in used:
+            fail(f'defaults.{key}', "is a setting of none of the suite's algorithms")
+    _validate_configs(suite, fail)
+    return suite
+
+
+def _validate_configs(suite: Suite, fail) -> None:
+    """Every run's configuration validates; a partition's client data are shared."""
+    for partition in suite.partitions:
+        reference = None
+        for algorithm in suite.algorithms:
+            where = f'algorithms "{algorithm.name}" on partitions "{partition.name}"'
+            try:
+                config = suite.config(partition, algorithm, suite.seeds[0], output_dir='x').validate()
+            except experiment.ConfigError as e:
+                fail(where, str(e))
+            data = _data_key(config)
+            if reference is None:
+                reference = (algorithm.name, data)
+                continue
+            for field, value in data.items():
+                if value != reference[1][field]:
+                    fail(
+                        where,
+                        f'changes the client data ({field} {value!r}, but {reference[1][field]!r} for '
+                        f'"{reference[0]}"); every algorithm of a partition must train on the same partition',
+                    )
+
+
+def _data_key(config: experiment.ExperimentConfig) -> dict:
+    """What decides a run's client data, seed aside."""
+    key = {field: getattr(config, field) for field in _DATA_FIELDS}
+    key['public_examples'] = experiment.public_examples(config)
+    key['partition'] = config.partition
+    key.update((f'partition_params.{k}', v) for k, v in sorted(config.partition_params().items()))
+    return key
+
+
+def _one_line(error: BaseException) -> str:
+    return ' '.join(str(error).split())
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _table(value, where, fail) -> dict:
+    if not isinstance(value, dict):
+        fail(where, f'must be a table, got {type(value).__name__}')
+    return value
+
+
+def _unknown_keys(table, known, where, fail) -> None:
+    for key in table:
+        if key not in known:
+            fail(f'{where}.{key}' if where != '(top level)' else key, f'unknown key; known: {", ".join(known)}')
+
+
+def _label(entry, where, fail) -> str:
+    label = entry.get('name')
+    if not isinstance(label, str) or not slug(label):
+        fail(f'{where}.name', 'required, a string with a letter or digit')
+    return label
+
+
+def _unique_labels(entries, where, fail) -> None:
+    seen = {}
+    for entry in entries:
+        if entry.slug in seen:
+            fail(where, f'labels "{seen[entry.slug]}" and "{entry.name}" name the same directory {entry.slug!r}')
+        seen[entry.slug] = entry.name
+
+
+def _config_fields(table: Mapping, where: str, fail, reserved: Sequence[str]) -> dict:
+    """TOML values -> common or algorithm setting values, type-checked (docs/settings.md)."""
+    values = {}
+    for key, value in table.items():
+        if key in reserved:
+            fail(f'{where}.{key}', 'set by the harness, not allowed here')
+        hint = _COMMON_HINTS.get(key) if key in experiment.ExperimentConfig.common_fields() else None
+        if hint is None:
+            users = algorithms_lib.users_of(key)
+            if not users:
+                fail(f'{where}.{key}', 'unknown key (not a setting: docs/settings.md)')
+            hint = typing.get_type_hints(algorithms_lib.get(users[0]).settings)[key]
+        try:
+            values[key] = settings_lib.coerce(key, value, hint)
+        except settings_lib.SettingsError as e:
+            fail(f'{where}.{key}', str(e))
+    return values
