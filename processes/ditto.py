@@ -133,15 +133,12 @@ def build_ditto_process(
         # Line 8: v_k <- v_k - eta (grad F_k(v_k) + lambda (v_k - w^t)).
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, client_state['personal'])):
-            stats = local_training.train(
+            stats = local_training.train_with(
                 model,
                 client_data.read_split(spec, client_id, 'train'),
-                epochs=personal_config.epochs,
-                batch_size=personal_config.batch_size,
-                learning_rate=personal_config.learning_rate,
+                personal_config,
                 seed=local_training.client_seed(seed, round_num, client_id, salt=1),
                 loss_fn=proximal_loss(weights, ditto_lambda),
-                max_steps=personal_config.max_steps,
             )
         with tf.control_dependencies(list(stats)):
             personal = local_training.get_weights(model)

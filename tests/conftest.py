@@ -43,3 +43,25 @@ def tiny_npz(tmp_path_factory):
 
     np.savez(path, x_train=images(y_train), y_train=y_train, x_test=images(y_test), y_test=y_test)
     return path
+
+
+@pytest.fixture
+def train_in_process(capsys):
+    """Runs tff-pfl-train's flag parsing and `main` in this process (no interpreter start-up).
+
+    Yields `run(*argv) -> (exit code, stderr)`; the network namespace is off.
+    """
+    from absl import flags as absl_flags
+
+    from tff_pfl.cli import common, train
+
+    def run(*argv):
+        absl_flags.FLAGS.unparse_flags()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exited:
+            rest = common.flags_parser('tff-pfl-train')(['tff-pfl-train', *argv, '--noisolate_network'])
+            train.main(rest)
+        return exited.value.code, capsys.readouterr().err
+
+    yield run
+    absl_flags.FLAGS.unparse_flags()

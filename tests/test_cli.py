@@ -88,25 +88,6 @@ def test_bad_input_one_line_exit_2(flags, message, tmp_path):
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if 'staging' in p]
 
 
-@pytest.fixture
-def train_in_process(capsys):
-    """Runs the binary's flag parsing and `main` in this process (no start-up cost)."""
-    from absl import flags as absl_flags
-
-    from tff_pfl.cli import common, train
-
-    def run(*argv):
-        absl_flags.FLAGS.unparse_flags()
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exited:
-            rest = common.flags_parser('tff-pfl-train')(['tff-pfl-train', *argv, '--noisolate_network'])
-            train.main(rest)
-        return exited.value.code, capsys.readouterr().err
-
-    yield run
-    absl_flags.FLAGS.unparse_flags()
-
-
 @pytest.mark.parametrize(
     'flags, message',
     [

@@ -61,29 +61,10 @@ def _args(algorithm, out):
     return [f'--algorithm={algorithm}', _mismatch(algorithm), '--num_clients=4', '--rounds=1', f'--output_dir={out}']
 
 
-@pytest.fixture
-def train_main(capsys):
-    """tff-pfl-train's flag parsing and `main` in this process: the binary without its interpreter start-up."""
-    from absl import flags as absl_flags
-
-    from tff_pfl.cli import common, train
-
-    def run(*argv):
-        absl_flags.FLAGS.unparse_flags()
-        capsys.readouterr()
-        with pytest.raises(SystemExit) as exited:
-            rest = common.flags_parser('tff-pfl-train')(['tff-pfl-train', *argv, '--noisolate_network'])
-            train.main(rest)
-        return exited.value.code, capsys.readouterr().err
-
-    yield run
-    absl_flags.FLAGS.unparse_flags()
-
-
 @pytest.mark.parametrize('algorithm', ALGORITHMS)
-def test_a_model_the_data_cannot_feed_is_refused_before_anything_is_written(algorithm, tmp_path, train_main):
+def test_a_model_the_data_cannot_feed_is_refused_before_anything_is_written(algorithm, tmp_path, train_in_process):
     """One line on stderr, exit 2, no output directory, no staging directory left behind."""
-    code, stderr = train_main(*_args(algorithm, tmp_path / 'run'))
+    code, stderr = train_in_process(*_args(algorithm, tmp_path / 'run'))
     lines = stderr.strip().splitlines()
     assert code == 2, stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith('tff-pfl-train: error: '), stderr[-2000:]

@@ -192,14 +192,8 @@ def build_client_training(
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
-            stats = local_training.train(
-                model,
-                data,
-                epochs=config.epochs,
-                batch_size=config.batch_size,
-                learning_rate=config.learning_rate,
-                seed=local_training.client_seed(seed, round_num, client_id),
-                max_steps=config.max_steps,
+            stats = local_training.train_with(
+                model, data, config, seed=local_training.client_seed(seed, round_num, client_id)
             )
         with tf.control_dependencies(list(stats)):
             trained = local_training.get_weights(model)

@@ -303,15 +303,7 @@ def train_packed(
     """
 
     def work(model):
-        stats = local_training.train(
-            model,
-            data,
-            epochs=config.epochs,
-            batch_size=config.batch_size,
-            learning_rate=config.learning_rate,
-            max_steps=config.max_steps,
-            seed=seed,
-        )
+        stats = local_training.train_with(model, data, config, seed=seed)
         with tf.control_dependencies(list(stats)):
             if outputs is None:
                 return archs.pack(model.trainable_weights), stats

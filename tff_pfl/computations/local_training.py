@@ -329,6 +329,41 @@ def train(
     return stats
 
 
+def train_with(
+    model: tf.keras.Model,
+    data: client_data.ClientSplit,
+    config: settings.TrainingConfig,
+    *,
+    seed: tf.Tensor,
+    loss_fn: LossFn = supervised_loss,
+) -> Stats:
+    """`train` with a `TrainingConfig`: its epochs, batch size, learning rate and step cap.
+
+    The one place a config becomes a training loop, so that no caller can drop
+    `max_steps` (the local steps a run asked for).
+
+    Args:
+      model: the Keras model to train (its variables are updated).
+      data: the client's whole training split.
+      config: the local training settings.
+      seed: int64 tensor of shape [2], for the stateless permutations.
+      loss_fn: `(model, x_batch, y_batch) -> (mean loss, logits)`.
+
+    Returns:
+      The training's `Stats`, as `train` returns them.
+    """
+    return train(
+        model,
+        data,
+        epochs=config.epochs,
+        batch_size=config.batch_size,
+        learning_rate=config.learning_rate,
+        seed=seed,
+        loss_fn=loss_fn,
+        max_steps=config.max_steps,
+    )
+
+
 def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: int = 1000) -> Stats:
     """Cross-entropy and accuracy sums of `model` on a whole split, in batches.
 

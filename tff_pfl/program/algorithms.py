@@ -266,6 +266,19 @@ def _architecture_column(state):
     return {'architecture_id': int(state['architecture'])}
 
 
+def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
+    """A KD-PDFL-family entry: its settings, exchange mode and plots; the serverless loop."""
+    return Algorithm(
+        title,
+        settings_cls,
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(spec, model_fn, s, mode=mode, seed=config.seed),
+        _kdpdfl_columns,
+        plots,
+        _serverless_run,
+        not_one_aggregation=_KDPDFL_LIMIT,
+    )
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(
         'FedAvg (McMahan et al., 2017)',
@@ -378,49 +391,22 @@ _ALGORITHMS = {
         lambda state: {'alpha': float(state['alpha'])},
         _apfl_plots,
     ),
-    'kdpdfl': Algorithm(
+    'kdpdfl': _serverless(
         'KD-PDFL (Jeong & Kountouris, 2023): serverless, star nodes weigh neighbours by logit distances',
         kdpdfl.KDPDFLSettings,
-        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
-            spec, model_fn, s, mode='kdpdfl', seed=config.seed
-        ),
-        _kdpdfl_columns,
+        'kdpdfl',
         _kdpdfl_plots,
-        _serverless_run,
-        not_one_aggregation=_KDPDFL_LIMIT,
     ),
-    'kdpdfl_fedavg': Algorithm(
-        'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)',
-        kdpdfl.ServerlessFedAvgSettings,
-        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
-            spec, model_fn, s, mode='fedavg', seed=config.seed
-        ),
-        _kdpdfl_columns,
-        None,
-        _serverless_run,
-        not_one_aggregation=_KDPDFL_LIMIT,
+    'kdpdfl_fedavg': _serverless(
+        'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)', kdpdfl.ServerlessFedAvgSettings, 'fedavg'
     ),
-    'kdpdfl_fedavg_plus': Algorithm(
+    'kdpdfl_fedavg_plus': _serverless(
         'Serverless FedAvg, then local fine-tuning from a slot on (KD-PDFL baseline)',
         kdpdfl.ServerlessFedAvgPlusSettings,
-        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
-            spec, model_fn, s, mode='fedavg', seed=config.seed
-        ),
-        _kdpdfl_columns,
-        None,
-        _serverless_run,
-        not_one_aggregation=_KDPDFL_LIMIT,
+        'fedavg',
     ),
-    'kdpdfl_local': Algorithm(
-        'Local learning in the serverless loop (KD-PDFL baseline)',
-        kdpdfl.ServerlessLocalSettings,
-        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(
-            spec, model_fn, s, mode='local', seed=config.seed
-        ),
-        _kdpdfl_columns,
-        None,
-        _serverless_run,
-        not_one_aggregation=_KDPDFL_LIMIT,
+    'kdpdfl_local': _serverless(
+        'Local learning in the serverless loop (KD-PDFL baseline)', kdpdfl.ServerlessLocalSettings, 'local'
     ),
 }
 
