@@ -90,26 +90,56 @@ def test_dirichlet_labels_sizes(labels):
     assert sizes(parts) == varied
 
 
-def test_ds3_classes_and_total(labels):
-    parts = partition.persfl_ds3(labels, 10, seed=0, sigma=0.5, total_examples=200)
-    assert_valid(parts, labels.size)
-    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
-    assert np.all((histogram > 0).sum(axis=1) == 2)
-    assert sum(sizes(parts)) == 200
-    assert min(sizes(parts)) >= 10
-    # A client's size is split evenly over its two classes.
-    for row in histogram:
-        first, second = sorted(row[row > 0].tolist(), reverse=True)
-        assert first - second <= 1
+def test_power_law_counts_by_hand():
+    # Classes of 20, 16 and 12 examples; three clients of two classes each
+    # (client 0: classes 0, 1; client 1: 1, 2; client 2: 2, 0), 2 base examples.
+    draws = np.array([[1.0, 3.0], [1.0, 1.0], [2.0, 3.0]])
+    counts = partition.power_law_counts(np.array([20, 16, 12]), 3, draws, base_examples=2)
+    # Class 0: 20 - 2 x 2 = 16 left, weights 1 (client 0) : 3 (client 2) -> 4, 12.
+    # Class 1: 12 left, weights 3 (client 0) : 1 (client 1) -> 9, 3.
+    # Class 2: 8 left, weights 1 (client 1) : 2 (client 2) -> 2.67, 5.33 -> 3, 5
+    # (the one left over goes to the larger remainder).
+    np.testing.assert_array_equal(counts, [[6, 11, 0], [0, 5, 5], [14, 0, 7]])
 
 
-def test_ds3_scales_down_when_classes_run_out(labels):
-    parts = partition.persfl_ds3(labels, 15, seed=1, sigma=2.0)
+def test_power_law_counts_leave_unheld_classes_out():
+    counts = partition.power_law_counts(np.array([7, 7, 7, 7]), 1, np.array([[1.0, 5.0]]), base_examples=3)
+    np.testing.assert_array_equal(counts, [[7, 7, 0, 0]])
+
+
+def test_ds3_is_fedprox_generator(labels):
+    parts = partition.persfl_ds3(labels, 10, seed=3)
     assert_valid(parts, labels.size)
-    assert min(sizes(parts)) >= 10
-    assert 15 * 10 <= sum(sizes(parts)) < labels.size
+    # Every example of every class is used.
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
-    assert np.all(histogram.sum(axis=0) <= PER_CLASS)
+    np.testing.assert_array_equal(histogram.sum(axis=0), [PER_CLASS] * NUM_CLASSES)
+    for u, row in enumerate(histogram):
+        held = {u % 10, (u + 1) % 10}
+        assert set(np.flatnonzero(row).tolist()) == held
+        assert all(row[c] >= 5 for c in held)
+    # The counts are the power-law split of the documented draws.
+    rng = np.random.default_rng(3)
+    for c in range(NUM_CLASSES):
+        rng.permutation(np.flatnonzero(labels == c))
+    draws = rng.lognormal(0.0, 2.0, size=(10, 2))
+    expected = partition.power_law_counts(np.full(NUM_CLASSES, PER_CLASS), 10, draws, base_examples=5)
+    np.testing.assert_array_equal(histogram, expected)
+
+
+def test_ds3_sizes_span_orders_of_magnitude():
+    labels = np.repeat(np.arange(10), 7000)
+    clients = partition.persfl_ds3(labels, 1000, seed=0)
+    sizes_ = np.array([len(c) for c in clients])
+    assert sizes_.sum() == labels.size and sizes_.min() >= 10
+    assert sizes_.max() / np.median(sizes_) > 10
+
+
+def test_ds3_uneven_holders_and_parameters(labels):
+    parts = partition.build_partition('ds3', labels, 13, 1, classes_per_client=3, base_examples=2)
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    np.testing.assert_array_equal(histogram.sum(axis=0), [PER_CLASS] * NUM_CLASSES)
+    assert np.all((histogram > 0).sum(axis=1) == 3) and histogram[histogram > 0].min() >= 2
 
 
 def test_shards_sizes_and_classes(labels):
@@ -184,12 +214,8 @@ def _error_cases():
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=0), '>= 1'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=20), 'runs out'),
         (lambda: partition.persfl_ds3(labels, 2, 0, classes_per_client=5), 'classes_per_client must be in'),
-        (lambda: partition.persfl_ds3(labels, 2, 0, min_examples=1), 'must be >= classes_per_client'),
-        (lambda: partition.persfl_ds3(labels, 5, 0, total_examples=41), 'total_examples must be in'),
-        (
-            lambda: partition.persfl_ds3(labels, 4, 0, classes_per_client=4, class_assignment='random'),
-            'cannot give 4 clients',
-        ),
+        (lambda: partition.persfl_ds3(labels, 2, 0, base_examples=0), 'base examples per class must be >= 1'),
+        (lambda: partition.persfl_ds3(labels, 30, 0, base_examples=21), 'fewer than 21 for each of its'),
         (lambda: partition.shards(labels, 21, 0), '42 shards'),
         (lambda: partition.shards(labels, 2, 0, shards_per_client=0), 'shards_per_client must be >= 1'),
         (lambda: partition.build_partition('nope', labels, 2, 0), 'unknown partition .* iid, ds1'),
@@ -207,12 +233,6 @@ def test_errors(call, message):
     with pytest.raises(partition.PartitionError, match=message) as info:
         call()
     assert '\n' not in str(info.value)
-
-
-def test_ds3_over_demand_can_be_impossible():
-    labels = np.repeat(np.arange(3), [100, 2, 2])
-    with pytest.raises(partition.PartitionError, match='cannot give'):
-        partition.persfl_ds3(labels, 3, 0, classes_per_client=3)
 
 
 @pytest.mark.parametrize('size', [50, 37, 13])
@@ -255,17 +275,6 @@ def test_class_histogram():
     histogram = partition.class_histogram([np.array([0, 1]), np.array([2, 3, 4, 5])], labels, 4)
     assert histogram.dtype == np.int64
     np.testing.assert_array_equal(histogram, [[1, 1, 0, 0], [0, 1, 3, 0]])
-
-
-def test_ds3_cyclic_classes_cover_every_class_equally():
-    labels = np.repeat(np.arange(10), 300)
-    clients = partition.persfl_ds3(labels, 10, seed=4)
-    held = [sorted(set(labels[c].tolist())) for c in clients]
-    assert held == [sorted({k % 10, (k + 1) % 10}) for k in range(10)]
-    randomly = partition.persfl_ds3(labels, 10, seed=4, class_assignment='random')
-    assert all(len(set(labels[c].tolist())) == 2 for c in randomly)
-    with pytest.raises(partition.PartitionError, match='class_assignment'):
-        partition.persfl_ds3(labels, 10, seed=4, class_assignment='sorted')
 
 
 def test_ktpfl_case1_two_groups_with_opposite_skews(labels):

@@ -206,7 +206,6 @@ def persfl_ds1(
       k: Number of classes per client.
       examples_per_client: Examples per client (at least `k`), or `None`.
       num_classes: Number of classes, or `None` for max label + 1.
-      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
@@ -328,7 +327,6 @@ def dirichlet_labels(
       examples_per_client: Examples per client, one int for all clients or one
         per client; each at least 1.
       num_classes: Number of classes, or `None` for max label + 1.
-      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
@@ -355,106 +353,106 @@ def dirichlet_labels(
     return _draw_from_pools(pools, classes, counts)
 
 
+def power_law_counts(
+    class_sizes: np.ndarray,
+    num_clients: int,
+    draws: np.ndarray,
+    base_examples: int,
+) -> np.ndarray:
+    """Per-client, per-class counts of the FedProx power-law split.
+
+    Client u holds classes `(u + j) mod C` for `j < J` (`J = draws.shape[1]`).
+    Every (client, class) slot first gets `base_examples`; the remaining
+    examples of each class are then divided among the slots holding it in
+    proportion to their `draws` (largest-remainder rounding), so every example
+    of every held class is used.
+
+    Args:
+      class_sizes: `[C]` number of examples of each class.
+      num_clients: Number of clients.
+      draws: `[num_clients, J]` positive weights, one per (client, held class).
+      base_examples: Examples of each held class every client gets first.
+
+    Returns:
+      An int64 `[num_clients, C]` count matrix; column c sums to `class_sizes[c]`
+      for every class held by some client, and to 0 otherwise.
+
+    Raises:
+      PartitionError: If a class cannot give `base_examples` to each holder.
+    """
+    class_sizes = np.asarray(class_sizes, dtype=np.int64)
+    num_classes = class_sizes.size
+    per_client = draws.shape[1]
+    classes = (np.arange(num_clients)[:, np.newaxis] + np.arange(per_client)) % num_classes
+    counts = np.zeros((num_clients, num_classes), dtype=np.int64)
+    for c in range(num_classes):
+        holders = np.nonzero(classes == c)
+        if holders[0].size == 0:
+            continue
+        remaining = class_sizes[c] - base_examples * holders[0].size
+        if remaining < 0:
+            raise PartitionError(
+                f'class {c} has {class_sizes[c]} examples, fewer than {base_examples} for each of its'
+                f' {holders[0].size} clients; use fewer clients or a smaller base'
+            )
+        counts[holders[0], c] = base_examples + _apportion(remaining, draws[holders])
+    return counts
+
+
 def persfl_ds3(
     labels: np.ndarray,
     num_clients: int,
     seed: int,
     classes_per_client: int = 2,
+    base_examples: int = 5,
     mu: float = 0.0,
     sigma: float = 2.0,
-    total_examples: int | None = None,
-    min_examples: int = 10,
     num_classes: int | None = None,
-    class_assignment: str = 'cyclic',
 ) -> list[np.ndarray]:
-    """PersFL DS-3 (pFedMe style): few classes, log-normal client sizes.
+    """PersFL DS-3: FedProx's power-law MNIST generator (as pFedMe uses it).
 
-    Each client gets `classes_per_client` distinct classes: with
-    `class_assignment='cyclic'` (the default, as in pFedMe's MNIST generator)
-    client k holds classes k, k+1, ... mod C, so every class is held by the
-    same number of clients when the number of clients is a multiple of C;
-    with 'random' each client draws its classes at random (some classes may
-    then be held by no client). Client
-    sizes are `min_examples` plus a share of the remaining
-    `total_examples - num_clients * min_examples` proportional to a
-    `lognormal(mu, sigma)` draw (largest-remainder rounding, so sizes sum to
-    exactly `total_examples`). A client's size is split evenly across its
-    classes, the remainder going to its first class.
+    Client u holds the `classes_per_client` classes `u, u + 1, ... mod C`.
+    Every client first gets `base_examples` of each of its classes; the
+    remaining examples of each class are then divided among the clients
+    holding it in proportion to `lognormal(mu, sigma)` draws, one draw per
+    (client, held class) (`power_law_counts`). Every example of a held class
+    is used, so no class is starved, while client sizes span orders of
+    magnitude. Classes held by no client (fewer than C clients times
+    classes per client) are left out.
 
-    If some class cannot supply its demand, the total is scaled down (binary
-    search for the largest total that fits, every client keeping at least
-    `min_examples`), so the sizes may sum to less than `total_examples`.
+    The draws are `rng.lognormal(mu, sigma, (num_clients, classes_per_client))`
+    taken after the class pools are shuffled, `rng = default_rng(seed)`.
 
     Args:
       labels: Integer labels of shape `[N]`.
       num_clients: Number of clients.
       seed: Random seed.
-      classes_per_client: Number of classes per client.
-      mu: Mean of the underlying normal of the log-normal size weights.
-      sigma: Standard deviation of the underlying normal.
-      total_examples: Target total number of examples; `None` for `N`, i.e.
-        as many as fit.
-      min_examples: Minimum examples per client; at least
-        `classes_per_client`, so every client holds each of its classes.
+      classes_per_client: Number of classes per client (FedProx: 2).
+      base_examples: Examples of each of its classes a client gets before the
+        power-law split (FedProx: 5).
+      mu: Mean of the underlying normal of the log-normal draws.
+      sigma: Standard deviation of the underlying normal (FedProx: 2).
       num_classes: Number of classes, or `None` for max label + 1.
-      class_assignment: 'cyclic' or 'random' (DS-3 only).
 
     Returns:
       One sorted int64 index array per client.
 
     Raises:
       PartitionError: If `classes_per_client` is not in `[1, num_classes]`,
-        `min_examples < classes_per_client`, `total_examples` is not in
-        `[num_clients * min_examples, N]`, or the class pools cannot give
-        every client `min_examples` examples.
+        `base_examples < 1`, or a class cannot give `base_examples` to each of
+        its clients.
     """
     labels, num_classes = _check_labels(labels, num_clients, num_classes)
     if not 1 <= classes_per_client <= num_classes:
         raise PartitionError(f'classes_per_client must be in [1, {num_classes}], got {classes_per_client}')
-    if min_examples < classes_per_client:
-        raise PartitionError(f'min_examples ({min_examples}) must be >= classes_per_client ({classes_per_client})')
-    if total_examples is None:
-        total_examples = labels.size
-    floor_total = num_clients * min_examples
-    if not floor_total <= total_examples <= labels.size:
-        raise PartitionError(
-            f'total_examples must be in [{floor_total}, {labels.size}]'
-            f' ({num_clients} clients x {min_examples} min_examples), got'
-            f' {total_examples}'
-        )
+    if base_examples < 1:
+        raise PartitionError(f'base examples per class must be >= 1, got {base_examples}')
     rng = np.random.default_rng(seed)
     pools = _class_pools(labels, num_classes, rng)
-    if class_assignment == 'cyclic':
-        classes = (np.arange(num_clients)[:, np.newaxis] + np.arange(classes_per_client)) % num_classes
-    elif class_assignment == 'random':
-        classes = _random_class_sets(rng, num_clients, num_classes, classes_per_client)
-    else:
-        raise PartitionError(f"class_assignment must be 'cyclic' or 'random', got {class_assignment!r}")
-    weights = rng.lognormal(mu, sigma, size=num_clients)
-
-    def counts_for(total: int) -> np.ndarray:
-        sizes = min_examples + _apportion(total - floor_total, weights)
-        counts = np.repeat((sizes // classes_per_client)[:, np.newaxis], classes_per_client, 1)
-        counts[:, 0] += sizes % classes_per_client
-        return counts
-
-    def fits(total: int) -> bool:
-        demand = _class_demand(classes, counts_for(total), num_classes)
-        return _fits(demand, pools)
-
-    if not fits(total_examples):
-        if not fits(floor_total):
-            raise PartitionError(
-                f'class pools cannot give {num_clients} clients'
-                f' {min_examples} examples of {classes_per_client} classes'
-                ' each; use fewer clients or lower min_examples'
-            )
-        low, high = floor_total, total_examples
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        total_examples = low
-    return _draw_from_pools(pools, classes, counts_for(total_examples))
+    draws = rng.lognormal(mu, sigma, size=(num_clients, classes_per_client))
+    counts = power_law_counts(np.array([len(pool) for pool in pools]), num_clients, draws, base_examples)
+    all_classes = np.broadcast_to(np.arange(num_classes), counts.shape)
+    return _draw_from_pools(pools, all_classes, counts)
 
 
 def shards(

@@ -50,13 +50,15 @@ _PARTITION_FIELDS = {
     },
     'shards': {'classes_per_client': 'shards_per_client'},
     'iid': {'examples_per_client': 'examples_per_client'},
-    'ds3': {'classes_per_client': 'classes_per_client'},
+    'ds3': {'classes_per_client': 'classes_per_client', 'base_examples_per_class': 'base_examples'},
     'kt_case1': {'kt_case1_counts': ('major', 'minor')},
     'kt_case2': {'classes_per_client': 'classes_per_client', 'examples_per_class': 'examples_per_class'},
     'natural': {},
 }
 _PARTITION_DEFAULTS = {'dirichlet': {'alpha': 0.9}}
 PARTITIONS = tuple(_PARTITION_FIELDS)
+# The common settings that parameterize some partition, in the order of first use.
+_PARTITION_SETTINGS = tuple(dict.fromkeys(name for fields in _PARTITION_FIELDS.values() for name in fields))
 
 _setting = settings_lib.setting
 
@@ -89,6 +91,9 @@ class ExperimentConfig(settings_lib.Settings):
         None, 'ds1, iid, dirichlet: examples per client (default: as many as fit).'
     )
     examples_per_class: int | None = _setting(None, "kt_case2: examples of each of a client's classes (300).")
+    base_examples_per_class: int | None = _setting(
+        None, "ds3: examples of each of a client's classes given before the power-law split (5)."
+    )
     kt_case1_counts: tuple[int, ...] | None = _setting(
         None, "kt_case1: examples per class of a group's own half of the classes, and of the other (450,150)."
     )
@@ -224,22 +229,11 @@ class ExperimentConfig(settings_lib.Settings):
     def _checks(self):
         optional_positive = [
             (name, getattr(self, name))
-            for name in ('classes_per_client', 'examples_per_class', 'examples_per_client')
+            for name in ('classes_per_client', 'examples_per_class', 'examples_per_client', 'base_examples_per_class')
             if getattr(self, name) is not None
         ]
         applies = _PARTITION_FIELDS.get(self.partition, {})
-        stray = [
-            name
-            for name in (
-                'classes_per_client',
-                'dirichlet_alpha',
-                'examples_per_client',
-                'examples_per_class',
-                'kt_case1_counts',
-                'kd_split_sizes',
-            )
-            if getattr(self, name) is not None and name not in applies
-        ]
+        stray = [name for name in _PARTITION_SETTINGS if getattr(self, name) is not None and name not in applies]
         return super()._checks() + [
             (self.partition in PARTITIONS, f'unknown partition {self.partition!r}; known: {", ".join(PARTITIONS)}'),
             (not stray, f'--{stray[0] if stray else ""} does not apply to partition {self.partition}'),
