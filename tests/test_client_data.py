@@ -93,3 +93,47 @@ def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
             client_rows |= {row.tobytes() for row in x.reshape(len(x), -1)}
     assert not client_rows & {row.tobytes() for row in public_x}  # no client holds a public example
     assert client_data.load_client_data_spec(str(tmp_path / 'data')).public_size == 50
+
+
+def test_public_data_from_another_source(tiny_npz, tmp_path):
+    from tff_pfl.data import pipeline, sources
+
+    other = tmp_path / 'other.npz'
+    rng = np.random.default_rng(5)
+    x_other = rng.integers(200, 256, size=(30, 6, 6)).astype(np.uint8)
+    y_other = (np.arange(30) % 7).astype(np.uint8)
+    np.savez(other, x_train=x_other[:20], y_train=y_other[:20], x_test=x_other[20:], y_test=y_other[20:])
+    prepared = pipeline.prepare(
+        str(tmp_path / 'data'),
+        dataset=f'npz:{tiny_npz}',
+        partition_name='iid',
+        num_clients=4,
+        seed=1,
+        public_examples=12,
+        public_dataset=f'npz:{other}',
+    )
+    spec = prepared.spec
+    # The clients keep every example of their own source.
+    assert spec.public_size == 12 and prepared.class_histogram.sum() == 320
+    public_x = client_data.read_public(spec).slice(0, 12)[0].numpy().reshape(12, -1)
+    drawn = np.sort(np.random.default_rng([1, 0x9B]).permutation(30)[:12])
+    np.testing.assert_array_equal(public_x, sources.load_npz(str(other)).x[drawn].reshape(12, -1))
+    bad = tmp_path / 'bad.npz'
+    np.savez(
+        bad,
+        x_train=np.zeros((30, 5, 5), np.uint8),
+        y_train=np.zeros(30, np.uint8),
+        x_test=np.zeros((3, 5, 5), np.uint8),
+        y_test=np.zeros(3, np.uint8),
+    )
+    with pytest.raises(sources.DataError, match=r'public dataset .* has examples of shape \(5, 5, 1\)'):
+        pipeline.prepare(
+            str(tmp_path / 'bad'),
+            dataset=f'npz:{tiny_npz}',
+            partition_name='iid',
+            num_clients=4,
+            seed=1,
+            public_examples=12,
+            public_dataset=f'npz:{bad}',
+        )
+    assert not (tmp_path / 'bad').exists()

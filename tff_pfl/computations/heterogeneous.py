@@ -50,6 +50,11 @@ class PublicKnowledge(settings_lib.Settings):
     public_examples: int = _setting(
         3000, '|D_r|, examples set aside as unlabeled public data before partitioning (no client holds them).'
     )
+    public_dataset: str = _setting(
+        '',
+        'Source of the public data, as --dataset (KT-pFL: MNIST for Fashion-MNIST clients); empty: set aside from '
+        '--dataset.',
+    )
     public_batch: int | None = _setting(
         None, 'P, public examples drawn each round, the same for every client and the server (unset: all of them).'
     )

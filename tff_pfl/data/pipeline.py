@@ -35,6 +35,7 @@ def prepare(
     data_dir: str | None = None,
     download: bool = False,
     public_examples: int = 0,
+    public_dataset: str | None = None,
 ) -> PreparedData:
     """Loads a dataset, partitions it, splits every client, writes the files.
 
@@ -55,6 +56,10 @@ def prepare(
         the distillation baselines); no client holds them. From a natural
         partition, each client gives up those of its examples that were
         drawn (drawn uniformly from the whole pool).
+      public_dataset: a source spec to draw the public examples from instead
+        (KT-pFL's Fashion-MNIST clients use MNIST as public data); its
+        examples must have the clients' shape, and the clients keep every
+        example of `dataset`.
 
     Returns:
       A `PreparedData`.
@@ -66,7 +71,24 @@ def prepare(
     pool = sources.load_source(dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients)
     public = None
     labels = pool.y
-    if public_examples:
+    x, y = pool.x, pool.y
+    if public_examples and public_dataset:
+        other = sources.load_source(public_dataset, data_dir=data_dir, download=download, seed=seed)
+        if other.x.shape[1:] != pool.x.shape[1:]:
+            raise sources.DataError(
+                f'public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients\''
+                f' {pool.x.shape[1:]}'
+            )
+        if public_examples > len(other.y):
+            raise partition.PartitionError(
+                f'public_examples ({public_examples}) exceeds the public dataset ({len(other.y)})'
+            )
+        drawn = np.sort(np.random.default_rng([seed, 0x9B]).permutation(len(other.y))[:public_examples])
+        # Stored after the clients' pool; their labels are never written.
+        x = np.concatenate([pool.x, other.x[drawn]])
+        y = np.concatenate([pool.y, np.zeros(public_examples, pool.y.dtype)])
+        public = np.arange(len(pool.y), len(y))
+    elif public_examples:
         if public_examples >= len(pool.y):
             raise partition.PartitionError(
                 f'public_examples ({public_examples}) must be smaller than the dataset ({len(pool.y)})'
@@ -84,12 +106,12 @@ def prepare(
             raise partition.PartitionError(
                 f'dataset {pool.name!r} has {len(clients)} natural clients, not {num_clients}'
             )
-        if public is not None:
+        if public is not None and not public_dataset:
             # Each natural client keeps its own examples but the public ones.
             clients = [np.setdiff1d(c, public) for c in clients]
     else:
         clients = partition.build_partition(partition_name, labels, num_clients, seed, **dict(partition_params or {}))
-        if public is not None:
+        if public is not None and not public_dataset:
             clients = [{k: keep[v] for k, v in c.items()} if isinstance(c, dict) else keep[c] for c in clients]
     splits = []
     for index, indices in enumerate(clients):
@@ -101,6 +123,6 @@ def prepare(
             splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
         except partition.PartitionError as e:
             raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
-    spec = client_data.write_client_data(root, pool.x, pool.y, pool.num_classes, splits, public_indices=public)
+    spec = client_data.write_client_data(root, x, y, pool.num_classes, splits, public_indices=public)
     histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
     return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)

@@ -444,7 +444,8 @@ def _validate_configs(suite: Suite, fail) -> None:
 def _data_key(config: experiment.ExperimentConfig) -> dict:
     """What decides a run's client data, seed aside."""
     key = {field: getattr(config, field) for field in _DATA_FIELDS}
-    key['public_examples'] = experiment.public_examples(config)
+    # Public examples drawn from another source leave the clients' data as it is.
+    key['public_examples'] = 0 if experiment.public_dataset(config) else experiment.public_examples(config)
     key['partition'] = config.partition
     key.update((f'partition_params.{k}', v) for k, v in sorted(config.partition_params().items()))
     return key

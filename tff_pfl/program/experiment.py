@@ -385,6 +385,15 @@ def public_examples(config: ExperimentConfig) -> int:
     return 0
 
 
+def public_dataset(config: ExperimentConfig) -> str | None:
+    """The source of the algorithm's public data, or None: set aside from `config.dataset`."""
+    from tff_pfl.computations import heterogeneous
+
+    if isinstance(config.settings, heterogeneous.PublicKnowledge):
+        return config.settings.public_dataset or None
+    return None
+
+
 def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] = print):
     """Writes a new run's client data and config, and builds its process; all or nothing.
 
@@ -424,6 +433,7 @@ def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] =
             data_dir=config.data_dir,
             download=config.download,
             public_examples=public_examples(config),
+            public_dataset=public_dataset(config),
         )
         with open(os.path.join(staging, 'config.json'), 'w') as f:
             json.dump(config.to_dict(), f, indent=2)
