@@ -76,7 +76,7 @@ def prepare(
         other = sources.load_source(public_dataset, data_dir=data_dir, download=download, seed=seed)
         if other.x.shape[1:] != pool.x.shape[1:]:
             raise sources.DataError(
-                f'public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients\''
+                f"public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients'"
                 f' {pool.x.shape[1:]}'
             )
         if public_examples > len(other.y):
