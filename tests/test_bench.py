@@ -52,6 +52,9 @@ imitations = [0.5]
 distill_epochs = 1
 [paper]
 "FedAvg" = { natural = [50.0, 10.0] }
+"PersFL" = { IID = { weighted = 40.0, top10 = 45.5 } }
+[paper_source]
+source = "A paper, Table 1, Synthetic(1,1)"
 """
 
 
@@ -184,6 +187,24 @@ def _suite_with(old, new):
         (_suite_with('name = "PersFL"', 'name = "fedavg"'), 'labels "FedAvg" and "fedavg" name the same directory'),
         (TINY.replace('natural = [50.0, 10.0]', 'ds1 = [50.0, 10.0]'), 'paper.FedAvg.ds1: unknown partition label'),
         (TINY.replace('natural = [50.0, 10.0]', 'natural = [50.0]'), 'paper.FedAvg.natural: must be [mean, std]'),
+        (TINY.replace('natural = [50.0, 10.0]', 'natural = "50"'), 'paper.FedAvg.natural: must be [mean, std] in %, a'),
+        (TINY.replace('natural = [50.0, 10.0]', 'natural = {}'), 'paper.FedAvg.natural: names no metric; known: mean'),
+        (TINY.replace('weighted = 40.0', 'median = 40.0'), 'paper.PersFL.IID.median: unknown metric; known: mean, we'),
+        (TINY.replace('weighted = 40.0', 'weighted = [40.0, 1.0]'), 'paper.PersFL.IID.weighted: must be a number in %'),
+        (TINY.replace('weighted = 40.0', 'mean = [40.0]'), 'paper.PersFL.IID.mean: must be [mean, std] in %'),
+        (TINY.replace('weighted = 40.0', 'mean = true'), 'paper.PersFL.IID.mean: must be a number or [mean, std]'),
+        (TINY.replace('top10 = 45.5', 'top10 = 0.455e3'), 'paper.PersFL.IID.top10: must be in [0, 100] (%)'),
+        (
+            TINY.replace('natural = [50.0, 10.0]', 'natural = [50.0, -1]'),
+            'paper.FedAvg.natural: std must be in [0, 100]',
+        ),
+        (TINY.replace('source = "A', 'title = "A'), 'tiny.toml: paper_source.title: unknown key; known: source'),
+        (TINY.replace('source = "A paper, Table 1, Synthetic(1,1)"', 'source = " "'), 'paper_source.source: required'),
+        (TINY.replace('[paper]\n', '[other]\n'), 'tiny.toml: other: unknown key'),
+        (
+            TINY.split('[paper]')[0] + '[paper_source]\nsource = "x"\n',
+            'tiny.toml: paper_source: given without a [paper] table',
+        ),
         (
             TINY.replace('[[partitions]]\nname = "natural"\npartition = "natural"\n', '', 1).replace(
                 '[[partitions]]\nname = "IID"\npartition = "iid"\n', ''
@@ -197,6 +218,103 @@ def test_suite_errors_are_one_line_naming_file_and_key(text, message):
         bench_suite.parse_suite(text, 'tiny.toml')
     assert message in str(error.value)
     assert '\n' not in str(error.value)
+
+
+def test_paper_table_forms():
+    """`[mean, std]` (the old form), a number, and tables of metrics; metrics in a fixed order."""
+    text = TINY.replace('"FedAvg" = { natural = [50.0, 10.0] }\n', '').replace(
+        '"PersFL" = { IID = { weighted = 40.0, top10 = 45.5 } }',
+        '"PersFL" = { IID = { top10 = 45.5, weighted = 40 }, natural = 61.25 }\n'
+        '[paper.FedAvg]\nnatural = [50, 10.0]\nIID = { worst10 = 20.0, mean = [70.0, 3.5] }',
+    )
+    suite = bench_suite.parse_suite(text, 'tiny.toml')
+    assert suite.paper == {
+        'FedAvg': {'natural': {'mean': (50.0, 10.0)}, 'IID': {'mean': (70.0, 3.5), 'worst10': (20.0, None)}},
+        'PersFL': {'IID': {'weighted': (40.0, None), 'top10': (45.5, None)}, 'natural': {'mean': (61.25, None)}},
+    }
+    assert list(suite.paper['PersFL']['IID']) == ['weighted', 'top10']
+    assert suite.paper_source == 'A paper, Table 1, Synthetic(1,1)'
+    assert tuple(bench_report.METRICS) == bench_suite.PAPER_METRICS
+    plain = bench_suite.parse_suite(TINY.split('[paper]')[0], 'tiny.toml')
+    assert plain.paper == {} and plain.paper_source == ''
+
+
+def _fake_record(suite, partition, algorithm, seed, accuracies, splits):
+    """A `bench_result.json` record of clients c0, c1, ... with (train, val, test) examples `splits`."""
+    run = next(r for r in suite.runs() if (r.partition.name, r.algorithm.name, r.seed) == (partition, algorithm, seed))
+    lines = ['client_id,train_examples,val_examples,test_examples,class_0']
+    lines += [f'c{i},{train},{val},{test},{train + val + test}' for i, (train, val, test) in enumerate(splits)]
+    ordered = np.sort(accuracies)
+    model = run.algorithm.model
+    return {
+        'run': run,
+        'seed': seed,
+        'summary': {model: {'mean': np.mean(accuracies), 'std': np.std(accuracies), 'worst_10': np.mean(ordered[:2])}},
+        'clients': [
+            {'client_id': f'c{i}', 'accuracy': a, 'num_examples': test}
+            for i, (a, (_, _, test)) in enumerate(zip(accuracies, splits))
+        ],
+        'rounds': 2,
+        'rounds_to_target': None,
+        'communication': {},
+        'seconds': 60.0,
+        'partition_csv': '\n'.join(lines) + '\n',
+    }
+
+
+def test_sample_weighted_and_top_10_by_hand():
+    """11 clients: the top 10% are ceil(1.1) = 2; weights are train + val + test examples."""
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    # Seed 0: client i holds 20 (i + 1) examples, test sets shrinking with i (11 - i), so that
+    # weighting by test examples would pick other clients. Accuracy 0.5, but 0.0 for client 9
+    # (200 examples) and 1.0 for client 10 (220).
+    splits0 = [(20 * (i + 1) - 13 + i, 2, 11 - i) for i in range(11)]
+    assert [sum(s) for s in splits0] == [20 * (i + 1) for i in range(11)]
+    accuracies0 = [0.5] * 9 + [0.0, 1.0]
+    # Seed 1: every client holds 30 examples: a tie, the first two clients are the top 10%.
+    splits1 = [(20, 5, 5)] * 11
+    accuracies1 = [0.2, 0.4] + [0.9] * 9
+    records = [
+        _fake_record(suite, 'natural', 'FedAvg', 0, accuracies0, splits0),
+        _fake_record(suite, 'natural', 'FedAvg', 1, accuracies1, splits1),
+    ]
+    # By hand: seed 0, weighted (0.5 * 20 * (1 + ... + 9) + 0 * 200 + 1 * 220) / 1320 = 670 / 1320,
+    # top 10% (0 * 200 + 1 * 220) / 420; seed 1, weighted (0.2 + 0.4 + 9 * 0.9) / 11, top (0.2 + 0.4) / 2.
+    weighted = [100 * 670 / 1320, 100 * 8.7 / 11]
+    top = [100 * 220 / 420, 100 * 0.3]
+    assert bench_report.sample_weighted(records[0]) == (pytest.approx(weighted[0]), pytest.approx(top[0]))
+    assert bench_report.sample_weighted(records[1]) == (pytest.approx(weighted[1]), pytest.approx(top[1]))
+    assert bench_report.client_examples(records[0]['partition_csv'])['c10'] == 220
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['weighted_mean'] == pytest.approx((weighted[0] + weighted[1]) / 2)
+    assert row['weighted_mean_std_over_seeds'] == pytest.approx(abs(weighted[0] - weighted[1]) / 2**0.5)
+    assert row['top_10_by_samples'] == pytest.approx((top[0] + top[1]) / 2)
+    assert row['top_10_by_samples_std_over_seeds'] == pytest.approx(abs(top[0] - top[1]) / 2**0.5)
+    worst = [100 * (0.0 + 0.5) / 2, 100 * (0.2 + 0.4) / 2]
+    assert row['worst_10'] == pytest.approx(sum(worst) / 2)
+    assert row['worst_10_std_over_seeds'] == pytest.approx(abs(worst[0] - worst[1]) / 2**0.5)
+    # Without its partition a run has no sample-weighted numbers, and the cell none.
+    records[1]['partition_csv'] = None
+    assert bench_report.sample_weighted(records[1]) == (None, None)
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['weighted_mean'] is None and row['top_10_by_samples'] is None
+    records[1]['partition_csv'] = 'client_id,train_examples\nc0,3\n'
+    with pytest.raises(bench_suite.SuiteError, match='run natural/FedAvg/seed1: partition.csv row .* has no client_id'):
+        bench_report.aggregate(suite, records)
+    # The report shows them beside the worst 10%, with the paper's targeted metrics.
+    records[1] = _fake_record(suite, 'natural', 'FedAvg', 1, accuracies1, splits1)
+    rows = bench_report.aggregate(suite, records)
+    text = bench_report.render_report(suite, '/tmp/x', records, rows, [], [])
+    header = next(line for line in text.splitlines() if line.startswith('| algorithm | partition | model |'))
+    assert header == (
+        '| algorithm | partition | model | runs | ours | ours std | weighted | worst 10% | top 10% | paper | '
+        'paper std | diff | diff std | paper weighted | diff weighted | paper top 10% | diff top 10% |'
+    )
+    line = next(line for line in text.splitlines() if line.startswith('| FedAvg | natural |'))
+    cells = [c.strip() for c in line.split('|')[1:-1]]
+    assert cells[6:9] == [f'{sum(weighted) / 2:.2f}', f'{sum(worst) / 2:.2f}', f'{sum(top) / 2:.2f}']
+    assert cells[9:11] == ['50.0', '10.0'] and cells[13:] == ['', '', '', '']
+    assert 'Paper: A paper, Table 1, Synthetic(1,1).' in text
 
 
 def test_load_suite_errors(tmp_path):
@@ -247,7 +365,7 @@ def test_committed_suites():
         'Local': [100, 100, 100],
         'FedAvg+FT': [100, 50, 100],
     }
-    assert suite.paper['PersFL']['ds3'] == (99.4, 0.3)
+    assert suite.paper['PersFL']['ds3'] == {'mean': (99.4, 0.3)}
     baselines = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
     names = {a.algorithm for a in baselines.algorithms}
     assert {'local', 'fedavg_ft', 'fedper', 'ditto', 'pfedme', 'perfedavg_fo', 'perfedavg_hf', 'apfl'} <= names
@@ -317,7 +435,7 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
     for partition in suite.partitions:
         for algorithm in suite.algorithms:
             model = algorithm.model
-            per_seed = []
+            per_seed, weighted_per_seed, top_per_seed = [], [], []
             for seed in suite.seeds:
                 directory = os.path.join(out, 'runs', partition.slug, algorithm.slug, f'seed{seed}')
                 clients = _read_csv(os.path.join(directory, 'clients.csv'))
@@ -331,6 +449,16 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
                 assert [int(r['client']) for r in mine] == list(range(len(clients)))
                 np.testing.assert_allclose([float(r['accuracy']) for r in mine], accuracies, rtol=1e-5)
                 per_seed.append(np.asarray(accuracies))
+                # Sample weights: all of a client's examples, from the run's partition.csv.
+                sizes = {
+                    row['client_id']: int(row['train_examples']) + int(row['val_examples']) + int(row['test_examples'])
+                    for row in _read_csv(os.path.join(directory, 'partition.csv'))
+                }
+                weights = np.asarray([sizes[c['client_id']] for c in clients], dtype=float)
+                assert [int(r['examples']) for r in mine] == list(weights.astype(int))
+                top = np.argsort(-weights, kind='stable')[: int(np.ceil(0.1 * len(clients)))]
+                weighted_per_seed.append(100 * np.average(accuracies, weights=weights))
+                top_per_seed.append(100 * np.average(np.asarray(accuracies)[top], weights=weights[top]))
             means = [100 * a.mean() for a in per_seed]
             stds = [100 * a.std() for a in per_seed]  # population std across clients
             row = summary[(partition.name, algorithm.name)]
@@ -339,6 +467,11 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
             assert float(row['accuracy_std_over_seeds']) == pytest.approx(np.std(means, ddof=1), abs=1e-3)
             assert float(row['client_std']) == pytest.approx(np.mean(stds), abs=1e-3)
             assert float(row['worst_10']) == pytest.approx(np.mean([100 * a.min() for a in per_seed]), abs=1e-3)
+            assert float(row['weighted_mean']) == pytest.approx(np.mean(weighted_per_seed), abs=1e-3)
+            assert float(row['weighted_mean_std_over_seeds']) == pytest.approx(
+                np.std(weighted_per_seed, ddof=1), abs=1e-3
+            )
+            assert float(row['top_10_by_samples']) == pytest.approx(np.mean(top_per_seed), abs=1e-3)
             # The paper-style table: client i averaged over seeds, Avg. Acc., Std Dev.
             column = f'{algorithm.name} {partition.name}'
             header = next(line for line in report.splitlines() if line.startswith('|  |'))
@@ -357,6 +490,10 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
     fedavg = summary[('natural', 'FedAvg')]
     line = next(line for line in report.splitlines() if line.startswith('| FedAvg | natural | global_model |'))
     assert f'{float(fedavg["accuracy_mean"]) - 50.0:+.2f}' in line and '| 50.0 | 10.0 |' in line
+    persfl = summary[('IID', 'PersFL')]
+    line = next(line for line in report.splitlines() if line.startswith('| PersFL | IID | personalized_model |'))
+    weighted, top = float(persfl['weighted_mean']), float(persfl['top_10_by_samples'])
+    assert line.endswith(f'| 40.0 | {weighted - 40.0:+.2f} | 45.5 | {top - 45.5:+.2f} |')
     assert 'tff-pfl-bench --suite=' in report and '    second' in report
     for partition in suite.partitions:
         for kind in ('curves', 'clients', 'std'):

@@ -10,12 +10,29 @@ directory (`bench_run`) and writes, next to them (`write_report`):
 """
 
 import collections
+import csv
+import io
 import json
 import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
+from tff_pfl import metrics as metrics_lib
 from tff_pfl.program import bench_run, bench_suite, reports
+
+# A `[paper]` metric (`bench_suite.PAPER_METRICS`) -> the summary.csv column of
+# ours (mean over seeds), the column of its std over seeds, and its label in
+# the report.
+METRICS = collections.OrderedDict(
+    mean=('accuracy_mean', 'accuracy_std_over_seeds', 'mean'),
+    weighted=('weighted_mean', 'weighted_mean_std_over_seeds', 'weighted'),
+    worst10=('worst_10', 'worst_10_std_over_seeds', 'worst 10%'),
+    top10=('top_10_by_samples', 'top_10_by_samples_std_over_seeds', 'top 10%'),
+)
+
+# The top (or worst) 10% of N clients are ceil(0.1 * N) of them
+# (`metrics_lib.top_by_weight_mean`, `metrics_lib.summarize`).
+TOP_FRACTION = 0.1
 
 
 def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
@@ -51,6 +68,70 @@ def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
     return records
 
 
+def client_examples(partition_csv: str | None) -> dict[str, int] | None:
+    """Each client's number of examples, from a run's `partition.csv` text.
+
+    Args:
+      partition_csv: the text of the run's `partition.csv` (columns
+        `client_id`, `train_examples`, `val_examples`, `test_examples`, ...),
+        as `bench_result.json` keeps it; None when the run has none.
+
+    Returns:
+      client id -> train + val + test examples (all of the client's data),
+      or None when there is no partition text.
+
+    Raises:
+      ValueError: the text lacks those columns or a count is not an integer.
+    """
+    if not partition_csv:
+        return None
+    sizes = {}
+    for row in csv.DictReader(io.StringIO(partition_csv)):
+        try:
+            sizes[row['client_id']] = sum(int(row[f'{split}_examples']) for split in ('train', 'val', 'test'))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f'partition.csv row {dict(row)} has no client_id and train/val/test counts') from None
+    return sizes
+
+
+def sample_weighted(record: Mapping) -> tuple[float | None, float | None]:
+    """A run's sample-weighted accuracy, over all clients and over the top 10% by size.
+
+    Weights are the clients' numbers of examples (train + val + test,
+    `client_examples`): Self-FL weights clients "proportional to the sample
+    size", and its Table 1 reports the "weighted test accuracy of clients that
+    have top 10% most samples". The top 10% of N clients are the
+    ceil(0.1 * N) with the most examples, ties broken by client order.
+
+    Args:
+      record: a run's `bench_result.json` record.
+
+    Returns:
+      `(weighted mean, top-10% weighted mean)` of the test accuracy, in %; both
+      None when the record has no partition text or lacks a client in it.
+
+    Raises:
+      bench_suite.SuiteError: the record's partition text is malformed.
+    """
+    try:
+        sizes = client_examples(record.get('partition_csv'))
+    except ValueError as e:
+        raise bench_suite.SuiteError(f'run {record["run"].label}: {e}') from None
+    clients = record['clients']
+    if sizes is None or any(c['client_id'] not in sizes for c in clients):
+        return None, None
+    accuracies = [c['accuracy'] for c in clients]
+    weights = [sizes[c['client_id']] for c in clients]
+    weighted = metrics_lib.summarize(accuracies, weights)['weighted_mean']
+    top = metrics_lib.top_by_weight_mean(accuracies, weights, TOP_FRACTION)
+    return 100 * weighted, 100 * top
+
+
+def _all_or_none(values) -> list | None:
+    values = list(values)
+    return None if any(v is None for v in values) else values
+
+
 def _mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.fmean(values) if values else None
@@ -68,8 +149,11 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     across-client mean, `accuracy_std_over_seeds` its standard deviation over
     seeds (n - 1), `client_std` the mean over seeds of the across-client
     (population) standard deviation, `worst_10` the mean over seeds of the
-    mean of the worst 10% of clients, `per_client` client i's accuracy
-    averaged over seeds.
+    mean of the worst 10% of clients (ceil(0.1 N) of N), `weighted_mean` and
+    `top_10_by_samples` the means over seeds of `sample_weighted`'s two
+    numbers (None when a run lacks its partition), each `*_std_over_seeds`
+    the std over seeds (n - 1) of the statistic before it, `per_client`
+    client i's accuracy averaged over seeds.
 
     Args:
       suite: the suite.
@@ -88,6 +172,9 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
             means = [100 * r['summary'][model]['mean'] for r in mine]
             stds = [100 * r['summary'][model]['std'] for r in mine]
             worst = [100 * r['summary'][model]['worst_10'] for r in mine]
+            weighted_pairs = [sample_weighted(r) for r in mine]
+            weighted = _all_or_none(w for w, _ in weighted_pairs)
+            top = _all_or_none(t for _, t in weighted_pairs)
             num_clients = len(mine[0]['clients'])
             if any(len(r['clients']) != num_clients for r in mine):
                 raise bench_suite.SuiteError(
@@ -108,6 +195,11 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     client_std=statistics.fmean(stds),
                     client_std_over_seeds=_stdev(stds),
                     worst_10=statistics.fmean(worst),
+                    worst_10_std_over_seeds=_stdev(worst),
+                    weighted_mean=None if weighted is None else statistics.fmean(weighted),
+                    weighted_mean_std_over_seeds=None if weighted is None else _stdev(weighted),
+                    top_10_by_samples=None if top is None else statistics.fmean(top),
+                    top_10_by_samples_std_over_seeds=None if top is None else _stdev(top),
                     rounds=mine[0]['rounds'],
                     rounds_to_target=_mean(reached),
                     rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
@@ -139,22 +231,23 @@ def write_report(suite: bench_suite.Suite, output_dir: str, *, log: Callable[[st
     with bench_run.locked(os.path.join(output_dir, '.lock')):
         records = load_results(suite, output_dir)
         rows = aggregate(suite, records)
-        reports.write_csv(
-            os.path.join(output_dir, 'results.csv'),
-            [
-                collections.OrderedDict(
-                    partition=r['partition'],
-                    algorithm=r['algorithm'],
-                    seed=r['seed'],
-                    client=i,
-                    client_id=c['client_id'],
-                    model=r['model'],
-                    accuracy=c['accuracy'],
+        results = []
+        for r in records:
+            sizes = client_examples(r.get('partition_csv')) or {}  # well formed: aggregate read it
+            for i, c in enumerate(r['clients']):
+                results.append(
+                    collections.OrderedDict(
+                        partition=r['partition'],
+                        algorithm=r['algorithm'],
+                        seed=r['seed'],
+                        client=i,
+                        client_id=c['client_id'],
+                        model=r['model'],
+                        accuracy=c['accuracy'],
+                        examples=sizes.get(c['client_id']),
+                    )
                 )
-                for r in records
-                for i, c in enumerate(r['clients'])
-            ],
-        )
+        reports.write_csv(os.path.join(output_dir, 'results.csv'), results)
         reports.write_csv(
             os.path.join(output_dir, 'summary.csv'),
             [{k: v for k, v in row.items() if k != 'per_client'} for row in rows],
@@ -230,6 +323,14 @@ def _kilobytes(value: float | None) -> str:
 
 def _pct(value: float | None, decimals: int = 2) -> str:
     return '' if value is None else f'{value:.{decimals}f}'
+
+
+def _paper_number(value: float | None) -> str:
+    """A paper's number as printed: one decimal, or two when it has them."""
+    if value is None:
+        return ''
+    one = f'{value:.1f}'
+    return one if float(one) == round(value, 2) else f'{value:.2f}'
 
 
 def _mean_std(mean: float | None, std: float | None) -> str:
@@ -314,28 +415,47 @@ def render_report(
     lines += [
         '## Ours vs the paper (%)',
         '',
-        'ours: mean over seeds ± std over seeds of the across-client mean; std: mean over seeds of the',
-        'across-client std; worst 10%: mean over seeds of the mean of the worst 10% of clients; diff: ours - paper.',
+    ]
+    if suite.paper_source:
+        lines += [f'Paper: {suite.paper_source}.', '']
+    lines += [
+        'ours: mean over seeds ± std over seeds of the across-client mean; ours std: of the across-client std;',
+        "weighted: of the sample-weighted mean (weight: the client's train + val + test examples, partition.csv);",
+        'worst 10%: of the mean of the ceil(0.1 N) worst of the N clients; top 10%: of the sample-weighted mean of',
+        "the ceil(0.1 N) clients with the most examples (Self-FL's Table 1); each a mean over seeds. paper, paper",
+        "std: the across-client mean and std of the suite's [paper] table; paper <metric>: the other metrics it",
+        'gives; diff: ours - paper.',
         '',
     ]
+    targeted = [m for m in METRICS if any(m in cell for cells in suite.paper.values() for cell in cells.values())]
     comparison = []
     for row in rows:
-        paper_mean, paper_std = suite.paper.get(row['algorithm'], {}).get(row['partition'], (None, None))
-        comparison.append(
-            {
-                'algorithm': row['algorithm'],
-                'partition': row['partition'],
-                'model': row['model'],
-                'runs': row['runs'],
-                'ours': _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds']),
-                'ours std': _pct(row['client_std']),
-                'worst 10%': _pct(row['worst_10']),
-                'paper': _pct(paper_mean, 1),
-                'paper std': _pct(paper_std, 1),
-                'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
-                'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
-            }
-        )
+        cell = suite.paper.get(row['algorithm'], {}).get(row['partition'], {})
+        paper_mean, paper_std = cell.get('mean', (None, None))
+        entry = {
+            'algorithm': row['algorithm'],
+            'partition': row['partition'],
+            'model': row['model'],
+            'runs': row['runs'],
+            'ours': _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds']),
+            'ours std': _pct(row['client_std']),
+            'weighted': _pct(row['weighted_mean']),
+            'worst 10%': _pct(row['worst_10']),
+            'top 10%': _pct(row['top_10_by_samples']),
+            'paper': _paper_number(paper_mean),
+            'paper std': _paper_number(paper_std),
+            'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
+            'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
+        }
+        for metric in targeted:
+            if metric == 'mean':  # the columns above
+                continue
+            column, _, label = METRICS[metric]
+            paper_value = cell.get(metric, (None, None))[0]
+            ours = row[column]
+            entry[f'paper {label}'] = _paper_number(paper_value)
+            entry[f'diff {label}'] = '' if paper_value is None or ours is None else f'{ours - paper_value:+.2f}'
+        comparison.append(entry)
     columns = [
         'algorithm',
         'partition',
@@ -343,12 +463,18 @@ def render_report(
         'runs',
         'ours',
         'ours std',
+        'weighted',
         'worst 10%',
+        'top 10%',
         'paper',
         'paper std',
         'diff',
         'diff std',
     ]
+    for metric in targeted:
+        if metric != 'mean':
+            label = METRICS[metric][2]
+            columns += [f'paper {label}', f'diff {label}']
     lines += [reports.markdown_table(comparison, columns), '']
     target = (
         'no target_accuracy set'

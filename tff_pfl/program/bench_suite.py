@@ -31,6 +31,14 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     rounds = 50
     [paper]                            # optional reference numbers (%):
     "FedAvg" = { ds1 = [92.0, 1.7] }   # algorithm label -> partition -> [mean, std]
+    "PersFL" = { ds1 = { mean = 98.6, top10 = 99.0 } }  # or metric -> value
+    [paper_source]                     # optional, with [paper]: where the
+    source = "PersFL, Table 3, MNIST"  # numbers come from (the scoreboard)
+
+A `[paper]` cell is `[mean, std]` (the across-client mean and the
+across-client std), a number (the across-client mean), or a table naming the
+metrics it targets (`PAPER_METRICS`): `mean` takes a number or
+`[mean, std]`, `weighted`, `worst10` and `top10` a number.
 
 A run's configuration is the settings' defaults (the common
 `ExperimentConfig` and the algorithm's settings dataclass), updated in this
@@ -61,7 +69,11 @@ MODELS = ('global_model', 'personalized_model')
 
 _RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
 _COMMON_HINTS = typing.get_type_hints(experiment.ExperimentConfig)
-_SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper')
+_SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper', 'paper_source')
+# What a `[paper]` number can be: the across-client mean, the sample-weighted
+# mean, the mean of the worst 10% of clients, and the sample-weighted mean of
+# the 10% of clients with the most examples (`bench_report.METRICS`).
+PAPER_METRICS = ('mean', 'weighted', 'worst10', 'top10')
 _DEFAULTS_EXTRA = ('seeds', 'target_accuracy', 'headline_model')
 _ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides')
 # What decides a run's client data besides `partition_params()` and the seed.
@@ -147,7 +159,9 @@ class Suite:
       target_accuracy: accuracy (fraction) for rounds-to-target, or None.
       partitions: the partition entries, in file order.
       algorithms: the algorithm entries, in file order.
-      paper: algorithm label -> partition label -> (mean, std), in %.
+      paper: algorithm label -> partition label -> metric (`PAPER_METRICS`)
+        -> (value, std or None), in %; only `mean` has a std (across clients).
+      paper_source: where the `[paper]` numbers come from, or ''.
     """
 
     name: str
@@ -160,6 +174,7 @@ class Suite:
     partitions: tuple
     algorithms: tuple
     paper: Mapping
+    paper_source: str = ''
 
     def config(
         self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
@@ -392,9 +407,16 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
             key = f'paper.{algorithm_name}.{partition_name}'
             if partition_name not in partition_names:
                 fail(key, f'unknown partition label; the suite has {", ".join(partition_names)}')
-            if not (isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value)):
-                fail(key, f'must be [mean, std] in %, got {value!r}')
-            paper[algorithm_name][partition_name] = (float(value[0]), float(value[1]))
+            paper[algorithm_name][partition_name] = _paper_cell(value, key, fail)
+    paper_source = ''
+    if 'paper_source' in raw:
+        source_table = _table(raw['paper_source'], 'paper_source', fail)
+        _unknown_keys(source_table, ('source',), 'paper_source', fail)
+        paper_source = source_table.get('source')
+        if not isinstance(paper_source, str) or not paper_source.strip():
+            fail('paper_source.source', 'required, a non-empty string (e.g. "KT-pFL, Table 2, Fashion-MNIST")')
+        if not paper:
+            fail('paper_source', 'given without a [paper] table')
 
     suite = Suite(
         name=name,
@@ -407,6 +429,7 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         partitions=tuple(partitions),
         algorithms=tuple(entries),
         paper=paper,
+        paper_source=paper_source.strip(),
     )
     used = set(experiment.ExperimentConfig.common_fields()).union(
         *(algorithms_lib.get(a.algorithm).settings.field_names() for a in entries)
@@ -439,6 +462,46 @@ def _validate_configs(suite: Suite, fail) -> None:
                         f'changes the client data ({field} {value!r}, but {reference[1][field]!r} for '
                         f'"{reference[0]}"); every algorithm of a partition must train on the same partition',
                     )
+
+
+def _paper_cell(value, key, fail) -> dict:
+    """A `[paper]` cell -> metric -> (value, std or None); see the module docstring."""
+    if not isinstance(value, dict):
+        if not (_is_number(value) or isinstance(value, list)):
+            fail(
+                key,
+                'must be [mean, std] in %, a number (the mean) or a table of metrics '
+                f'({", ".join(PAPER_METRICS)}), got {value!r}',
+            )
+        value, bare = {'mean': value}, True
+    else:
+        bare = False
+    if not value:
+        fail(key, f'names no metric; known: {", ".join(PAPER_METRICS)}')
+    for metric in value:
+        if metric not in PAPER_METRICS:
+            fail(f'{key}.{metric}', f'unknown metric; known: {", ".join(PAPER_METRICS)}')
+    cell = {}
+    for metric in PAPER_METRICS:  # in a fixed order, whatever the file's
+        if metric not in value:
+            continue
+        number, where = value[metric], key if bare else f'{key}.{metric}'
+        if metric == 'mean' and isinstance(number, list):
+            if not (len(number) == 2 and all(_is_number(v) for v in number)):
+                fail(where, f'must be [mean, std] in %, got {number!r}')
+            number, std = number
+            if not 0 <= std <= 100:
+                fail(where, f'std must be in [0, 100] (%), got {std!r}')
+            std = float(std)
+        else:
+            std = None
+            if not _is_number(number):
+                kind = 'a number or [mean, std] in %' if metric == 'mean' else 'a number in %'
+                fail(where, f'must be {kind}, got {number!r}')
+        if not 0 <= number <= 100:
+            fail(where, f'must be in [0, 100] (%), got {number!r}')
+        cell[metric] = (float(number), std)
+    return cell
 
 
 def _data_key(config: experiment.ExperimentConfig) -> dict:

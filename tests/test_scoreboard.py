@@ -1,0 +1,253 @@
+"""The scoreboard (docs/reports/scoreboard.md): paper numbers of the suites against the committed results."""
+
+import os
+
+import pytest
+
+from tff_pfl.program import scoreboard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SUITE = """
+name = "fake"
+description = "two partitions, two algorithms"
+[defaults]
+dataset = "npz:data/digits.npz"
+num_clients = 3
+rounds = 2
+seeds = [0, 1, 2]
+[[partitions]]
+name = "natural"
+partition = "natural"
+[[partitions]]
+name = "IID"
+partition = "iid"
+[[algorithms]]
+name = "FedAvg"
+algorithm = "fedavg"
+model = "global_model"
+[[algorithms]]
+name = "FT"
+algorithm = "fedavg_ft"
+model = "personalized_model"
+[paper]
+"FedAvg" = { natural = [80.0, 5.0], IID = { weighted = 90.0, top10 = 99.0 } }
+"FT" = { natural = { worst10 = 60.0, mean = 70.25 }, IID = 50 }
+[paper_source]
+source = "Some paper, Table 2, digits"
+"""
+
+# summary.csv as bench_report writes it (the columns the scoreboard reads, and one it does not).
+SUMMARY = """\
+partition,algorithm,model,seeds,runs,accuracy_mean,accuracy_std_over_seeds,client_std,worst_10,\
+worst_10_std_over_seeds,weighted_mean,weighted_mean_std_over_seeds,top_10_by_samples,\
+top_10_by_samples_std_over_seeds,rounds
+natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2
+natural,FT,personalized_model,0 1 2,3/3,72.25,1.25,3.0,58.5,0.75,,,,,2
+IID,FedAvg,global_model,0,1/3,93,,0.5,91,,92.0,,96.9,,2
+"""
+
+COMMANDS = """\
+tff-pfl-bench --suite=benchmarks/suites/fake.toml --output_dir=runs/bench/fake --partitions=natural
+tff-pfl-bench --suite=benchmarks/suites/fake.toml --output_dir=runs/bench/fake --partitions IID --algorithms=FedAvg
+"""
+
+UNRUN = """
+name = "unrun"
+[defaults]
+dataset = "synthetic"
+seeds = [0]
+[[partitions]]
+name = "natural"
+partition = "natural"
+[[algorithms]]
+name = "FedAvg"
+algorithm = "fedavg"
+[paper]
+"FedAvg" = { natural = { top10 = 12.5 } }
+"""
+
+NO_PAPER = UNRUN.split('[paper]')[0].replace('"unrun"', '"no_paper"')
+
+
+def _tree(root, summary=SUMMARY, stored_suite=SUITE):
+    """A repository root with three suites; only `fake` has committed results."""
+    suites = root / 'benchmarks' / 'suites'
+    suites.mkdir(parents=True)
+    (suites / 'fake.toml').write_text(SUITE)
+    (suites / 'unrun.toml').write_text(UNRUN)
+    (suites / 'no_paper.toml').write_text(NO_PAPER)
+    results = root / 'benchmarks' / 'results' / 'fake_suite'
+    results.mkdir(parents=True)
+    (results / 'summary.csv').write_text(summary)
+    (results / 'commands.txt').write_text(COMMANDS)
+    (results / 'suite.toml').write_text(stored_suite)
+    (results / 'report.md').write_text('# fake\n')
+    return root
+
+
+def _by_key(items):
+    return {(e['suite'], e['partition'], e['algorithm'], e['metric']): e for e in items}
+
+
+def test_entries_from_a_fake_results_dir(tmp_path):
+    items = scoreboard.entries(str(_tree(tmp_path)))
+    # Suites in file order (fake, no_paper skipped, unrun), then partition, algorithm, metric.
+    assert [(e['suite'], e['partition'], e['algorithm'], e['metric']) for e in items] == [
+        ('fake', 'natural', 'FedAvg', 'mean'),
+        ('fake', 'natural', 'FT', 'mean'),
+        ('fake', 'natural', 'FT', 'worst10'),
+        ('fake', 'IID', 'FedAvg', 'weighted'),
+        ('fake', 'IID', 'FedAvg', 'top10'),
+        ('fake', 'IID', 'FT', 'mean'),
+        ('unrun', 'natural', 'FedAvg', 'top10'),
+    ]
+    by_key = _by_key(items)
+    first = by_key[('fake', 'natural', 'FedAvg', 'mean')]
+    assert first['source'] == 'Some paper, Table 2, digits' and first['dataset'] == 'digits'
+    assert first['report'] == os.path.join('benchmarks', 'results', 'fake_suite', 'report.md')
+    assert (first['paper'], first['ours'], first['ours_std'], first['runs']) == (80.0, 81.5, 0.5, '3/3')
+    assert first['diff'] == pytest.approx(1.5) and first['within'] is True and first['status'] == 'ok'
+    assert first['commands'] == [COMMANDS.splitlines()[0]] and first['stale'] is False
+    e = by_key[('fake', 'natural', 'FT', 'mean')]
+    assert (e['paper'], e['ours'], e['diff'], e['within']) == (70.25, 72.25, 2.0, True)  # 2 points: within
+    e = by_key[('fake', 'natural', 'FT', 'worst10')]
+    assert (e['ours'], e['ours_std'], e['diff'], e['within']) == (58.5, 0.75, -1.5, True)
+    e = by_key[('fake', 'IID', 'FedAvg', 'weighted')]
+    assert (e['ours'], e['ours_std'], e['runs']) == (92.0, None, '1/3')
+    assert e['diff'] == pytest.approx(2.0) and e['within'] is True
+    assert e['commands'] == [COMMANDS.splitlines()[1]]
+    e = by_key[('fake', 'IID', 'FedAvg', 'top10')]
+    assert e['diff'] == pytest.approx(-2.1) and e['within'] is False
+    # A cell without a summary row is not run yet, with the command that runs it.
+    e = by_key[('fake', 'IID', 'FT', 'mean')]
+    assert (e['status'], e['ours'], e['diff'], e['within'], e['runs']) == ('not run yet', None, None, None, '0/3')
+    assert e['commands'] == ['tff-pfl-bench --suite=benchmarks/suites/fake.toml --output_dir=runs/bench/fake']
+    e = by_key[('unrun', 'natural', 'FedAvg', 'top10')]
+    assert (e['status'], e['runs'], e['report'], e['source']) == ('not run yet', '0/1', None, '')
+    assert e['dataset'] == 'synthetic'
+
+    text = scoreboard.render(items)
+    assert '7 paper numbers from 2 suites: 5 with a result, 4 of them within 2 points of the paper; 2 not run yet.' in (
+        text
+    )
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith('| paper / table |'))
+    assert header == (
+        '| paper / table | suite | dataset / partition | algorithm | metric | paper | ours | seeds | diff | within 2 '
+        '| command |'
+    )
+    rows = [[c.strip() for c in line.split('|')[1:-1]] for line in lines[lines.index(header) + 2 :]]
+    assert rows[0][:10] == [
+        'Some paper, Table 2, digits',
+        '[fake](../../benchmarks/results/fake_suite/report.md)',
+        'digits / natural',
+        'FedAvg',
+        'mean',
+        '80.0',
+        '81.50 ± 0.50',
+        '3/3',
+        '+1.50',
+        'yes',
+    ]
+    assert rows[0][10] == f'`{COMMANDS.splitlines()[0]}`'
+    assert rows[1][5:10] == ['70.25', '72.25 ± 1.25', '3/3', '+2.00', 'yes']
+    assert rows[4][4:10] == ['top 10% by samples', '99.0', '96.90', '1/3', '-2.10', 'no']
+    assert rows[5][6:10] == ['not run yet', '0/3', '', '']
+    assert rows[5][10].startswith('to run: `tff-pfl-bench --suite=benchmarks/suites/fake.toml')
+    assert rows[6][:2] == ['(no [paper_source])', 'unrun (`benchmarks/suites/unrun.toml`)']
+
+
+def test_blank_cells_old_summaries_and_stale_results(tmp_path):
+    # The FT row's weighted columns are blank (a run without partition sizes).
+    suite = SUITE.replace('IID = 50', 'IID = 50, natural = { weighted = 60.0 }').replace(
+        'natural = { worst10 = 60.0, mean = 70.25 }, ', ''
+    )
+    root = _tree(tmp_path / 'blank')
+    (root / 'benchmarks' / 'suites' / 'fake.toml').write_text(suite)
+    e = _by_key(scoreboard.entries(str(root)))[('fake', 'natural', 'FT', 'weighted')]
+    assert (e['status'], e['ours'], e['within']) == ('not available', None, None)
+    # A summary.csv written before the sample-weighted columns existed.
+    old = (
+        'partition,algorithm,model,seeds,runs,accuracy_mean,accuracy_std_over_seeds,client_std,worst_10,rounds\n'
+        'natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,2\n'
+        'natural,FT,personalized_model,0 1 2,3/3,72.25,1.25,3.0,58.5,2\n'
+        'IID,FedAvg,global_model,0,1/3,93,,0.5,91,2\n'
+    )
+    root = _tree(tmp_path / 'old', summary=old)
+    items = _by_key(scoreboard.entries(str(root)))
+    e = items[('fake', 'IID', 'FedAvg', 'weighted')]
+    assert (e['status'], e['ours'], e['runs']) == ('no such column', None, '1/3')
+    assert 'not in summary.csv (written before this metric was reported)' in scoreboard.render([e])
+    e = items[('fake', 'natural', 'FT', 'worst10')]
+    assert (e['ours'], e['ours_std']) == (58.5, None)
+    # Results of other settings are marked; other paper numbers or a description are not other settings.
+    root = _tree(tmp_path / 'stale', stored_suite=SUITE.replace('rounds = 2', 'rounds = 3'))
+    e = _by_key(scoreboard.entries(str(root)))[('fake', 'natural', 'FedAvg', 'mean')]
+    assert e['stale'] and e['ours'] == 81.5
+    assert '| 3/3 (results of an older suite.toml) |' in scoreboard.render([e])
+    stored = SUITE.replace('[80.0, 5.0]', '[1.0, 5.0]').replace('two partitions', 'Two partitions')
+    root = _tree(tmp_path / 'fresh', stored_suite=stored.split('[paper_source]')[0])
+    assert not any(e['stale'] for e in scoreboard.entries(str(root)))
+
+
+@pytest.mark.parametrize(
+    'commands, partition, algorithm, expected',
+    [
+        (['tff-pfl-bench --suite=s'], 'a', 'X', [0]),
+        (['tff-pfl-bench --suite=s --partitions=a,b', 'tff-pfl-bench --suite=s --partitions=c'], 'b', 'X', [0]),
+        (['tff-pfl-bench --algorithms "Per-FedAvg,X" --partitions=b'], 'b', 'Per-FedAvg', [0]),
+        (['tff-pfl-bench --algorithms=Y', 'tff-pfl-bench "unbalanced'], 'b', 'X', [1]),
+    ],
+)
+def test_covering_commands(commands, partition, algorithm, expected):
+    assert scoreboard.covering_commands(commands, partition, algorithm) == [commands[i] for i in expected]
+
+
+@pytest.mark.parametrize(
+    'dataset, label',
+    [
+        ('npz:../shared/data/mnist.npz', 'mnist'),
+        ('../shared/data/fashion_mnist.npz', 'fashion_mnist'),
+        ('folder:/data/cifar/', 'cifar'),
+        ('tfds:emnist', 'emnist'),
+        ('synthetic:0.5,0.5', 'synthetic:0.5,0.5'),
+    ],
+)
+def test_dataset_label(dataset, label):
+    assert scoreboard.dataset_label(dataset) == label
+
+
+def test_main_writes_checks_and_refuses_bad_input(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(_tree(tmp_path))
+    assert scoreboard.main([]) == 0
+    assert capsys.readouterr().out == 'wrote docs/reports/scoreboard.md (7 paper numbers)\n'
+    with open(scoreboard.OUTPUT) as f:
+        assert f.read() == scoreboard.generate('.')
+    assert scoreboard.main(['--check']) == 0
+    with open(scoreboard.OUTPUT, 'a') as f:
+        f.write('edited by hand\n')
+    assert scoreboard.main(['--check']) == 1
+    assert 'out of date; rerun: uv run --locked python -m tff_pfl.program.scoreboard' in capsys.readouterr().err
+    assert scoreboard.main(['--force']) == 2
+    assert capsys.readouterr().err == 'scoreboard: error: unexpected arguments: --force (only --check)\n'
+    (tmp_path / 'benchmarks' / 'suites' / 'bad.toml').write_text(UNRUN.replace('top10', 'top5'))
+    assert scoreboard.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('scoreboard: error: ') and 'paper.FedAvg.natural.top5: unknown metric' in err
+    assert err.count('\n') == 1
+    (tmp_path / 'benchmarks' / 'suites' / 'bad.toml').unlink()
+    (tmp_path / 'benchmarks' / 'results' / 'fake_suite' / 'summary.csv').write_text('a,b\n1,2\n')
+    assert scoreboard.main([]) == 2
+    assert 'fake_suite/summary.csv: not a tff-pfl-bench summary.csv' in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path / 'benchmarks')
+    assert scoreboard.main([]) == 2
+    assert 'run from the repository root' in capsys.readouterr().err
+
+
+def test_the_committed_scoreboard_is_current():
+    with open(os.path.join(REPO, scoreboard.OUTPUT), encoding='utf-8') as f:
+        committed = f.read()
+    assert committed == scoreboard.generate(REPO), (
+        f'docs/reports/scoreboard.md is out of date; rerun: {scoreboard.GENERATE}'
+    )

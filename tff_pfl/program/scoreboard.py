@@ -1,0 +1,393 @@
+"""The scoreboard: every paper number the benchmark suites target, next to ours.
+
+    uv run --locked python -m tff_pfl.program.scoreboard           # writes docs/reports/scoreboard.md
+    uv run --locked python -m tff_pfl.program.scoreboard --check   # exit 1 if that file is out of date
+
+Run from the repository root. Reads every `benchmarks/suites/*.toml` that has a
+`[paper]` table (`bench_suite`) and the suite's committed results,
+`benchmarks/results/<name>_suite/` (`summary.csv`, `commands.txt`,
+`suite.toml`: a copy of a `tff-pfl-bench` output directory without its
+`runs/`), and writes one row per paper number: the paper (the suite's
+`[paper_source]`), dataset and partition, algorithm, metric, the paper's
+value, ours (mean ± std over seeds, from `summary.csv`), the seeds complete,
+the difference, whether it is within 2 points, and the commands that
+produced it (`commands.txt`). A number whose cell has no committed result is
+a "not run yet" row. Nothing is run or recomputed: the page only reads
+committed files, so `tests/test_scoreboard.py` can check that it is current.
+"""
+
+import csv
+import os
+import shlex
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+
+# Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+from tff_pfl.program import bench_report, bench_run, bench_suite, reports
+
+SUITES_DIR = os.path.join('benchmarks', 'suites')
+RESULTS_DIR = os.path.join('benchmarks', 'results')
+OUTPUT = os.path.join('docs', 'reports', 'scoreboard.md')
+# Ours is "within" the paper when |ours - paper| <= TOLERANCE points (%).
+TOLERANCE = 2.0
+GENERATE = 'uv run --locked python -m tff_pfl.program.scoreboard'
+
+# Keys of a suite that do not change its results: a results directory whose
+# suite.toml differs from the suite file only there is still current.
+_RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source')
+
+_METRIC_TEXT = {
+    'mean': 'mean',
+    'weighted': 'weighted',
+    'worst10': 'worst 10%',
+    'top10': 'top 10% by samples',
+}
+
+
+def results_dir(root: str, suite: bench_suite.Suite) -> str:
+    """The suite's committed results: `<root>/benchmarks/results/<name>_suite`.
+
+    Args:
+      root: the repository root.
+      suite: the suite.
+
+    Returns:
+      The directory (it may not exist).
+    """
+    return os.path.join(root, RESULTS_DIR, f'{bench_suite.slug(suite.name)}_suite')
+
+
+def suite_paths(root: str) -> list[str]:
+    """Every suite file, sorted: `<root>/benchmarks/suites/*.toml`.
+
+    Args:
+      root: the repository root.
+
+    Returns:
+      The paths.
+    """
+    directory = os.path.join(root, SUITES_DIR)
+    return sorted(os.path.join(directory, name) for name in os.listdir(directory) if name.endswith('.toml'))
+
+
+def _read_summary(directory: str) -> dict | None:
+    path = os.path.join(directory, 'summary.csv')
+    if not os.path.exists(path):
+        return None
+    with open(path, newline='', encoding='utf-8') as f:
+        reader = csv.DictReader(f)
+        if not {'partition', 'algorithm', 'runs'} <= set(reader.fieldnames or ()):
+            raise bench_suite.SuiteError(f'{path}: not a tff-pfl-bench summary.csv (no partition, algorithm, runs)')
+        return {(row['partition'], row['algorithm']): row for row in reader}
+
+
+def _same_settings(stored: str | None, suite: bench_suite.Suite) -> bool:
+    """The stored suite.toml gives the suite's runs (description and paper numbers aside)."""
+    if stored is None:
+        return False
+    try:
+        old = tomllib.loads(stored)
+    except tomllib.TOMLDecodeError:
+        return False
+    new = tomllib.loads(suite.text)
+    for key in _RESULT_NEUTRAL_KEYS:
+        old.pop(key, None)
+        new.pop(key, None)
+    return old == new
+
+
+def _selection(args: Sequence[str], flag: str) -> list[str] | None:
+    """The values of `--flag=a,b` (or `--flag a,b`) in a command, or None when absent."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f'--{flag}='):
+            return arg.split('=', 1)[1].split(',')
+        if arg == f'--{flag}' and i + 1 < len(args):
+            return args[i + 1].split(',')
+    return None
+
+
+def covering_commands(commands: Sequence[str], partition: str, algorithm: str) -> list[str]:
+    """The recorded invocations whose selection includes (partition, algorithm).
+
+    Args:
+      commands: the lines of `commands.txt`.
+      partition: a partition label.
+      algorithm: an algorithm label.
+
+    Returns:
+      The commands without `--partitions`/`--algorithms`, or whose lists hold
+      the labels (a command that does not parse is kept).
+    """
+    covering = []
+    for command in commands:
+        try:
+            args = shlex.split(command)
+        except ValueError:
+            covering.append(command)
+            continue
+        partitions, algorithms = _selection(args, 'partitions'), _selection(args, 'algorithms')
+        if (partitions is None or partition in partitions) and (algorithms is None or algorithm in algorithms):
+            covering.append(command)
+    return covering
+
+
+def dataset_label(dataset: str) -> str:
+    """A short name of a dataset setting: `npz:../shared/data/mnist.npz` -> `mnist`.
+
+    Args:
+      dataset: `ExperimentConfig.dataset`.
+
+    Returns:
+      The file or folder name without `.npz` for `npz:`/`folder:` (and bare
+      `.npz` paths), the name for `tfds:`, else `dataset` itself.
+    """
+    kind, _, arg = dataset.partition(':')
+    if kind == 'tfds':
+        return arg
+    if kind in ('npz', 'folder') or dataset.endswith('.npz'):
+        path = arg if kind in ('npz', 'folder') else dataset
+        name = os.path.basename(path.rstrip('/'))
+        return name[: -len('.npz')] if name.endswith('.npz') else name
+    return dataset
+
+
+def _number(row: Mapping, column: str) -> float | None:
+    value = row.get(column)
+    return None if value in (None, '') else float(value)
+
+
+def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
+    """One entry per paper number of the suites, with ours from the committed results.
+
+    Args:
+      root: the repository root (results are read below it).
+      paths: suite files; default `suite_paths(root)`.
+
+    Returns:
+      Dicts, suites in path order, then partition, algorithm (suite order) and
+      metric (`bench_suite.PAPER_METRICS` order): `source`, `suite` (name),
+      `suite_path` (relative to `root`), `report` (the committed report.md
+      relative to `root`, or None), `dataset`, `partition`, `algorithm`,
+      `metric`, `paper` (%), `ours` and `ours_std` (% or None), `runs`
+      ("complete/seeds"), `status` ('ok', 'not run yet', 'no such column'
+      for results written before the metric was reported, 'not available'
+      for a blank cell), `stale` (the results' suite.toml gives other runs
+      than the suite file), `diff` (ours - paper or None), `within` (bool or
+      None) and `commands` (the recorded invocations covering the cell, or
+      the command to run it when it is not run yet).
+
+    Raises:
+      bench_suite.SuiteError: a suite file does not load, or a summary.csv
+        is not one.
+    """
+    result = []
+    for path in suite_paths(root) if paths is None else paths:
+        suite = bench_suite.load_suite(path)
+        if not suite.paper:
+            continue
+        suite_path = os.path.relpath(path, root)
+        directory = results_dir(root, suite)
+        summary = _read_summary(directory)
+        commands = (bench_run.file_text(os.path.join(directory, bench_run.COMMANDS_FILE)) or '').splitlines()
+        stale = summary is not None and not _same_settings(
+            bench_run.file_text(os.path.join(directory, bench_run.SUITE_FILE)), suite
+        )
+        report = os.path.join(directory, 'report.md')
+        output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
+        run_command = f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}'
+        for partition in suite.partitions:
+            for algorithm in suite.algorithms:
+                cell = suite.paper.get(algorithm.name, {}).get(partition.name)
+                if not cell:
+                    continue
+                row = (summary or {}).get((partition.name, algorithm.name))
+                dataset = dataset_label(suite.config(partition, algorithm, suite.seeds[0]).dataset)
+                for metric, (paper, _) in cell.items():
+                    column, std_column, _ = bench_report.METRICS[metric]
+                    entry = dict(
+                        source=suite.paper_source,
+                        suite=suite.name,
+                        suite_path=suite_path,
+                        report=os.path.relpath(report, root) if os.path.exists(report) else None,
+                        dataset=dataset,
+                        partition=partition.name,
+                        algorithm=algorithm.name,
+                        metric=metric,
+                        paper=paper,
+                        ours=None,
+                        ours_std=None,
+                        runs=f'0/{len(suite.seeds)}',
+                        status='not run yet',
+                        stale=False,
+                        diff=None,
+                        within=None,
+                        commands=[run_command],
+                    )
+                    if row is not None:
+                        entry.update(
+                            runs=row.get('runs', ''),
+                            stale=stale,
+                            commands=covering_commands(commands, partition.name, algorithm.name),
+                        )
+                        if column not in row:
+                            entry['status'] = 'no such column'
+                        elif _number(row, column) is None:
+                            entry['status'] = 'not available'
+                        else:
+                            ours = _number(row, column)
+                            diff = ours - paper
+                            entry.update(
+                                status='ok',
+                                ours=ours,
+                                ours_std=_number(row, std_column),
+                                diff=diff,
+                                within=abs(diff) <= TOLERANCE + 1e-9,
+                            )
+                    result.append(entry)
+    return result
+
+
+def _paper_text(value: float) -> str:
+    one = f'{value:.1f}'
+    return one if float(one) == round(value, 2) else f'{value:.2f}'
+
+
+def _ours_text(entry: Mapping) -> str:
+    if entry['status'] == 'not run yet':
+        return 'not run yet'
+    if entry['status'] == 'no such column':
+        return 'not in summary.csv (written before this metric was reported)'
+    if entry['status'] == 'not available':
+        return 'not available (no partition sizes)'
+    if entry['ours_std'] is None:
+        return f'{entry["ours"]:.2f}'
+    return f'{entry["ours"]:.2f} ± {entry["ours_std"]:.2f}'
+
+
+def render(items: Sequence[Mapping]) -> str:
+    """The scoreboard page.
+
+    Args:
+      items: `entries(...)`; paths in them are relative to the repository
+        root, and the page's links are made relative to docs/reports/.
+
+    Returns:
+      The markdown text, ending with a newline.
+    """
+    suites = list(dict.fromkeys(e['suite'] for e in items))
+    done = [e for e in items if e['status'] == 'ok']
+    within = [e for e in done if e['within']]
+    not_run = [e for e in items if e['status'] == 'not run yet']
+    link_base = os.path.dirname(OUTPUT)
+    rows = []
+    for e in items:
+        if e['report'] is not None:
+            suite = f'[{e["suite"]}]({os.path.relpath(e["report"], link_base)})'
+        else:
+            suite = f'{e["suite"]} (`{e["suite_path"]}`)'
+        runs = e['runs'] + (' (results of an older suite.toml)' if e['stale'] else '')
+        prefix = 'to run: ' if e['status'] == 'not run yet' else ''
+        rows.append(
+            {
+                'paper / table': e['source'] or '(no [paper_source])',
+                'suite': suite,
+                'dataset / partition': f'{e["dataset"]} / {e["partition"]}',
+                'algorithm': e['algorithm'],
+                'metric': _METRIC_TEXT[e['metric']],
+                'paper': _paper_text(e['paper']),
+                'ours': _ours_text(e),
+                'seeds': runs,
+                'diff': '' if e['diff'] is None else f'{e["diff"]:+.2f}',
+                f'within {TOLERANCE:g}': '' if e['within'] is None else ('yes' if e['within'] else 'no'),
+                'command': '<br>'.join(f'{prefix}`{c}`' for c in e['commands']),
+            }
+        )
+    columns = [
+        'paper / table',
+        'suite',
+        'dataset / partition',
+        'algorithm',
+        'metric',
+        'paper',
+        'ours',
+        'seeds',
+        'diff',
+        f'within {TOLERANCE:g}',
+        'command',
+    ]
+    lines = [
+        '# Scoreboard: ours vs the papers',
+        '',
+        f'Generated by `{GENERATE}` from every `benchmarks/suites/*.toml`',
+        'with a `[paper]` table and its committed results `benchmarks/results/<suite name>_suite/` (`summary.csv`,',
+        '`commands.txt`, `suite.toml`); do not edit it by hand: `tests/test_scoreboard.py` fails when it is not',
+        'current. The suite format and the metrics:',
+        '[docs/benchmarks.md](../benchmarks.md#paper-numbers-and-the-scoreboard).',
+        '',
+        f'{len(items)} paper numbers from {len(suites)} suite{"s" if len(suites) != 1 else ""}: {len(done)} with a '
+        f'result, {len(within)} of them within {TOLERANCE:g} points of the paper; {len(not_run)} not run yet.',
+        '',
+        'All values are test accuracy in %. metric: mean, the mean over clients; weighted, the mean weighted by',
+        "each client's examples (train + val + test); worst 10%, the mean of the ceil(0.1 N) worst of N clients;",
+        'top 10% by samples, the sample-weighted mean of the ceil(0.1 N) clients with the most examples. ours:',
+        'mean over seeds ± std over seeds (n - 1) of that metric; seeds: runs complete / seeds of the suite;',
+        f'diff: ours - paper; within {TOLERANCE:g}: |diff| <= {TOLERANCE:g}. command: the recorded invocations that',
+        "cover the row's partition and algorithm (`commands.txt`), or, for a row not run yet, the command to run.",
+        '',
+        reports.markdown_table(rows, columns) if rows else '(no suite has a [paper] table)',
+    ]
+    return '\n'.join(lines) + '\n'
+
+
+def generate(root: str = '.') -> str:
+    """The scoreboard of the tree at `root`.
+
+    Args:
+      root: the repository root.
+
+    Returns:
+      `render(entries(root))`.
+    """
+    return render(entries(root))
+
+
+def main(argv: Sequence[str]) -> int:
+    """Writes docs/reports/scoreboard.md, or with `--check` compares it.
+
+    Args:
+      argv: the command line without the program name: empty or `--check`.
+
+    Returns:
+      The exit code: 0, 1 when `--check` finds the page out of date, 2 on bad
+      input (one line on stderr).
+    """
+    prog = 'scoreboard'
+    if any(arg not in ('--check',) for arg in argv):
+        print(f'{prog}: error: unexpected arguments: {" ".join(argv)} (only --check)', file=sys.stderr)
+        return 2
+    if not os.path.isdir(SUITES_DIR):
+        print(f'{prog}: error: {SUITES_DIR} not found; run from the repository root', file=sys.stderr)
+        return 2
+    try:
+        items = entries('.')
+    except bench_suite.SuiteError as e:
+        print(f'{prog}: error: {" ".join(str(e).split())}', file=sys.stderr)
+        return 2
+    text = render(items)
+    if '--check' in argv:
+        current = bench_run.file_text(OUTPUT)
+        if current != text:
+            print(f'{prog}: {OUTPUT} is out of date; rerun: {GENERATE}', file=sys.stderr)
+            return 1
+        print(f'{OUTPUT} is current')
+        return 0
+    reports.write_text_atomic(OUTPUT, text)
+    print(f'wrote {OUTPUT} ({len(items)} paper numbers)')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv[1:]))
