@@ -36,14 +36,18 @@ def test_logistic_regression_and_registry():
     model = models.get('logistic')((60,), 10)
     assert _params(model) == 60 * 10 + 10
     assert models.names() == [
+        'alexnet',
         'alexnet_small',
+        'fedavg_cnn',
         'gaussian_mean',
         'lenet',
         'logistic',
         'mnist_dnn',
         'persfl_cnn',
+        'resnet18',
         'resnet_small',
         'shufflenet_small',
+        'shufflenet_v2',
     ]
     with pytest.raises(ValueError, match='unknown model'):
         models.get('resnet999')
@@ -88,7 +92,19 @@ def test_seeded_restores_python_and_numpy_generators():
     assert (random.random(), np.random.rand()) == expected
 
 
-@pytest.mark.parametrize('name', ['lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small'])
+@pytest.mark.parametrize(
+    'name',
+    [
+        'lenet',
+        'alexnet_small',
+        'resnet_small',
+        'shufflenet_small',
+        'fedavg_cnn',
+        'alexnet',
+        'resnet18',
+        'shufflenet_v2',
+    ],
+)
 def test_heterogeneous_architectures(name):
     model = models.get(name)((28, 28, 1), 10)
     assert model(tf.zeros([3, 28, 28, 1])).shape == (3, 10)
@@ -125,3 +141,113 @@ def test_default_architectures_build_on_the_shapes_they_are_chosen_for(shape, wa
 def test_lenet_needs_16x16():
     with pytest.raises(ValueError), tf.Graph().as_default():
         models.get('lenet')((15, 15, 1), 10)
+
+
+# The paper-size models. Expected parameter counts are written out layer by
+# layer here, independently of the builders, and checked against published counts.
+
+
+def _conv(k, c_in, c_out, bias=True):
+    return k * k * c_in * c_out + (c_out if bias else 0)
+
+
+def _norm(c):  # batch norm's (or group norm's) trainable scale and offset
+    return 2 * c
+
+
+def _dense(n_in, n_out):
+    return n_in * n_out + n_out
+
+
+def _resnet18_params(in_channels, num_classes):
+    total = _conv(3, in_channels, 64, bias=False) + _norm(64)
+    c_in = 64
+    for c_out, first_stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):
+            total += _conv(3, c_in, c_out, False) + _norm(c_out) + _conv(3, c_out, c_out, False) + _norm(c_out)
+            if block == 0 and (first_stride != 1 or c_in != c_out):
+                total += _conv(1, c_in, c_out, False) + _norm(c_out)
+            c_in = c_out
+    return total + _dense(512, num_classes)
+
+
+def _shufflenet_v2_params(in_channels, num_classes):
+    def depthwise(c):
+        return 3 * 3 * c
+
+    total = _conv(3, in_channels, 24, bias=False) + _norm(24)
+    c_in = 24
+    for c_out, repeats in ((116, 4), (232, 8), (464, 4)):
+        half = c_out // 2
+        # stride-2 unit: left = dw(c_in) + 1x1 c_in->half; right = 1x1 c_in->half, dw(half), 1x1 half->half.
+        total += depthwise(c_in) + _norm(c_in) + _conv(1, c_in, half, False) + _norm(half)
+        total += _conv(1, c_in, half, False) + _norm(half) + depthwise(half) + _norm(half)
+        total += _conv(1, half, half, False) + _norm(half)
+        # stride-1 units: the right half only.
+        unit = 2 * (_conv(1, half, half, False) + _norm(half)) + depthwise(half) + _norm(half)
+        total += (repeats - 1) * unit
+        c_in = c_out
+    return total + _conv(1, 464, 1024, False) + _norm(1024) + _dense(1024, num_classes)
+
+
+def test_fedavg_cnn_is_mcmahans_cnn():
+    model = models.get('fedavg_cnn')((28, 28, 1), 10)
+    want = _conv(5, 1, 32) + _conv(5, 32, 64) + _dense(7 * 7 * 64, 512) + _dense(512, 10)
+    assert _params(model) == want == 1_663_370  # McMahan et al. 2017, Section 3
+    assert [w.shape.as_list() for w in model.trainable_weights if len(w.shape) == 2] == [[3136, 512], [512, 10]]
+    assert model(tf.zeros([2, 28, 28, 1])).shape == (2, 10)
+    assert model.layers[-1].get_config()['activation'] == 'linear'  # logits
+
+
+def test_resnet18_parameters_and_cifar_stem():
+    model = models.get('resnet18')((28, 28, 1), 10)
+    assert _params(model) == _resnet18_params(1, 10) == 11_172_810
+    # The usual CIFAR-10 ResNet-18 count (3 input channels, batch norm's trainable weights).
+    assert _params(models.resnet18((32, 32, 3), 10)) == _resnet18_params(3, 10) == 11_173_962
+    convs = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Conv2D)]
+    assert convs[0].kernel_size == (3, 3) and convs[0].strides == (1, 1)
+    assert len(convs) == 1 + 16 + 3  # stem, 8 blocks x 2, 3 projection shortcuts
+    assert not any(isinstance(layer, tf.keras.layers.MaxPool2D) for layer in model.layers)
+    # Feature maps 28 -> 28 (stage 1) -> 14 -> 7 -> 4.
+    spatial = sorted({conv.output.shape[1] for conv in convs}, reverse=True)
+    assert spatial == [28, 14, 7, 4]
+    assert convs[-1].output.shape[-1] == 512
+
+
+def test_shufflenet_v2_parameters_and_stages():
+    model = models.get('shufflenet_v2')((28, 28, 1), 10)
+    assert _params(model) == _shufflenet_v2_params(1, 10) == 1_263_422
+    # torchvision's shufflenet_v2_x1_0 (3 channels, 1000 classes) has 2,278,604 parameters.
+    assert _params(models.shufflenet_v2((32, 32, 3), 1000)) == _shufflenet_v2_params(3, 1000) == 2_278_604
+    concats = [layer for layer in model.layers if isinstance(layer, tf.keras.layers.Concatenate)]
+    assert [c.output.shape[1:] for c in concats] == ([(14, 14, 116)] * 4 + [(7, 7, 232)] * 8 + [(4, 4, 464)] * 4)
+    stem = next(layer for layer in model.layers if isinstance(layer, tf.keras.layers.Conv2D))
+    assert stem.strides == (1, 1) and stem.output.shape[1:] == (28, 28, 24)
+    assert not any(isinstance(layer, tf.keras.layers.MaxPool2D) for layer in model.layers)
+    # Group normalisation: 4 groups, 2 where the channels are not a multiple of 4 (58).
+    groups = {(n.groups, n.input_shape[-1]) for n in model.layers if isinstance(n, tf.keras.layers.GroupNormalization)}
+    assert (2, 58) in groups and all(c % g == 0 and g == (4 if c % 4 == 0 else 2) for g, c in groups)
+
+
+def test_alexnet_parameters_and_feature_map():
+    model = models.get('alexnet')((28, 28, 1), 10)
+    convs = _conv(3, 1, 64) + _conv(3, 64, 192) + _conv(3, 192, 384) + _conv(3, 384, 256) + _conv(3, 256, 256)
+    assert _params(model) == convs + _dense(256, 4096) + _dense(4096, 4096) + _dense(4096, 10) == 20_125_386
+
+    # 28 -> 14 (stride-2 conv) -> 7 -> 3 -> 1: 256 features, as in KT-pFL's code; 2x2x256 on 32x32.
+    def features(m):
+        return next(layer for layer in m.layers if isinstance(layer, tf.keras.layers.Flatten)).output.shape[-1]
+
+    assert features(model) == 256
+    assert features(models.alexnet((32, 32, 3), 10)) == 2 * 2 * 256
+    with pytest.raises(ValueError, match='at least 8x8'):
+        models.alexnet((7, 7, 1), 10)
+
+
+def test_paper_size_architectures_are_registered_and_fresh_per_call():
+    # Shapes, weights and gradients of each: test_heterogeneous_architectures.
+    assert models.PAPER_SIZE_IMAGE_ARCHITECTURES == ('lenet', 'alexnet', 'resnet18', 'shufflenet_v2')
+    assert set(models.PAPER_SIZE_IMAGE_ARCHITECTURES) <= set(models.names())
+    for name in ('fedavg_cnn', 'resnet18'):
+        a, b = models.get(name)((28, 28, 1), 10), models.get(name)((28, 28, 1), 10)
+        assert a.trainable_weights[0] is not b.trainable_weights[0]

@@ -7,6 +7,7 @@ model on every call (variables are created only inside computations).
 """
 
 import contextlib
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -127,7 +128,9 @@ def alexnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Mode
 
 
 def _conv_norm(h, filters, kernel, strides=1, relu=True, depthwise=False):
-    """Convolution, group normalisation (4 groups), optional ReLU.
+    """Convolution, group normalisation (4 groups, or 2 where the number of
+    channels is not a multiple of 4, e.g. ShuffleNetV2's 58-channel branches),
+    optional ReLU.
 
     Group normalisation stands in for batch normalisation: its only weights
     are trainable (scale and offset), so a client's whole model is its
@@ -141,7 +144,7 @@ def _conv_norm(h, filters, kernel, strides=1, relu=True, depthwise=False):
         h = tf.keras.layers.DepthwiseConv2D(kernel, strides=strides, padding='same', use_bias=False)(h)
     else:
         h = tf.keras.layers.Conv2D(filters, kernel, strides=strides, padding='same', use_bias=False)(h)
-    h = tf.keras.layers.GroupNormalization(groups=4)(h)
+    h = tf.keras.layers.GroupNormalization(groups=math.gcd(4, h.shape[-1]))(h)
     return tf.keras.layers.ReLU()(h) if relu else h
 
 
@@ -226,6 +229,169 @@ def shufflenet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.M
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='shufflenet_small')
 
 
+def fedavg_cnn(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """The CNN of McMahan et al. 2017 (FedAvg), used by KT-pFL's Table 2.
+
+    Two 5x5 convolutions ('same' padding, 32 and 64 filters, ReLU), each
+    followed by 2x2 max-pooling, a 512-unit ReLU layer, `num_classes` logits
+    (the paper's softmax is left to the loss). On 28x28x1 with 10 classes:
+    832 + 51,264 + 3,136*512 + 512 + 5,130 = 1,663,370 parameters, the
+    paper's count. Pooling uses 'same' padding (as in google-research/federated's
+    `create_original_fedavg_cnn_model`), which only matters for odd sizes.
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model` (Sequential).
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
+    if len(input_shape) != 3:
+        raise ValueError(f'fedavg_cnn needs image inputs [H, W, C], got {tuple(input_shape)}')
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.InputLayer(input_shape=tuple(input_shape)),
+            tf.keras.layers.Conv2D(32, 5, padding='same', activation='relu'),
+            tf.keras.layers.MaxPool2D(2, padding='same'),
+            tf.keras.layers.Conv2D(64, 5, padding='same', activation='relu'),
+            tf.keras.layers.MaxPool2D(2, padding='same'),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(512, activation='relu'),
+            tf.keras.layers.Dense(num_classes),
+        ],
+        name='fedavg_cnn',
+    )
+
+
+def alexnet(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """AlexNet for small images, as in KT-pFL's released code (cugzj/KT-pFL).
+
+    Five 3x3 convolutions ('same' padding, ReLU) with 64, 192, 384, 256, 256
+    filters, the first with stride 2; 2x2 max-pooling after the first, second
+    and fifth; then AlexNet's classifier: dense 4096 - 4096 (ReLU) - logits.
+    On 28x28 the features reaching the classifier are 1x1x256 (the authors'
+    code says so: 256*2*2 on 32x32, 256 on 28x28); the first dense layer takes
+    the flattened map whatever its size. About 20.1M parameters on 28x28x1,
+    84% of them in the 4096x4096 layer.
+
+    AlexNet's dropout (0.5 before both 4096-unit layers) is left out: every
+    model here is a deterministic function of its weights and input, so runs
+    repeat exactly. It has no weights, so the parameter count is unchanged.
+
+    Args:
+      input_shape: shape of one image, [H, W, C], at least 8x8 (three
+        halving pools after a stride-2 convolution).
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model` (Sequential).
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C] or is smaller than 8x8.
+    """
+    if len(input_shape) != 3 or min(input_shape[:2]) < 8:
+        raise ValueError(f'alexnet needs image inputs [H, W, C] of at least 8x8, got {tuple(input_shape)}')
+    conv = tf.keras.layers.Conv2D
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.InputLayer(input_shape=tuple(input_shape)),
+            conv(64, 3, strides=2, padding='same', activation='relu'),
+            tf.keras.layers.MaxPool2D(2),
+            conv(192, 3, padding='same', activation='relu'),
+            tf.keras.layers.MaxPool2D(2),
+            conv(384, 3, padding='same', activation='relu'),
+            conv(256, 3, padding='same', activation='relu'),
+            conv(256, 3, padding='same', activation='relu'),
+            tf.keras.layers.MaxPool2D(2),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(4096, activation='relu'),
+            tf.keras.layers.Dense(4096, activation='relu'),
+            tf.keras.layers.Dense(num_classes),
+        ],
+        name='alexnet',
+    )
+
+
+def resnet18(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """ResNet-18 (He et al. 2016) with the CIFAR-style stem used at 32x32 and below.
+
+    Stem: one 3x3 convolution, 64 channels, stride 1, and no max-pool (the
+    ImageNet stem's 7x7 stride-2 convolution and 3x3 max-pool would shrink a
+    28x28 image to 7x7 before the first block). Then four stages of two basic
+    blocks (two 3x3 convolutions), 64-128-256-512 channels, stages 2-4 starting
+    with stride 2 and a 1x1 projection shortcut; global average pooling;
+    `num_classes` logits. Convolutions have no bias; group normalisation takes
+    batch normalisation's place after every convolution (see `_conv_norm`),
+    with the same trainable parameters (scale and offset per channel) and no
+    moving statistics. On 28x28 the maps are 28, 14, 7, 4 ('same' padding).
+    11,172,810 parameters on 28x28x1 with 10 classes (11,173,962 with 3 input
+    channels, the usual CIFAR-10 count).
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
+    inputs = _image_input(input_shape)
+    h = _conv_norm(inputs, 64, 3)
+    for stage, filters in enumerate((64, 128, 256, 512)):
+        for block in range(2):
+            stride = 2 if stage > 0 and block == 0 else 1
+            shortcut = h
+            y = _conv_norm(h, filters, 3, strides=stride)
+            y = _conv_norm(y, filters, 3, relu=False)
+            if stride != 1 or shortcut.shape[-1] != filters:
+                shortcut = _conv_norm(shortcut, filters, 1, strides=stride, relu=False)
+            h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='resnet18')
+
+
+def shufflenet_v2(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """ShuffleNetV2 1.0x (Ma et al. 2018) with a small-input stem.
+
+    Stem: a 3x3 convolution, 24 channels, stride 1, and no max-pool (the
+    ImageNet stem has stride 2 and a 3x3 stride-2 max-pool). Then three
+    stages of shuffle units with 116, 232, 464 channels, repeated 4, 8, 4
+    times, the first unit of each with stride 2 (the units of
+    `shufflenet_small`: both branches 1x1 - depthwise 3x3 - 1x1 at half the
+    stage's channels, as in the paper's Figure 3 and torchvision); conv5, a
+    1x1 convolution to 1024 channels; global average pooling;
+    `num_classes` logits. Group normalisation after every convolution (see
+    `_conv_norm`). On 28x28 the maps are 28, 14, 7, 4. 1,263,422 parameters
+    on 28x28x1 with 10 classes (torchvision's `shufflenet_v2_x1_0`, 2,278,604
+    with 3 channels and 1000 classes, differs only in the first convolution
+    and the classifier).
+
+    Args:
+      input_shape: shape of one image, [H, W, C].
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+
+    Raises:
+      ValueError: if `input_shape` is not [H, W, C].
+    """
+    inputs = _image_input(input_shape)
+    h = _conv_norm(inputs, 24, 3)
+    for channels, repeats in ((116, 4), (232, 8), (464, 4)):
+        h = _shuffle_unit(h, channels, 2)
+        for _ in range(repeats - 1):
+            h = _shuffle_unit(h, channels, 1)
+    h = _conv_norm(h, 1024, 1)
+    h = tf.keras.layers.GlobalAveragePooling2D()(h)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='shufflenet_v2')
+
+
 class _ScalarParameter(tf.keras.layers.Layer):
     """One trainable scalar theta, output for every example: [B, 1]."""
 
@@ -292,12 +458,18 @@ _REGISTRY: dict[str, ModelBuilder] = {
     'alexnet_small': alexnet_small,
     'resnet_small': resnet_small,
     'shufflenet_small': shufflenet_small,
+    'fedavg_cnn': fedavg_cnn,
+    'alexnet': alexnet,
+    'resnet18': resnet18,
+    'shufflenet_v2': shufflenet_v2,
 }
 
 
 # KT-pFL's four architectures (Zhang et al. 2021, Section 5.1: LeNet, AlexNet,
 # ResNet-18, ShuffleNetV2; small CPU versions here), for images [H, W, C].
 PAPER_IMAGE_ARCHITECTURES = ('lenet', 'alexnet_small', 'resnet_small', 'shufflenet_small')
+# The same four at the papers' sizes (docs/models.md), for images [H, W, C] of at least 16 x 16.
+PAPER_SIZE_IMAGE_ARCHITECTURES = ('lenet', 'alexnet', 'resnet18', 'shufflenet_v2')
 # For features that are not such images: models that flatten any shape.
 VECTOR_ARCHITECTURES = ('logistic', 'mnist_dnn')
 # LeNet's two 5x5 convolutions, each followed by 2x2 pooling, need 16 x 16.
