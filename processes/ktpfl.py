@@ -25,6 +25,17 @@ its [P, C] predictions (and its example count) into its own slot of an
 [N, P, C] tensor and the server receives the federated sum, i.e. every
 client's predictions side by side. Weights never leave a client.
 
+Partial participation (the paper's Table 2, client sampling rate 0.1: "only
+partial of elements in the knowledge coefficient matrix c will be updated in
+each communication round"): a round takes the states of any subset S of the
+clients (the run loop samples them, as for every algorithm). Each client of
+S also marks its slot of a presence vector; the server mixes only S's
+predictions (row n of c restricted to the columns of S, renormalised), forms
+targets for S only, and takes Eq. 7's step on the S x S block of c, with Eq.
+4's objective restricted to S. Every entry of c outside that block, and every
+client outside S, is left exactly as it was. With S = every client this is
+the full-participation round, bit for bit.
+
 Settings: `KTpFLSettings` (Algorithm 1 and its Table 1 baselines) and
 `KTpFLHomoSettings` (Appendix C); their defaults are the paper's Appendix B.2
 (docs/algorithms/ktpfl.md, "Settings").
@@ -147,7 +158,7 @@ class KTpFLHomoSettings(settings_lib.LocalTraining):
         )
 
 
-def mixing_weights(coefficients: tf.Tensor) -> tf.Tensor:
+def mixing_weights(coefficients: tf.Tensor, present: tf.Tensor | None = None) -> tf.Tensor:
     """Rows of c normalised to sum to 1 (c itself is kept non-negative).
 
     A row that has fallen to all zeros gives the client its own weight only
@@ -155,16 +166,27 @@ def mixing_weights(coefficients: tf.Tensor) -> tf.Tensor:
 
     Args:
       coefficients: c, `[N, N]`, non-negative.
+      present: optional `[N]`, 1 for the clients of this round and 0 for
+        the others: the columns of absent clients are zeroed before the rows
+        are normalised, so each row mixes this round's clients only. None:
+        every client (the same numbers as a vector of ones).
 
     Returns:
       `[N, N]`, the row-normalised c.
     """
-    totals = tf.reduce_sum(coefficients, axis=1, keepdims=True)
+    # The mask goes on the row sums and on the weights, not on c once for both: c then feeds the
+    # same three ops as without a mask (sum, divide, the regulariser), so its gradient is summed in
+    # the same order and every client present gives the unmasked numbers bit for bit.
+    columns = coefficients if present is None else coefficients * present[tf.newaxis, :]
+    totals = tf.reduce_sum(columns, axis=1, keepdims=True)
+    weights = coefficients / tf.maximum(totals, 1e-12)
+    if present is not None:
+        weights = weights * present[tf.newaxis, :]
     own = tf.eye(tf.shape(coefficients)[0], dtype=coefficients.dtype)
-    return tf.where(totals > 0, coefficients / tf.maximum(totals, 1e-12), own)
+    return tf.where(totals > 0, weights, own)
 
 
-def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
+def mix(coefficients: tf.Tensor, predictions: tf.Tensor, present: tf.Tensor | None = None) -> tf.Tensor:
     """Personalized soft targets: [N, N] x [N, P, C] -> [N, P, C] (row n: client n's).
 
     Rows of c are normalised by `mixing_weights`, so that every target is a
@@ -174,36 +196,47 @@ def mix(coefficients: tf.Tensor, predictions: tf.Tensor) -> tf.Tensor:
       coefficients: c, `[N, N]`.
       predictions: the clients' soft predictions s_m on the public batch,
         `[N, P, C]`.
+      present: optional `[N]` presence vector (see `mixing_weights`): the
+        targets mix this round's clients only, and the rows of absent
+        clients are zero (no target is formed for them).
 
     Returns:
       `[N, P, C]`, row n being client n's target sum_m c[n, m] s_m.
     """
-    return tf.einsum('nm,mpc->npc', mixing_weights(coefficients), predictions)
+    targets = tf.einsum('nm,mpc->npc', mixing_weights(coefficients, present), predictions)
+    if present is not None:
+        targets = targets * present[:, tf.newaxis, tf.newaxis]
+    return targets
 
 
-def paper_objective(coefficients, predictions, weights, rho, imitation):
+def paper_objective(coefficients, predictions, weights, rho, imitation, present=None):
     """Eq. 4 as a function of c (models fixed): lambda sum_n (D_n/D) KL + rho ||c - 1/N||^2.
 
     KL(mix_n || s_n) with the row-normalised mixture of `mix`, averaged over
     the public batch; probabilities are clipped at 1e-8 inside the logarithm.
+    With `present`, the objective of this round's clients S only: the sum
+    runs over n in S with D = sum of D_n over S, each mixture over m in S
+    (`mix`), and the regulariser over the S x S block of c.
 
     Args:
       coefficients: c, `[N, N]`.
-      predictions: the clients' soft predictions, `[N, P, C]`.
-      weights: D_n, `[N]`.
+      predictions: the clients' soft predictions, `[N, P, C]` (rows of
+        absent clients are ignored).
+      weights: D_n, `[N]` (0 for absent clients).
       rho: the regulariser's weight.
       imitation: lambda.
+      present: optional `[N]` presence vector (None: every client).
 
     Returns:
       The objective, a float32 scalar.
     """
-    targets = mix(coefficients, predictions)
+    targets = mix(coefficients, predictions, present)
     log_ratio = tf.math.log(tf.maximum(targets, 1e-8)) - tf.math.log(tf.maximum(predictions, 1e-8))
     kl = tf.reduce_mean(tf.reduce_sum(targets * log_ratio, axis=-1), axis=-1)  # [N]
-    return _regularised(coefficients, kl, weights, rho, imitation)
+    return _regularised(coefficients, kl, weights, rho, imitation, present)
 
 
-def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation):
+def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation, present=None):
     """One gradient step of Eq. 7, then c is clipped at 0 (see `mix`).
 
     Args:
@@ -213,30 +246,58 @@ def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imit
       learning_rate: eta_3.
       rho: the regulariser's weight.
       imitation: lambda.
+      present: optional `[N]` presence vector: the step of `paper_objective`
+        restricted to this round's clients S, taken on the S x S block of c
+        only; every other entry is returned unchanged. None: every client.
 
     Returns:
       The new c, `[N, N]`.
     """
     return _clipped_step(
-        lambda c: paper_objective(c, predictions, weights, rho, imitation), coefficients, learning_rate
+        lambda c: paper_objective(c, predictions, weights, rho, imitation, present),
+        coefficients,
+        learning_rate,
+        present,
     )
 
 
-def _regularised(coefficients, per_client, weights, rho, imitation):
-    """Eq. 4's (and Eq. 11's) shape: lambda sum_n (D_n/D) per_client_n + rho ||c - 1/N||^2."""
+def _block(present):
+    """`[N, N]`: 1 where both the row's and the column's client are present, else 0."""
+    return present[:, tf.newaxis] * present[tf.newaxis, :]
+
+
+def _regularised(coefficients, per_client, weights, rho, imitation, present=None):
+    """Eq. 4's (and Eq. 11's) shape: lambda sum_n (D_n/D) per_client_n + rho ||c - 1/N||^2.
+
+    With `present`, the regulariser sums over the block of present clients
+    (its target stays 1/N, N every client: c_0's value, the scale of the
+    entries left out of the block).
+    """
     num_clients = tf.cast(tf.shape(coefficients)[0], tf.float32)
     share = weights / tf.reduce_sum(weights)
-    return imitation * tf.reduce_sum(share * per_client) + rho * tf.reduce_sum(
-        tf.square(coefficients - 1.0 / num_clients)
-    )
+    squares = tf.square(coefficients - 1.0 / num_clients)
+    if present is not None:
+        squares = squares * _block(present)
+    return imitation * tf.reduce_sum(share * per_client) + rho * tf.reduce_sum(squares)
 
 
-def _clipped_step(objective, coefficients, learning_rate):
-    """One gradient-descent step of `objective` (a function of c) from `coefficients`, clipped at 0."""
+def _within_block(new, coefficients, present):
+    """`new` on the block of present clients, `coefficients` (untouched) elsewhere; `new` if `present` is None."""
+    if present is None:
+        return new
+    return tf.where(_block(present) > 0, new, coefficients)
+
+
+def _clipped_step(objective, coefficients, learning_rate, present=None):
+    """One gradient-descent step of `objective` (a function of c) from `coefficients`, clipped at 0.
+
+    With `present`, only the block of present clients takes the step.
+    """
     with tf.GradientTape() as tape:
         tape.watch(coefficients)
         loss = objective(coefficients)
-    return tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
+    stepped = tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
+    return _within_block(stepped, coefficients, present)
 
 
 def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sharpness=5.0):
@@ -316,9 +377,12 @@ def build_ktpfl_process(
       A `template.PersonalizedProcess` declaring each client's architecture
       (`architectures`) and the bytes it exchanges (`communication`);
       server state `<coefficients, round_num>`, client state `<client_id,
-      num_participations, last_round, client_index, architecture, params>`;
-      every client takes part in every round (the paper's setting): `next`
-      expects all client states in partition order.
+      num_participations, last_round, client_index, architecture, params>`.
+      `next` takes the states of this round's clients, every client (the
+      paper's Algorithm 1) or a sample of them (its Table 2; see the module
+      docstring), in any order. With a sample, 'released' is not defined
+      (its softmax renormalises rows over every client) and the round fails
+      at its assertion; the program refuses it before training.
 
     Raises:
       settings.SettingsError: a setting out of range (one line).
@@ -399,18 +463,21 @@ def build_ktpfl_process(
     server_state_type = server_init.type_signature.result
 
     def coefficients_for(state, predictions):
+        # Absent clients' predictions are zero: their similarity to everyone is 0.
         if c_update == 'similarity':
             return similarity_coefficients(predictions)
         if c_update == 'topk':
             return similarity_coefficients(predictions, top_k=top_k)
         return state['coefficients']
 
-    @tff.tensorflow.computation(server_state_type, predictions_type)
-    def targets_for(state, predictions):
-        return mix(coefficients_for(state, predictions), predictions)
+    vector_type = tff.TensorType(np.float32, (num_clients,))
 
-    @tff.tensorflow.computation(server_state_type, predictions_type, tff.TensorType(np.float32, (num_clients,)))
-    def update_coefficients(state, predictions, sizes):
+    @tff.tensorflow.computation(server_state_type, predictions_type, vector_type)
+    def targets_for(state, predictions, present):
+        return mix(coefficients_for(state, predictions), predictions, present)
+
+    @tff.tensorflow.computation(server_state_type, predictions_type, vector_type, vector_type)
+    def update_coefficients(state, predictions, sizes, present):
         if c_update == 'paper':
             # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
             coefficients = paper_update(
@@ -420,13 +487,18 @@ def build_ktpfl_process(
                 learning_rate=settings.kt_coefficient_learning_rate,
                 rho=settings.kt_rho,
                 imitation=settings.kt_imitation * temperature**2,
+                present=present,
             )
         elif c_update == 'released':
-            coefficients = released_update(
-                state['coefficients'], predictions, learning_rate=settings.kt_coefficient_learning_rate
+            every_client = tf.debugging.Assert(
+                tf.reduce_all(present > 0), ['kt_c_update=released needs every client in every round']
             )
-        else:  # the baselines' c is not learned; keep this round's for reports
-            coefficients = coefficients_for(state, predictions)
+            with tf.control_dependencies([every_client]):
+                coefficients = released_update(
+                    state['coefficients'], predictions, learning_rate=settings.kt_coefficient_learning_rate
+                )
+        else:  # the baselines' c is not learned; keep this round's block for reports
+            coefficients = _within_block(coefficients_for(state, predictions), state['coefficients'], present)
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
     stages = _Stages(
@@ -464,27 +536,47 @@ def parameter_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     return 0.5 * tf.reduce_sum(tf.square(a - b), axis=-1)
 
 
-def homogeneous_objective(coefficients, params, weights, rho, imitation):
-    """Eq. 11's objective in c (models fixed).
-
-    lambda sum_n (D_n/D) L_dis(sum_m c[n, m] w_m, w_n) + rho ||c - 1/N||^2,
-    with the rows of c normalised by `mixing_weights`.
+def personalized_parameters(coefficients: tf.Tensor, params: tf.Tensor, present: tf.Tensor | None = None):
+    """Appendix C's personalized models u_n = sum_m c[n, m] w_m, rows of c normalised.
 
     Args:
       coefficients: c, `[N, N]`.
       params: the clients' parameter vectors, `[N, D]`.
-      weights: D_n, `[N]`.
+      present: optional `[N]` presence vector (see `mix`): u_n mixes this
+        round's clients only, and the rows of absent clients are zero.
+
+    Returns:
+      `[N, D]`, row n being u_n.
+    """
+    mixed = tf.matmul(mixing_weights(coefficients, present), params)
+    if present is not None:
+        mixed = mixed * present[:, tf.newaxis]
+    return mixed
+
+
+def homogeneous_objective(coefficients, params, weights, rho, imitation, present=None):
+    """Eq. 11's objective in c (models fixed).
+
+    lambda sum_n (D_n/D) L_dis(sum_m c[n, m] w_m, w_n) + rho ||c - 1/N||^2,
+    with the rows of c normalised by `mixing_weights`; with `present`,
+    restricted to this round's clients as `paper_objective` is.
+
+    Args:
+      coefficients: c, `[N, N]`.
+      params: the clients' parameter vectors, `[N, D]`.
+      weights: D_n, `[N]` (0 for absent clients).
       rho: the regulariser's weight.
       imitation: lambda.
+      present: optional `[N]` presence vector (None: every client).
 
     Returns:
       The objective, a float32 scalar.
     """
-    mixed = tf.matmul(mixing_weights(coefficients), params)
-    return _regularised(coefficients, parameter_distance(mixed, params), weights, rho, imitation)
+    mixed = personalized_parameters(coefficients, params, present)
+    return _regularised(coefficients, parameter_distance(mixed, params), weights, rho, imitation, present)
 
 
-def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation):
+def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation, present=None):
     """One gradient step of Eq. 11, then c is clipped at 0.
 
     Args:
@@ -494,12 +586,17 @@ def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imi
       learning_rate: eta_3.
       rho: the regulariser's weight.
       imitation: lambda.
+      present: optional `[N]` presence vector: only the block of this
+        round's clients takes the step (see `paper_update`).
 
     Returns:
       The new c, `[N, N]`.
     """
     return _clipped_step(
-        lambda c: homogeneous_objective(c, params, weights, rho, imitation), coefficients, learning_rate
+        lambda c: homogeneous_objective(c, params, weights, rho, imitation, present),
+        coefficients,
+        learning_rate,
+        present,
     )
 
 
@@ -534,7 +631,9 @@ def build_ktpfl_homogeneous_process(
       A `template.PersonalizedProcess` declaring the bytes it exchanges
       (`communication`); server state `<coefficients, round_num>`, client
       state `<client_id, num_participations, last_round, client_index,
-      params=float32[D]>`; every client takes part in every round.
+      params=float32[D]>`. `next` takes every client's state or a sample's
+      (the paper's Table 2): only the sampled clients' u_n are formed and
+      only their block of c is updated (see the module docstring).
 
     Raises:
       settings.SettingsError: a setting out of range (one line).
@@ -583,12 +682,12 @@ def build_ktpfl_homogeneous_process(
     server_init = _build_server_init(num_clients)
     server_state_type = server_init.type_signature.result
 
-    @tff.tensorflow.computation(server_state_type, params_type)
-    def personalized_models(state, params):
-        return tf.matmul(mixing_weights(state['coefficients']), params)
-
     @tff.tensorflow.computation(server_state_type, params_type, sizes_type)
-    def update_coefficients(state, params, sizes):
+    def personalized_models(state, params, present):
+        return personalized_parameters(state['coefficients'], params, present)
+
+    @tff.tensorflow.computation(server_state_type, params_type, sizes_type, sizes_type)
+    def update_coefficients(state, params, sizes, present):
         coefficients = homogeneous_update(
             state['coefficients'],
             params,
@@ -596,6 +695,7 @@ def build_ktpfl_homogeneous_process(
             learning_rate=settings.kt_coefficient_learning_rate,
             rho=settings.kt_rho,
             imitation=settings.kt_imitation,
+            present=present,
         )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
@@ -639,7 +739,7 @@ def _build_server_init(num_clients: int) -> tff.Computation:
 
 
 def _local_output(state, num_clients, params, stats, num_examples, /, **upload) -> collections.OrderedDict:
-    """A local stage's output: the client's upload in its own slot, its size, metrics and new state (TF code).
+    """A local stage's output: the client's upload in its own slot, its size, presence, metrics and new state (TF code).
 
     Args:
       state: the client state (with `client_index` and `params`).
@@ -652,9 +752,10 @@ def _local_output(state, num_clients, params, stats, num_examples, /, **upload) 
         `client_index` of an `[N, ...]` tensor.
 
     Returns:
-      `<name=[N, ...], num_examples=[N], metric_sums, client_state>`, the
-      client state with `params` replaced (the second stage counts the
-      participation).
+      `<name=[N, ...], num_examples=[N], present=[N], metric_sums,
+      client_state>` (`present`: 1 in the client's slot, so that the sum
+      over the round's clients marks who took part), the client state with
+      `params` replaced (the second stage counts the participation).
     """
     ((name, value),) = upload.items()
     slot = tf.one_hot(state['client_index'], num_clients)
@@ -664,6 +765,7 @@ def _local_output(state, num_clients, params, stats, num_examples, /, **upload) 
         [
             (name, slot[(slice(None),) + (tf.newaxis,) * value.shape.rank] * value[tf.newaxis]),
             ('num_examples', slot * tf.cast(num_examples, tf.float32)),
+            ('present', slot),
             ('metric_sums', building_blocks.training_metric_sums(stats)),
             ('client_state', new_state),
         ]
@@ -673,23 +775,26 @@ def _local_output(state, num_clients, params, stats, num_examples, /, **upload) 
 class _Stages(typing.NamedTuple):
     """The computations that make a KT-pFL round (either variant).
 
-    One round: every client runs `local_stage` and uploads its slot of
-    `upload` and its size; the server mixes the uploads with c (`mix`) and
-    broadcasts the mix; every client runs `second_stage` towards its row;
-    the server updates c (`update_coefficients`) and reports the clients'
-    mean of the second stage's scalar as `metric`.
+    One round: every client of the round runs `local_stage` and uploads its
+    slot of `upload`, its size and its presence; the server mixes the
+    uploads of the present clients with c (`mix`) and broadcasts the mix;
+    every client of the round runs `second_stage` towards its row; the
+    server updates c's block of present clients (`update_coefficients`) and
+    reports the clients' mean of the second stage's scalar as `metric`.
 
     Attributes:
       server_init: no-arg computation, the server state `<coefficients,
         round_num>`.
       initial_client_state: `client_id -> client state`.
       local_stage: `(round_num, client_state) -> <upload, num_examples,
-        metric_sums, client_state>` (`_local_output`).
+        present, metric_sums, client_state>` (`_local_output`).
       upload: the name of the uploaded field of `local_stage`'s result.
-      mix: `(server_state, uploads) -> mixed`, every client's row.
+      mix: `(server_state, uploads, present) -> mixed`, every present
+        client's row (absent clients' rows zero).
       second_stage: `(mixed, round_num, client_state) -> (client_state,
         scalar)`.
-      update_coefficients: `(server_state, uploads, sizes) -> server_state`.
+      update_coefficients: `(server_state, uploads, sizes, present) ->
+        server_state`.
       metric: the name under which the scalar's client mean is reported.
       evaluate_client: `client_state -> metrics`.
     """
@@ -705,9 +810,14 @@ class _Stages(typing.NamedTuple):
     evaluate_client: tff.Computation
 
 
-def _uploads_and_sizes(outputs, upload):
-    """The federated sums of the clients' upload slots and sizes (federated code)."""
-    return tff.federated_sum(outputs[upload]), tff.federated_sum(outputs.num_examples)  # every client in its slot
+def _uploads_sizes_presence(outputs, upload):
+    """The federated sums of the clients' upload slots, sizes and presence slots (federated code)."""
+    # Every client writes into its own slot: the sums hold the round's clients side by side, zeros elsewhere.
+    return (
+        tff.federated_sum(outputs[upload]),
+        tff.federated_sum(outputs.num_examples),
+        tff.federated_sum(outputs.present),
+    )
 
 
 def _client_mean(metric, values):
@@ -734,10 +844,10 @@ def _personalized_process(stages: _Stages, **declared) -> template.PersonalizedP
     def next_fn(state, client_states):
         round_num = tff.federated_broadcast(state.round_num)
         local = tff.federated_map(local_stage, (round_num, client_states))
-        uploads, sizes = _uploads_and_sizes(local, upload)
-        mixed = tff.federated_broadcast(tff.federated_map(mix, (state, uploads)))
+        uploads, sizes, present = _uploads_sizes_presence(local, upload)
+        mixed = tff.federated_broadcast(tff.federated_map(mix, (state, uploads, present)))
         second = tff.federated_map(second_stage, (mixed, round_num, local.client_state))
-        new_state = tff.federated_map(update_coefficients, (state, uploads, sizes))
+        new_state = tff.federated_map(update_coefficients, (state, uploads, sizes, present))
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
         means = _client_mean(metric, second[1])
         return template.RoundOutput(new_state, second[0], building_blocks.with_server_metrics(metrics, means))
@@ -761,7 +871,7 @@ def _device_process(stages: _Stages):
     stages. Here they are two phases:
 
     * `share`: broadcast the round number; each device runs `local_stage`
-      and sends its `upload` slot and size; the server updates the
+      and sends its `upload` slot, size and presence; the server updates the
       coefficients and keeps the mixed targets in its state;
     * `distill`: broadcast the targets (the whole matrix; each device takes its
       own row) and the round's number; each device runs `second_stage`; the
@@ -783,6 +893,7 @@ def _device_process(stages: _Stages):
     server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
     upload_type = local_stage.type_signature.result[upload]
     sizes_type = local_stage.type_signature.result['num_examples']
+    present_type = local_stage.type_signature.result['present']
     targets_type = mix.type_signature.result
 
     @tff.tensorflow.computation
@@ -798,18 +909,18 @@ def _device_process(stages: _Stages):
     state_type = device_server_init.type_signature.result
     round_of = building_blocks.build_round_number(state_type)
 
-    @tff.tensorflow.computation(state_type, upload_type, sizes_type)
-    def share_update(state, uploads, sizes):
+    @tff.tensorflow.computation(state_type, upload_type, sizes_type, present_type)
+    def share_update(state, uploads, sizes, present):
         kept = collections.OrderedDict(coefficients=state['coefficients'], round_num=state['round_num'])
-        updated = update_coefficients(kept, uploads, sizes)
+        updated = update_coefficients(kept, uploads, sizes, present)
         return collections.OrderedDict(
-            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads)
+            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads, present)
         )
 
     def share_finish(state, outputs):
-        uploads, sizes = _uploads_and_sizes(outputs, upload)
+        uploads, sizes, present = _uploads_sizes_presence(outputs, upload)
         return (
-            tff.federated_map(share_update, (state, uploads, sizes)),
+            tff.federated_map(share_update, (state, uploads, sizes, present)),
             building_blocks.aggregate_training_metrics(outputs.metric_sums),
         )
 
