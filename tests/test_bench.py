@@ -591,8 +591,13 @@ def test_a_different_suite_is_refused(tiny_run, tmp_path):
     with pytest.raises(bench_suite.SuiteError, match='different suite'):
         bench_run.check_report_dir(changed, out)
     assert state == {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
-    # Comments and layout are not content.
+    # Comments and layout are not content; nor are the description and the paper numbers.
     bench_run.check_report_dir(bench_suite.parse_suite('# a comment\n' + TINY, 'tiny.toml'), out)
+    renamed = TINY.replace('source = "A paper, Table 1, Synthetic(1,1)"', 'source = "Another table"')
+    assert bench_suite.same_runs(
+        TINY, bench_suite.parse_suite(renamed.replace('[50.0, 10.0]', '[60.0, 5.0]'), 't.toml')
+    )
+    assert not bench_suite.same_runs(TINY, changed) and not bench_suite.same_runs(None, changed)
     # A directory that holds something else is not taken over without --overwrite.
     other = tmp_path / 'other'
     other.mkdir()

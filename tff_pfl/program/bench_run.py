@@ -28,7 +28,6 @@ import os
 import shutil
 import tempfile
 import time
-import tomllib
 from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow_federated as tff
@@ -87,14 +86,6 @@ def _stored_suite(output_dir: str) -> str | None:
         return f.read()
 
 
-def _same_suite(stored: str, suite: bench_suite.Suite) -> bool:
-    """Same parsed content (comments and layout aside)."""
-    try:
-        return tomllib.loads(stored) == tomllib.loads(suite.text)
-    except tomllib.TOMLDecodeError:
-        return False
-
-
 def _check_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool) -> None:
     """Refuses an output directory that cannot hold this suite's results; writes nothing."""
     if os.path.exists(output_dir):
@@ -106,7 +97,7 @@ def _check_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool
                 raise bench_suite.SuiteError(
                     f'output_dir {output_dir} is not empty and holds no benchmark; pass --overwrite to replace it'
                 )
-            if stored is not None and not _same_suite(stored, suite):
+            if stored is not None and not bench_suite.same_runs(stored, suite):
                 raise bench_suite.SuiteError(
                     f'output_dir {output_dir} holds results of a different suite '
                     f'(see {os.path.join(output_dir, SUITE_FILE)}); pass --overwrite to replace them'
@@ -136,9 +127,9 @@ def _prepare_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bo
                     shutil.rmtree(path)
                 else:
                     os.remove(path)
-        elif stored is not None and not _same_suite(stored, suite):  # another process got here first
+        elif stored is not None and not bench_suite.same_runs(stored, suite):  # another process got here first
             raise bench_suite.SuiteError(f'output_dir {output_dir} holds results of a different suite')
-        if _stored_suite(output_dir) is None:
+        if _stored_suite(output_dir) != suite.text:  # new, or the same runs with other paper numbers or text
             reports.write_text_atomic(os.path.join(output_dir, SUITE_FILE), suite.text)
         if command:
             with open(os.path.join(output_dir, COMMANDS_FILE), 'a', encoding='utf-8') as f:
@@ -157,7 +148,7 @@ def check_report_dir(suite: bench_suite.Suite, output_dir: str) -> None:
     stored = _stored_suite(output_dir)
     if stored is None:
         raise bench_suite.SuiteError(f'output_dir {output_dir} holds no benchmark ({SUITE_FILE} is missing)')
-    if not _same_suite(stored, suite):
+    if not bench_suite.same_runs(stored, suite):
         raise bench_suite.SuiteError(
             f'output_dir {output_dir} holds results of a different suite (see {os.path.join(output_dir, SUITE_FILE)})'
         )

@@ -80,6 +80,26 @@ _ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrid
 _DATA_FIELDS = ('dataset', 'data_dir', 'num_clients', 'split_fractions')
 
 
+# Keys of a suite that do not change its runs: results written under a suite
+# that differs from another only there belong to both.
+RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source')
+
+
+def same_runs(stored_text: str | None, suite: 'Suite') -> bool:
+    """Whether a stored suite.toml gives the same runs as `suite` (comments, description and paper numbers aside)."""
+    if stored_text is None:
+        return False
+    try:
+        old = tomllib.loads(stored_text)
+    except tomllib.TOMLDecodeError:
+        return False
+    new = tomllib.loads(suite.text)
+    for key in RESULT_NEUTRAL_KEYS:
+        old.pop(key, None)
+        new.pop(key, None)
+    return old == new
+
+
 class SuiteError(ValueError):
     """A suite, selection or output directory that cannot run; one-line message."""
 

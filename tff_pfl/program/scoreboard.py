@@ -20,7 +20,6 @@ import csv
 import os
 import shlex
 import sys
-import tomllib
 from collections.abc import Mapping, Sequence
 
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
@@ -34,10 +33,6 @@ OUTPUT = os.path.join('docs', 'reports', 'scoreboard.md')
 # Ours is "within" the paper when |ours - paper| <= TOLERANCE points (%).
 TOLERANCE = 2.0
 GENERATE = 'uv run --locked python -m tff_pfl.program.scoreboard'
-
-# Keys of a suite that do not change its results: a results directory whose
-# suite.toml differs from the suite file only there is still current.
-_RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source')
 
 _METRIC_TEXT = {
     'mean': 'mean',
@@ -82,21 +77,6 @@ def _read_summary(directory: str) -> dict | None:
         if not {'partition', 'algorithm', 'runs'} <= set(reader.fieldnames or ()):
             raise bench_suite.SuiteError(f'{path}: not a tff-pfl-bench summary.csv (no partition, algorithm, runs)')
         return {(row['partition'], row['algorithm']): row for row in reader}
-
-
-def _same_settings(stored: str | None, suite: bench_suite.Suite) -> bool:
-    """The stored suite.toml gives the suite's runs (description and paper numbers aside)."""
-    if stored is None:
-        return False
-    try:
-        old = tomllib.loads(stored)
-    except tomllib.TOMLDecodeError:
-        return False
-    new = tomllib.loads(suite.text)
-    for key in _RESULT_NEUTRAL_KEYS:
-        old.pop(key, None)
-        new.pop(key, None)
-    return old == new
 
 
 def _selection(args: Sequence[str], flag: str) -> list[str] | None:
@@ -192,7 +172,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
         directory = results_dir(root, suite)
         summary = _read_summary(directory)
         commands = (bench_run.file_text(os.path.join(directory, bench_run.COMMANDS_FILE)) or '').splitlines()
-        stale = summary is not None and not _same_settings(
+        stale = summary is not None and not bench_suite.same_runs(
             bench_run.file_text(os.path.join(directory, bench_run.SUITE_FILE)), suite
         )
         report = os.path.join(directory, 'report.md')
