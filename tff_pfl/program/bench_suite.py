@@ -86,7 +86,18 @@ RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source')
 
 
 def same_runs(stored_text: str | None, suite: 'Suite') -> bool:
-    """Whether a stored suite.toml gives the same runs as `suite` (comments, description and paper numbers aside)."""
+    """Whether a stored suite.toml gives the same runs as `suite`.
+
+    Comments, layout, the description and the paper numbers aside
+    (`RESULT_NEUTRAL_KEYS`).
+
+    Args:
+      stored_text: the stored suite.toml's text, or None when there is none.
+      suite: the suite.
+
+    Returns:
+      True when both give the same runs.
+    """
     if stored_text is None:
         return False
     try:

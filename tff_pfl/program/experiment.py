@@ -386,7 +386,15 @@ def public_examples(config: ExperimentConfig) -> int:
 
 
 def public_dataset(config: ExperimentConfig) -> str | None:
-    """The source of the algorithm's public data, or None: set aside from `config.dataset`."""
+    """Where the algorithm's public data come from.
+
+    Args:
+      config: the run's configuration.
+
+    Returns:
+      The algorithm's `public_dataset` source spec, or None when the public
+      examples are set aside from `config.dataset` (or it has no public data).
+    """
     from tff_pfl.computations import heterogeneous
 
     if isinstance(config.settings, heterogeneous.PublicKnowledge):
