@@ -48,17 +48,8 @@ from tff_pfl import models
 
 _MODELS = flags.DEFINE_list(
     'models',
-    [
-        'lenet',
-        'alexnet_small',
-        'resnet_small',
-        'shufflenet_small',
-        'fedavg_cnn',
-        'alexnet',
-        'resnet18',
-        'shufflenet_v2',
-    ],
-    'Registered models to measure.',
+    list(dict.fromkeys(models.PAPER_IMAGE_ARCHITECTURES + ('fedavg_cnn',) + models.PAPER_SIZE_IMAGE_ARCHITECTURES)),
+    'Registered models to measure (default: every image model of the papers, small and paper-size).',
 )
 _TARGET_SECONDS = flags.DEFINE_float('target_seconds', 2.0, 'About how long one timed call lasts.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed calls per measurement (the median is kept).')

@@ -148,6 +148,16 @@ def _conv_norm(h, filters, kernel, strides=1, relu=True, depthwise=False):
     return tf.keras.layers.ReLU()(h) if relu else h
 
 
+def _basic_block(h, filters, stride):
+    """ResNet's basic block: two 3x3 convolutions, a 1x1 projection shortcut when the shape changes."""
+    y = _conv_norm(h, filters, 3, strides=stride)
+    y = _conv_norm(y, filters, 3, relu=False)
+    shortcut = h
+    if stride != 1 or h.shape[-1] != filters:
+        shortcut = _conv_norm(h, filters, 1, strides=stride, relu=False)
+    return tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+
+
 def resnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     """A small ResNet: a strided 16-channel stem, two residual stages (16 and 32
     channels, the second strided with a 1x1 projection shortcut), logits from
@@ -168,12 +178,7 @@ def resnet_small(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model
     inputs = _image_input(input_shape)
     h = _conv_norm(inputs, 16, 3, strides=2)
     for filters, stride in ((16, 1), (32, 2)):
-        shortcut = h
-        y = _conv_norm(h, filters, 3, strides=stride)
-        y = _conv_norm(y, filters, 3, relu=False)
-        if stride != 1 or shortcut.shape[-1] != filters:
-            shortcut = _conv_norm(shortcut, filters, 1, strides=stride, relu=False)
-        h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+        h = _basic_block(h, filters, stride)
     h = tf.keras.layers.Flatten()(h)
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='resnet_small')
 
@@ -344,13 +349,7 @@ def resnet18(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     h = _conv_norm(inputs, 64, 3)
     for stage, filters in enumerate((64, 128, 256, 512)):
         for block in range(2):
-            stride = 2 if stage > 0 and block == 0 else 1
-            shortcut = h
-            y = _conv_norm(h, filters, 3, strides=stride)
-            y = _conv_norm(y, filters, 3, relu=False)
-            if stride != 1 or shortcut.shape[-1] != filters:
-                shortcut = _conv_norm(shortcut, filters, 1, strides=stride, relu=False)
-            h = tf.keras.layers.ReLU()(tf.keras.layers.Add()([y, shortcut]))
+            h = _basic_block(h, filters, 2 if stage > 0 and block == 0 else 1)
     h = tf.keras.layers.GlobalAveragePooling2D()(h)
     return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(h), name='resnet18')
 
