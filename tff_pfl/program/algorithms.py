@@ -283,6 +283,19 @@ def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
     )
 
 
+def _persfl(title, soft_loss) -> Algorithm:
+    """A PersFL entry: the soft loss of stage 2 (Eq. 3 KL or Eq. 7 cross-entropy) is the algorithm."""
+    return Algorithm(
+        title,
+        persfl.PersFLSettings,
+        lambda s, spec, model_fn, config: persfl.build_persfl_process(
+            spec, model_fn, s, soft_loss=soft_loss, seed=config.seed
+        ),
+        _persfl_columns,
+        _persfl_plots,
+    )
+
+
 _ALGORITHMS = {
     'fedavg': Algorithm(
         'FedAvg (McMahan et al., 2017)',
@@ -296,24 +309,8 @@ _ALGORITHMS = {
         lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
         _finetune_plots,
     ),
-    'persfl': Algorithm(
-        'PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid',
-        persfl.PersFLSettings,
-        lambda s, spec, model_fn, config: persfl.build_persfl_process(
-            spec, model_fn, s, soft_loss='kl', seed=config.seed
-        ),
-        _persfl_columns,
-        _persfl_plots,
-    ),
-    'persfl_gd': Algorithm(
-        'PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL',
-        persfl.PersFLSettings,
-        lambda s, spec, model_fn, config: persfl.build_persfl_process(
-            spec, model_fn, s, soft_loss='ce', seed=config.seed
-        ),
-        _persfl_columns,
-        _persfl_plots,
-    ),
+    'persfl': _persfl('PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid', 'kl'),
+    'persfl_gd': _persfl('PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL', 'ce'),
     'selffl': Algorithm(
         'Self-FL (Chen et al., 2022): uncertainty-driven starting points, local steps and aggregation',
         selffl.SelfFLSettings,
