@@ -14,10 +14,15 @@ def tff_runtime():
         yield rt
 
 
-def make_linear_problem(root, num_clients=3, sizes=(37, 50, 23), dim=4, num_classes=3, seed=0):
-    """Writes a tiny linearly-generated classification problem; returns its spec."""
+def make_linear_problem(root, num_clients=3, sizes=(37, 50, 23), dim=4, num_classes=3, seed=0, public_examples=0):
+    """Writes a tiny linearly-generated classification problem; returns its spec.
+
+    Each client's examples are split 1:1:1 into train, val and test;
+    `public_examples` more examples, after the clients', are the unlabeled
+    public data (KT-pFL, FedDF).
+    """
     rng = np.random.default_rng(seed)
-    total = sum(3 * n for n in sizes[:num_clients])
+    total = sum(3 * n for n in sizes[:num_clients]) + public_examples
     x = rng.normal(size=(total, dim)).astype(np.float32)
     w = rng.normal(size=(dim, num_classes))
     y = np.argmax(x @ w, axis=1).astype(np.int32)
@@ -26,7 +31,8 @@ def make_linear_problem(root, num_clients=3, sizes=(37, 50, 23), dim=4, num_clas
         idx = np.arange(start, start + 3 * n)
         splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
         start += 3 * n
-    return client_data.write_client_data(str(root), x, y, num_classes, splits)
+    public = np.arange(start, total) if public_examples else None
+    return client_data.write_client_data(str(root), x, y, num_classes, splits, public_indices=public)
 
 
 @pytest.fixture(scope='session')

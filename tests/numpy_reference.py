@@ -105,3 +105,14 @@ def assert_close(actual, expected, atol=2e-5, rtol=2e-4):
     assert len(actual) == len(expected)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(np.asarray(a, np.float64), e, atol=atol, rtol=rtol)
+
+
+def numeric_gradient(f, c, eps=1e-6):
+    """Central finite differences of a scalar function `f` at the array `c`."""
+    grad = np.zeros_like(c)
+    for index in np.ndindex(c.shape):
+        plus, minus = c.copy(), c.copy()
+        plus[index] += eps
+        minus[index] -= eps
+        grad[index] = (f(plus) - f(minus)) / (2 * eps)
+    return grad

@@ -68,17 +68,17 @@ def test_existing_directory_is_refused_and_failed_write_leaves_nothing(tmp_path)
     assert json.load(open(tmp_path / 'data' / 'manifest.json'))['client_ids'][0] == 'client_00000'
 
 
-def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
-    from tff_pfl.data import pipeline, sources
+def _prepare_iid(root, npz, **public):
+    """The tiny npz source, 4 IID clients (seed 1), with the given public-data arguments."""
+    from tff_pfl.data import pipeline
 
-    prepared = pipeline.prepare(
-        str(tmp_path / 'data'),
-        dataset=f'npz:{tiny_npz}',
-        partition_name='iid',
-        num_clients=4,
-        seed=1,
-        public_examples=50,
-    )
+    return pipeline.prepare(str(root), dataset=f'npz:{npz}', partition_name='iid', num_clients=4, seed=1, **public)
+
+
+def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
+    from tff_pfl.data import sources
+
+    prepared = _prepare_iid(tmp_path / 'data', tiny_npz, public_examples=50)
     spec = prepared.spec
     assert spec.public_size == 50 and prepared.class_histogram.sum() == 320 - 50
     pool = sources.load_npz(str(tiny_npz))
@@ -96,22 +96,14 @@ def test_public_data_is_set_aside_before_partitioning(tiny_npz, tmp_path):
 
 
 def test_public_data_from_another_source(tiny_npz, tmp_path):
-    from tff_pfl.data import pipeline, sources
+    from tff_pfl.data import sources
 
     other = tmp_path / 'other.npz'
     rng = np.random.default_rng(5)
     x_other = rng.integers(200, 256, size=(30, 6, 6)).astype(np.uint8)
     y_other = (np.arange(30) % 7).astype(np.uint8)
     np.savez(other, x_train=x_other[:20], y_train=y_other[:20], x_test=x_other[20:], y_test=y_other[20:])
-    prepared = pipeline.prepare(
-        str(tmp_path / 'data'),
-        dataset=f'npz:{tiny_npz}',
-        partition_name='iid',
-        num_clients=4,
-        seed=1,
-        public_examples=12,
-        public_dataset=f'npz:{other}',
-    )
+    prepared = _prepare_iid(tmp_path / 'data', tiny_npz, public_examples=12, public_dataset=f'npz:{other}')
     spec = prepared.spec
     # The clients keep every example of their own source.
     assert spec.public_size == 12 and prepared.class_histogram.sum() == 320
@@ -127,13 +119,5 @@ def test_public_data_from_another_source(tiny_npz, tmp_path):
         y_test=np.zeros(3, np.uint8),
     )
     with pytest.raises(sources.DataError, match=r'public dataset .* has examples of shape \(5, 5, 1\)'):
-        pipeline.prepare(
-            str(tmp_path / 'bad'),
-            dataset=f'npz:{tiny_npz}',
-            partition_name='iid',
-            num_clients=4,
-            seed=1,
-            public_examples=12,
-            public_dataset=f'npz:{bad}',
-        )
+        _prepare_iid(tmp_path / 'bad', tiny_npz, public_examples=12, public_dataset=f'npz:{bad}')
     assert not (tmp_path / 'bad').exists()

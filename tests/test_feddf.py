@@ -184,9 +184,9 @@ def _public_size(spec, size):
 
 @pytest.fixture(scope='module')
 def vector_problem(tmp_path_factory):
-    from tests.test_ktpfl import linear_problem_with_public
+    from tests.conftest import make_linear_problem
 
-    return linear_problem_with_public(tmp_path_factory.mktemp('feddf_steps') / 'data')
+    return make_linear_problem(tmp_path_factory.mktemp('feddf_steps') / 'data', public_examples=20)
 
 
 @pytest.mark.parametrize('cls', [feddf.FedDFSettings, feddf.PFedDFSettings])

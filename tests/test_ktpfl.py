@@ -6,24 +6,11 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import ktpfl
+from tests import numpy_reference
+from tests.conftest import make_linear_problem
 from tff_pfl import models, settings
 from tff_pfl.computations import audit
-from tff_pfl.data import client_data, pipeline
-
-
-def linear_problem_with_public(root, sizes=(37, 50, 23), public_examples=20, dim=4, num_classes=3, seed=0):
-    """`make_linear_problem` (tests/conftest.py) with `public_examples` unlabeled public examples more."""
-    rng = np.random.default_rng(seed)
-    total = sum(3 * n for n in sizes) + public_examples
-    x = rng.normal(size=(total, dim)).astype(np.float32)
-    y = np.argmax(x @ rng.normal(size=(dim, num_classes)), axis=1).astype(np.int32)
-    splits, start = [], 0
-    for n in sizes:
-        idx = np.arange(start, start + 3 * n)
-        splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
-        start += 3 * n
-    public = np.arange(start, total)
-    return client_data.write_client_data(str(root), x, y, num_classes, splits, public_indices=public)
+from tff_pfl.data import pipeline
 
 
 def _small(**overrides):
@@ -53,16 +40,6 @@ def _numpy_paper_objective(c, s, sizes, rho, lam):
     return lam * (sizes / sizes.sum() * kl).sum() + rho * ((c - 1 / len(c)) ** 2).sum()
 
 
-def _numeric_gradient(f, c, eps=1e-6):
-    grad = np.zeros_like(c)
-    for index in np.ndindex(c.shape):
-        plus, minus = c.copy(), c.copy()
-        plus[index] += eps
-        minus[index] -= eps
-        grad[index] = (f(plus) - f(minus)) / (2 * eps)
-    return grad
-
-
 @pytest.fixture
 def predictions():
     rng = np.random.default_rng(0)
@@ -83,7 +60,7 @@ def test_paper_update_is_a_gradient_step_of_eq4(predictions):
     c, s = predictions
     sizes = np.array([10.0, 30.0, 60.0])
     f = lambda m: _numpy_paper_objective(m, s, sizes, 0.7, 1.0)  # noqa: E731
-    want = np.maximum(c - 0.1 * _numeric_gradient(f, c), 0.0)
+    want = np.maximum(c - 0.1 * numpy_reference.numeric_gradient(f, c), 0.0)
     got = ktpfl.paper_update(
         tf.constant(c, tf.float32),
         tf.constant(s, tf.float32),
@@ -109,7 +86,7 @@ def test_released_update(predictions):
         t = np.einsum('nm,mpc->npc', m, s)
         return (((s - t) ** 2).mean(axis=(1, 2)) + 0.7 * ((m - 1 / 3) ** 2).mean(axis=1)).sum()
 
-    stepped = c - 0.1 * _numeric_gradient(objective, c)
+    stepped = c - 0.1 * numpy_reference.numeric_gradient(objective, c)
     want = np.exp(5 * stepped) / np.exp(5 * stepped).sum(axis=1, keepdims=True)
     got = ktpfl.released_update(tf.constant(c, tf.float32), tf.constant(s, tf.float32), learning_rate=0.1)
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5)
@@ -277,7 +254,7 @@ def test_bad_arguments(process):
 
 @pytest.fixture(scope='module')
 def vector_problem(tmp_path_factory):
-    return linear_problem_with_public(tmp_path_factory.mktemp('kt_steps') / 'data')
+    return make_linear_problem(tmp_path_factory.mktemp('kt_steps') / 'data', public_examples=20)
 
 
 @pytest.mark.parametrize('c_update', ['paper', 'fedmd'])
@@ -346,7 +323,7 @@ def test_homogeneous_update_is_a_gradient_step_of_eq11():
     params = rng.normal(size=(3, 7))
     sizes = np.array([5.0, 10.0, 20.0])
     f = lambda m: _numpy_homogeneous_objective(m, params, sizes, 0.6, 1.0)  # noqa: E731
-    want = np.maximum(c - 0.05 * _numeric_gradient(f, c), 0.0)
+    want = np.maximum(c - 0.05 * numpy_reference.numeric_gradient(f, c), 0.0)
     got = ktpfl.homogeneous_update(
         tf.constant(c, tf.float32),
         tf.constant(params, tf.float32),
@@ -365,7 +342,6 @@ def test_a_row_of_zeros_keeps_the_clients_own_knowledge():
 
 @pytest.fixture(scope='module')
 def equal_clients(tmp_path_factory):
-    from tests.conftest import make_linear_problem
 
     spec = make_linear_problem(tmp_path_factory.mktemp('homo') / 'data', sizes=(30, 30, 30))
     return spec, lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)
@@ -422,7 +398,7 @@ def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     sizes = np.array([30.0, 30.0, 30.0])
     f = lambda m: _numpy_homogeneous_objective(m, uploaded, sizes, 0.6, 1.0)  # noqa: E731
     c0 = np.full((3, 3), 1 / 3)
-    want = np.maximum(c0 - 0.05 * _numeric_gradient(f, c0), 0.0)
+    want = np.maximum(c0 - 0.05 * numpy_reference.numeric_gradient(f, c0), 0.0)
     np.testing.assert_allclose(state['coefficients'], want, atol=1e-4)
     assert not np.allclose(want, c0)
     assert all(0 <= r['personalized_model']['accuracy'] <= 1 for r in proc.evaluate(state, states))
@@ -431,7 +407,6 @@ def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
 
 
 def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):
-    from tests.conftest import make_linear_problem
 
     spec = make_linear_problem(tmp_path / 'data')  # clients of 37, 50 and 23 examples
     model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731

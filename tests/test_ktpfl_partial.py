@@ -6,6 +6,8 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import ktpfl
+from tests import numpy_reference
+from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.data import client_data
@@ -14,30 +16,6 @@ from tff_pfl.program import experiment, training_loop
 SIZES = (37, 50, 23, 30)  # four clients
 PUBLIC = 20
 TEMPERATURE = 2.0
-
-
-def _problem(root):
-    """Four clients of a linear 3-class problem on 4 features, and PUBLIC unlabeled public examples."""
-    rng = np.random.default_rng(0)
-    total = 3 * sum(SIZES) + PUBLIC
-    x = rng.normal(size=(total, 4)).astype(np.float32)
-    y = np.argmax(x @ rng.normal(size=(4, 3)), axis=1).astype(np.int32)
-    splits, start = [], 0
-    for n in SIZES:
-        idx = np.arange(start, start + 3 * n)
-        splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
-        start += 3 * n
-    return client_data.write_client_data(str(root), x, y, 3, splits, public_indices=np.arange(start, total))
-
-
-def _numeric_gradient(f, c, eps=1e-6):
-    grad = np.zeros_like(c)
-    for index in np.ndindex(c.shape):
-        plus, minus = c.copy(), c.copy()
-        plus[index] += eps
-        minus[index] -= eps
-        grad[index] = (f(plus) - f(minus)) / (2 * eps)
-    return grad
 
 
 # Independent numpy references: the paper's objectives written over the sampled clients S only.
@@ -67,7 +45,9 @@ def _block_step(objective, c, sampled, learning_rate):
     c = np.asarray(c, np.float64)  # numeric gradients need float64
     c_s = _restricted(c, sampled)
     want = c.copy()
-    want[np.ix_(sampled, sampled)] = np.maximum(c_s - learning_rate * _numeric_gradient(objective, c_s), 0.0)
+    want[np.ix_(sampled, sampled)] = np.maximum(
+        c_s - learning_rate * numpy_reference.numeric_gradient(objective, c_s), 0.0
+    )
     return want
 
 
@@ -159,7 +139,7 @@ def test_every_client_present_is_the_full_participation_round_bit_for_bit(round_
 
 @pytest.fixture(scope='module')
 def spec(tmp_path_factory):
-    return _problem(tmp_path_factory.mktemp('partial') / 'data')
+    return make_linear_problem(tmp_path_factory.mktemp('partial') / 'data', len(SIZES), SIZES, public_examples=PUBLIC)
 
 
 def _store_round(proc, store, state, sampled_ids):
