@@ -239,6 +239,43 @@ def test_paper_table_forms():
     assert plain.paper == {} and plain.paper_source == ''
 
 
+def test_paper_table_lists_clients_up_to_the_limit_then_quantiles():
+    """Up to MAX_CLIENT_ROWS clients one row each; beyond, quantiles of the seed-averaged accuracies."""
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+
+    def rows(per_client):
+        return [
+            {
+                'algorithm': 'FedAvg',
+                'partition': 'IID',
+                'per_client': per_client,
+                'accuracy_mean': 1.0,
+                'client_std': 2.0,
+            }
+        ]
+
+    few = [float(i) for i in range(bench_report.MAX_CLIENT_ROWS)]
+    table, columns = bench_report.paper_table(suite, rows(few))
+    assert columns == ['', 'FedAvg IID']
+    assert [r[''] for r in table] == [f'User {i}' for i in range(len(few))] + ['Avg. Acc.', 'Std Dev']
+    assert table[7]['FedAvg IID'] == '7.00'
+    # 101 clients with accuracies 100, 99, ..., 0 (in no order): the q-quantile is 100 q exactly.
+    many = [float(100 - i) for i in range(101)]
+    table, _ = bench_report.paper_table(suite, rows(many))
+    cells = {r['']: r['FedAvg IID'] for r in table}
+    assert cells == {
+        'min': '0.00',
+        '10th percentile': '10.00',
+        '25th percentile': '25.00',
+        'median': '50.00',
+        '75th percentile': '75.00',
+        '90th percentile': '90.00',
+        'max': '100.00',
+        'Avg. Acc.': '1.00',
+        'Std Dev': '2.00',
+    }
+
+
 def _fake_record(suite, partition, algorithm, seed, accuracies, splits):
     """A `bench_result.json` record of clients c0, c1, ... with (train, val, test) examples `splits`."""
     run = next(r for r in suite.runs() if (r.partition.name, r.algorithm.name, r.seed) == (partition, algorithm, seed))

@@ -17,6 +17,8 @@ import os
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+
 from tff_pfl import metrics as metrics_lib
 from tff_pfl.program import bench_run, bench_suite, reports
 
@@ -33,6 +35,19 @@ METRICS = collections.OrderedDict(
 # The top (or worst) 10% of N clients are ceil(0.1 * N) of them
 # (`metrics_lib.top_by_weight_mean`, `metrics_lib.summarize`).
 TOP_FRACTION = 0.1
+
+# The per-client table lists every client up to this many; beyond, it gives
+# these quantiles of the clients' (seed-averaged) accuracies instead.
+MAX_CLIENT_ROWS = 50
+CLIENT_QUANTILES = (
+    ('min', 0.0),
+    ('10th percentile', 0.1),
+    ('25th percentile', 0.25),
+    ('median', 0.5),
+    ('75th percentile', 0.75),
+    ('90th percentile', 0.9),
+    ('max', 1.0),
+)
 
 
 def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
@@ -345,7 +360,10 @@ def paper_table(suite: bench_suite.Suite, rows: Sequence[Mapping]) -> tuple[list
     Columns are `<algorithm> <partition>`, grouped by algorithm. A cell is
     client i's test accuracy (%) averaged over seeds; Avg. Acc. is the mean
     over seeds of the across-client mean and Std Dev the mean over seeds of
-    the across-client (population) standard deviation.
+    the across-client (population) standard deviation. With more than
+    `MAX_CLIENT_ROWS` clients the User rows give way to the quantiles
+    `CLIENT_QUANTILES` of those seed-averaged client accuracies (linear
+    interpolation); every client stays in results.csv.
 
     Args:
       suite: the suite.
@@ -361,14 +379,24 @@ def paper_table(suite: bench_suite.Suite, rows: Sequence[Mapping]) -> tuple[list
             if (algorithm.name, partition.name) in by_key:
                 columns.append(f'{algorithm.name} {partition.name}')
     num_clients = max([len(row['per_client']) for row in rows] or [0])
-    table = [{'': f'User {i}'} for i in range(num_clients)]
+    collapsed = num_clients > MAX_CLIENT_ROWS
+    if collapsed:
+        table = [{'': label} for label, _ in CLIENT_QUANTILES]
+    else:
+        table = [{'': f'User {i}'} for i in range(num_clients)]
     table += [{'': 'Avg. Acc.'}, {'': 'Std Dev'}]
+    body = len(table) - 2
     for (algorithm, partition), row in by_key.items():
         column = f'{algorithm} {partition}'
-        for i, value in enumerate(row['per_client']):
-            table[i][column] = _pct(value)
-        table[num_clients][column] = _pct(row['accuracy_mean'])
-        table[num_clients + 1][column] = _pct(row['client_std'])
+        if collapsed:
+            values = np.asarray(row['per_client'], dtype=np.float64)
+            for i, (_, q) in enumerate(CLIENT_QUANTILES):
+                table[i][column] = _pct(float(np.quantile(values, q)))
+        else:
+            for i, value in enumerate(row['per_client']):
+                table[i][column] = _pct(value)
+        table[body][column] = _pct(row['accuracy_mean'])
+        table[body + 1][column] = _pct(row['client_std'])
     return table, columns
 
 
@@ -410,6 +438,12 @@ def render_report(
         'standard deviation of each run (so it is not the std of the column above, which is seed-averaged).',
         '',
     ]
+    if max([len(row['per_client']) for row in rows] or [0]) > MAX_CLIENT_ROWS:
+        lines += [
+            f'More than {MAX_CLIENT_ROWS} clients: the rows are quantiles of those seed-averaged client accuracies',
+            '(linear interpolation), not single clients; every client is in results.csv and clients_<partition>.png.',
+            '',
+        ]
     table, columns = paper_table(suite, rows)
     lines += [reports.markdown_table(table, columns) if rows else '(no complete runs)', '']
     lines += [
