@@ -158,6 +158,36 @@ def test_entries_from_a_fake_results_dir(tmp_path):
     assert rows[6][:2] == ['(no [paper_source])', 'unrun (`benchmarks/suites/unrun.toml`)']
 
 
+def test_suites_without_paper_numbers_are_listed_after_the_table(tmp_path):
+    root = _tree(tmp_path)
+    (root / 'benchmarks' / 'suites' / 'no_paper.toml').write_text(
+        NO_PAPER.replace('[defaults]', 'description = """Our protocol. On data the paper\nnever used."""\n[defaults]')
+    )
+    command = 'tff-pfl-bench --suite=benchmarks/suites/no_paper.toml --output_dir=runs/bench/no_paper'
+    assert scoreboard.unscored(str(root)) == [
+        dict(
+            suite='no_paper',
+            suite_path=os.path.join('benchmarks', 'suites', 'no_paper.toml'),
+            report=None,
+            what='Our protocol. On data the paper never used.',
+            runs='0/1',
+            command=command,
+        )
+    ]
+    results = root / 'benchmarks' / 'results' / 'no_paper_suite'
+    results.mkdir()
+    (results / 'summary.csv').write_text('partition,algorithm,runs\nnatural,FedAvg,1/1\n')
+    (results / 'report.md').write_text('# no_paper\n')
+    others = scoreboard.unscored(str(root))
+    assert others[0]['report'] == os.path.join('benchmarks', 'results', 'no_paper_suite', 'report.md')
+    assert others[0]['runs'] == '1/1'
+    text = scoreboard.render(scoreboard.entries(str(root)), others)
+    assert text.index('## Suites without a paper number') > text.index('| paper / table |')
+    link = '[no_paper](../../benchmarks/results/no_paper_suite/report.md)'
+    assert f'| {link} | Our protocol. On data the paper never used. | 1/1 | `{command}` |' in text
+    assert '## Suites without a paper number' not in scoreboard.render(scoreboard.entries(str(root)))
+
+
 def test_blank_cells_old_summaries_and_stale_results(tmp_path):
     # The FT row's weighted columns are blank (a run without partition sizes).
     suite = SUITE.replace('IID = 50', 'IID = 50, natural = { weighted = 60.0 }').replace(

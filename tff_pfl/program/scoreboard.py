@@ -12,7 +12,8 @@ Run from the repository root. Reads every `benchmarks/suites/*.toml` that has a
 value, ours (mean ± std over seeds, from `summary.csv`), the seeds complete,
 the difference, whether it is within 2 points, and the commands that
 produced it (`commands.txt`). A number whose cell has no committed result is
-a "not run yet" row. Nothing is run or recomputed: the page only reads
+a "not run yet" row. Suites without a `[paper]` table follow in a short
+list (what each runs, runs complete, its report). Nothing is run or recomputed: the page only reads
 committed files, so `tests/test_scoreboard.py` can check that it is current.
 """
 
@@ -230,6 +231,48 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
     return result
 
 
+def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
+    """One entry per suite without a `[paper]` table: a protocol with no paper number to meet.
+
+    Args:
+      root: the repository root (results are read below it).
+      paths: suite files; default `suite_paths(root)`.
+
+    Returns:
+      Dicts in path order: `suite` (name), `suite_path` (relative to `root`),
+      `report` (the committed report.md relative to `root`, or None), `what`
+      (the description on one line), `runs` ("complete/total" over the
+      committed summary.csv's cells) and `command` (the command that runs the
+      suite).
+
+    Raises:
+      bench_suite.SuiteError: a suite file does not load, or a summary.csv
+        is not one.
+    """
+    result = []
+    for path in suite_paths(root) if paths is None else paths:
+        suite = bench_suite.load_suite(path)
+        if suite.paper:
+            continue
+        suite_path = os.path.relpath(path, root)
+        directory = results_dir(root, suite)
+        summary = _read_summary(directory) or {}
+        complete = sum(int(row['runs'].split('/')[0] or 0) for row in summary.values())
+        report = os.path.join(directory, 'report.md')
+        output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
+        result.append(
+            dict(
+                suite=suite.name,
+                suite_path=suite_path,
+                report=os.path.relpath(report, root) if summary and os.path.exists(report) else None,
+                what=' '.join(suite.description.split()),
+                runs=f'{complete}/{len(suite.runs())}',
+                command=f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}',
+            )
+        )
+    return result
+
+
 def _paper_text(value: float) -> str:
     one = f'{value:.1f}'
     return one if float(one) == round(value, 2) else f'{value:.2f}'
@@ -247,12 +290,13 @@ def _ours_text(entry: Mapping) -> str:
     return f'{entry["ours"]:.2f} ± {entry["ours_std"]:.2f}'
 
 
-def render(items: Sequence[Mapping]) -> str:
+def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
     """The scoreboard page.
 
     Args:
       items: `entries(...)`; paths in them are relative to the repository
         root, and the page's links are made relative to docs/reports/.
+      others: `unscored(...)`, listed after the paper numbers.
 
     Returns:
       The markdown text, ending with a newline.
@@ -319,6 +363,28 @@ def render(items: Sequence[Mapping]) -> str:
         '',
         reports.markdown_table(rows, columns) if rows else '(no suite has a [paper] table)',
     ]
+    if others:
+        table = [
+            {
+                'suite': f'[{o["suite"]}]({os.path.relpath(o["report"], link_base)})'
+                if o['report']
+                else f'{o["suite"]} (`{o["suite_path"]}`)',
+                'what it runs': o['what'],
+                'runs complete': o['runs'],
+                'command': f'`{o["command"]}`',
+            }
+            for o in others
+        ]
+        lines += [
+            '',
+            '## Suites without a paper number',
+            '',
+            "A paper's protocol on data or settings the paper did not report, or a comparison of our own: there is",
+            "no published number to meet. Each suite's report gives every algorithm's result; runs complete counts",
+            'the runs in its committed results.',
+            '',
+            reports.markdown_table(table, ['suite', 'what it runs', 'runs complete', 'command']),
+        ]
     return '\n'.join(lines) + '\n'
 
 
@@ -329,9 +395,9 @@ def generate(root: str = '.') -> str:
       root: the repository root.
 
     Returns:
-      `render(entries(root))`.
+      `render(entries(root), unscored(root))`.
     """
-    return render(entries(root))
+    return render(entries(root), unscored(root))
 
 
 def main(argv: Sequence[str]) -> int:
@@ -352,11 +418,11 @@ def main(argv: Sequence[str]) -> int:
         print(f'{prog}: error: {SUITES_DIR} not found; run from the repository root', file=sys.stderr)
         return 2
     try:
-        items = entries('.')
+        items, others = entries('.'), unscored('.')
     except bench_suite.SuiteError as e:
         print(f'{prog}: error: {" ".join(str(e).split())}', file=sys.stderr)
         return 2
-    text = render(items)
+    text = render(items, others)
     if '--check' in argv:
         current = bench_run.file_text(OUTPUT)
         if current != text:
