@@ -140,6 +140,12 @@ def _number(row: Mapping, column: str) -> float | None:
     return None if value in (None, '') else float(value)
 
 
+def _run_command(suite: bench_suite.Suite, suite_path: str) -> str:
+    """The command that runs the whole suite into its default output directory."""
+    output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
+    return f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}'
+
+
 def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
     """One entry per paper number of the suites, with ours from the committed results.
 
@@ -177,8 +183,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
             bench_run.file_text(os.path.join(directory, bench_run.SUITE_FILE)), suite
         )
         report = os.path.join(directory, 'report.md')
-        output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
-        run_command = f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}'
+        run_command = _run_command(suite, suite_path)
         for partition in suite.partitions:
             for algorithm in suite.algorithms:
                 cell = suite.paper.get(algorithm.name, {}).get(partition.name)
@@ -259,7 +264,6 @@ def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
         summary = _read_summary(directory) or {}
         complete = sum(int(row['runs'].split('/')[0] or 0) for row in summary.values())
         report = os.path.join(directory, 'report.md')
-        output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
         result.append(
             dict(
                 suite=suite.name,
@@ -267,7 +271,7 @@ def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
                 report=os.path.relpath(report, root) if summary and os.path.exists(report) else None,
                 what=' '.join(suite.description.split()),
                 runs=f'{complete}/{len(suite.runs())}',
-                command=f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}',
+                command=_run_command(suite, suite_path),
             )
         )
     return result
