@@ -597,20 +597,19 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
     out = str(tmp_path / 'copy')
     shutil.copytree(tiny_run['out'], out)
     fedavg_run, persfl_run = suite.select(seeds=[0], partitions=['natural'])
-    with open(os.path.join(fedavg_run.directory(out), 'partition.csv'), 'a') as f:
-        f.write('client_99999,1,1,1\n')
+    # The FedAvg run's record says it trained on another partition.
+    record_path = os.path.join(fedavg_run.directory(out), bench_run.RESULT_FILE)
+    with open(record_path) as f:
+        record = json.load(f)
+    record['partition_csv'] += 'client_99999,1,1,1\n'
+    with open(record_path, 'w') as f:
+        json.dump(record, f)
     os.remove(os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE))
     with pytest.raises(
         bench_suite.SuiteError, match='natural/PersFL/seed0 trains on another partition than natural/FedAvg/seed0'
     ):
         bench_run.run_suite(suite, out, seeds=[0], algorithms=['PersFL'], log=lambda line: None)
     # Aggregation checks the same from the stored results.
-    record_path = os.path.join(fedavg_run.directory(out), bench_run.RESULT_FILE)
-    with open(record_path) as f:
-        record = json.load(f)
-    record['partition_csv'] += 'x'
-    with open(record_path, 'w') as f:
-        json.dump(record, f)
     shutil.copy(
         os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench_run.RESULT_FILE),
         os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE),
@@ -642,6 +641,51 @@ def test_a_different_suite_is_refused(tiny_run, tmp_path):
     with pytest.raises(bench_suite.SuiteError, match='holds no benchmark; pass --overwrite'):
         bench_run.run_suite(changed, str(other), log=lambda line: None)
     assert os.listdir(other) == ['notes.txt']
+
+
+def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run, tmp_path):
+    """A results directory outlives the output directory: later sittings add to it."""
+    suite, out = tiny_run['suite'], tiny_run['out']
+    results = str(tmp_path / 'results')
+    lines = []
+    # Publishing the complete benchmark: the report, its CSVs and plots, and one record per run.
+    bench_run.run_suite(suite, out, results_dir=results, report_only=True, log=lines.append)
+    assert lines[-1] == f'results: {results} (8 of 8 run records)'
+    for name in bench_run.PUBLISHED_FILES + ('curves_natural.png', 'clients_iid.png'):
+        assert os.path.exists(os.path.join(results, name)), name
+    for run in suite.runs():
+        with open(bench_run.record_path(results, run)) as f:
+            assert f.read() == bench_run.file_text(os.path.join(run.directory(out), bench_run.RESULT_FILE))
+    assert bench_run.record_path(results, suite.runs()[0]).endswith('records/natural/fedavg/seed0.json')
+    # A fresh output directory (a new checkout): the records count as complete runs, and only the
+    # run whose record is gone trains.
+    missing = suite.select(seeds=[1], algorithms=['FedAvg'], partitions=['natural'])[0]
+    os.remove(bench_run.record_path(results, missing))
+    fresh = str(tmp_path / 'fresh')
+    lines = []
+    bench_run.run_suite(suite, fresh, command='third', results_dir=results, log=lines.append)
+    assert lines[:2] == [
+        f'tiny: 7 complete runs restored from {results}',
+        'tiny: 8 runs selected, 7 already complete, 1 to run',
+    ]
+    assert lines[2].startswith('run 1/1 natural/FedAvg/seed1: ')
+    assert os.path.exists(bench_run.record_path(results, missing))
+    # The same numbers as the benchmark that ran everything in one directory.
+    for name in ('results.csv', 'summary.csv'):
+        mine, theirs = _read_csv(os.path.join(results, name)), _read_csv(os.path.join(out, name))
+        drop = {'minutes_per_run'}
+        assert [{k: v for k, v in r.items() if k not in drop} for r in mine] == [
+            {k: v for k, v in r.items() if k not in drop} for r in theirs
+        ]
+    with open(os.path.join(results, bench_run.COMMANDS_FILE)) as f:
+        assert f.read() == 'first\nsecond\nthird\n'
+    # Bad results directories: refused before anything is written.
+    with pytest.raises(bench_suite.SuiteError, match='is the output directory'):
+        bench_run.run_suite(suite, fresh, results_dir=fresh, log=lines.append)
+    changed = bench_suite.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
+    with pytest.raises(bench_suite.SuiteError, match='results_dir .* holds results of a different suite'):
+        bench_run.run_suite(changed, str(tmp_path / 'other'), results_dir=results, log=lines.append)
+    assert not os.path.exists(tmp_path / 'other')
 
 
 # ----------------------------------------------------------------------------
@@ -683,6 +727,8 @@ def test_binary(tiny_run, tmp_path):
         ([f'--suite={suite_path}', f'--output_dir={out}', '--seeds=0,x'], '--seeds must be integers'),
         ([f'--suite={suite_path}', f'--output_dir={out}', '--report_only'], 'does not exist'),
         ([f'--output_dir={out}'], '--suite is required'),
+        ([f'--suite={suite_path}', f'--output_dir={out}', f'--results_dir={out}'], 'is the output directory'),
+        ([f'--suite={suite_path}', f'--output_dir={out}', f'--results_dir={blocker}'], 'is not a directory'),
     ]
     started = [(_start(*flags), message) for flags, message in cases]
     report = _start(f'--suite={suite_path}', f'--output_dir={report_dir}', '--report_only')

@@ -122,7 +122,10 @@ def test_entries_from_a_fake_results_dir(tmp_path):
     # A cell without a summary row is not run yet, with the command that runs it.
     e = by_key[('fake', 'IID', 'FT', 'mean')]
     assert (e['status'], e['ours'], e['diff'], e['within'], e['runs']) == ('not run yet', None, None, None, '0/3')
-    assert e['commands'] == ['tff-pfl-bench --suite=benchmarks/suites/fake.toml --output_dir=runs/bench/fake']
+    assert e['commands'] == [
+        'tff-pfl-bench --suite=benchmarks/suites/fake.toml --output_dir=runs/bench/fake '
+        '--results_dir=benchmarks/results/fake_suite'
+    ]
     e = by_key[('unrun', 'natural', 'FedAvg', 'top10')]
     assert (e['status'], e['runs'], e['report'], e['source']) == ('not run yet', '0/1', None, '')
     assert e['dataset'] == 'synthetic'
@@ -163,7 +166,10 @@ def test_suites_without_paper_numbers_are_listed_after_the_table(tmp_path):
     (root / 'benchmarks' / 'suites' / 'no_paper.toml').write_text(
         NO_PAPER.replace('[defaults]', 'description = """Our protocol. On data the paper\nnever used."""\n[defaults]')
     )
-    command = 'tff-pfl-bench --suite=benchmarks/suites/no_paper.toml --output_dir=runs/bench/no_paper'
+    command = (
+        'tff-pfl-bench --suite=benchmarks/suites/no_paper.toml --output_dir=runs/bench/no_paper '
+        '--results_dir=benchmarks/results/no_paper_suite'
+    )
     assert scoreboard.unscored(str(root)) == [
         dict(
             suite='no_paper',

@@ -6,7 +6,9 @@ Runs every run of the suite that is not complete yet (so rerunning the same
 command resumes), then aggregates every complete run into `report.md`,
 `results.csv`, `summary.csv` and plots in `--output_dir`. `--seeds`,
 `--algorithms` and `--partitions` select a subset, to split a suite over
-sittings or over processes; `--report_only` only re-aggregates. See
+sittings or over processes; `--report_only` only re-aggregates;
+`--results_dir` keeps every run's record beside the committed report, so a
+later sitting on a fresh checkout adds to it. See
 `tff_pfl.program.bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
 
 Bad input prints one line `tff-pfl-bench: error: ...` and exits with 2.
@@ -34,6 +36,12 @@ _ISOLATE_NETWORK = flags.DEFINE_bool(
     True,
     'Run in a private network namespace, so that nothing else can reach the local TFF worker (docs/runtime.md); '
     'turn off for suites that download datasets.',
+)
+_RESULTS_DIR = flags.DEFINE_string(
+    'results_dir',
+    None,
+    'A results directory kept beyond the output directory, e.g. benchmarks/results/<name>_suite: the run records '
+    "it holds count as complete runs, and the report and every complete run's record are written back to it.",
 )
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the complete runs into the report.')
 _OVERWRITE = flags.DEFINE_bool(
@@ -113,18 +121,20 @@ def main(argv) -> None:
         suite = bench_suite.parse_suite(text, _SUITE.value)
         suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
         output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench_suite.slug(suite.name))
-        if _REPORT_ONLY.value:
+        if _REPORT_ONLY.value and not _RESULTS_DIR.value:
             bench_run.check_report_dir(suite, output_dir)
+        if _RESULTS_DIR.value:
+            bench_run.check_results_dir(suite, output_dir, _RESULTS_DIR.value)
     except errors as e:
         _fail(str(e))
     if _ISOLATE_NETWORK.value:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.bench', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     try:
-        if _REPORT_ONLY.value:
+        if _REPORT_ONLY.value and not _RESULTS_DIR.value:
             bench_report.write_report(suite, output_dir, log=_log)
         else:
-            command = ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
+            command = None if _REPORT_ONLY.value else ' '.join(shlex.quote(a) for a in [_PROG] + sys.argv[1:])
             bench_run.run_suite(
                 suite,
                 output_dir,
@@ -133,6 +143,8 @@ def main(argv) -> None:
                 partitions=_PARTITIONS.value,
                 overwrite=_OVERWRITE.value,
                 command=command,
+                results_dir=_RESULTS_DIR.value,
+                report_only=_REPORT_ONLY.value,
                 log=_log,
             )
     except errors as e:

@@ -16,6 +16,18 @@ Output directory (`run_suite`):
                                        bench_result.json, written last: a
                                        run is complete when it exists
     <output_dir>/results.csv, summary.csv, report.md and plots: `bench_report`
+
+Results directory (`results_dir`, e.g. the committed
+`benchmarks/results/<name>_suite/`): what outlives the output directory. It
+holds the report, its CSVs and plots, `suite.toml`, `commands.txt` and one
+record per complete run,
+
+    <results_dir>/records/<partition>/<algorithm>/seed<k>.json
+
+(the run's `bench_result.json`). `restore_results` takes those records as
+complete runs of a new output directory, so a suite run over several
+machines or sittings adds its missing runs to what is committed;
+`publish_results` writes the report and every complete run's record back.
 """
 
 import collections
@@ -38,6 +50,9 @@ from tff_pfl.program import bench_suite, experiment, reports
 RESULT_FILE = 'bench_result.json'
 SUITE_FILE = 'suite.toml'
 COMMANDS_FILE = 'commands.txt'
+RECORDS_DIR = 'records'
+# What `publish_results` copies besides the records (and the report's plots).
+PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', SUITE_FILE, COMMANDS_FILE)
 
 
 # ----------------------------------------------------------------------------
@@ -154,6 +169,117 @@ def check_report_dir(suite: bench_suite.Suite, output_dir: str) -> None:
         )
 
 
+def record_path(results_dir: str, run: bench_suite.Run) -> str:
+    """`<results_dir>/records/<partition>/<algorithm>/seed<k>.json`, with the entries' slugs.
+
+    Args:
+      results_dir: the suite's results directory.
+      run: the run.
+
+    Returns:
+      Where the run's record is kept.
+    """
+    return os.path.join(results_dir, RECORDS_DIR, run.partition.slug, run.algorithm.slug, f'seed{run.seed}.json')
+
+
+def check_results_dir(suite: bench_suite.Suite, output_dir: str, results_dir: str) -> None:
+    """Refuses a results directory that cannot hold this suite's results; writes nothing.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's output directory.
+      results_dir: the results directory (need not exist).
+
+    Raises:
+      bench_suite.SuiteError: it is the output directory, is not a directory,
+        holds another suite's results, or holds files but no suite.
+    """
+    if os.path.abspath(results_dir) == os.path.abspath(output_dir):
+        raise bench_suite.SuiteError(f'results_dir {results_dir} is the output directory; give another one')
+    if not os.path.exists(results_dir):
+        return
+    if not os.path.isdir(results_dir):
+        raise bench_suite.SuiteError(f'results_dir {results_dir} exists and is not a directory')
+    stored = _stored_suite(results_dir)
+    if stored is None and os.listdir(results_dir):
+        raise bench_suite.SuiteError(f'results_dir {results_dir} is not empty and holds no benchmark ({SUITE_FILE})')
+    if stored is not None and not bench_suite.same_runs(stored, suite):
+        raise bench_suite.SuiteError(
+            f'results_dir {results_dir} holds results of a different suite '
+            f'(see {os.path.join(results_dir, SUITE_FILE)})'
+        )
+
+
+def restore_results(suite: bench_suite.Suite, output_dir: str, results_dir: str) -> int:
+    """Takes the records kept in `results_dir` as complete runs of `output_dir`.
+
+    A run whose directory does not exist in `output_dir` gets one holding
+    only its record as `bench_result.json`; a run present there (complete,
+    or being trained by another process) is left alone. The commands of
+    `results_dir` that `output_dir` lacks go first in its `commands.txt`.
+
+    Args:
+      suite: the suite (`check_results_dir` accepted `results_dir`).
+      output_dir: the benchmark's output directory, prepared.
+      results_dir: the results directory (need not exist).
+
+    Returns:
+      How many runs were restored.
+    """
+    restored = 0
+    with locked(os.path.join(output_dir, '.lock')):
+        for run in suite.runs():
+            source, directory = record_path(results_dir, run), run.directory(output_dir)
+            if os.path.exists(source) and not os.path.exists(directory):
+                os.makedirs(directory)
+                reports.write_text_atomic(os.path.join(directory, RESULT_FILE), file_text(source))
+                restored += 1
+        kept = (file_text(os.path.join(results_dir, COMMANDS_FILE)) or '').splitlines()
+        mine = (file_text(os.path.join(output_dir, COMMANDS_FILE)) or '').splitlines()
+        if any(line not in mine for line in kept):
+            merged = [line for line in kept if line not in mine] + mine
+            reports.write_text_atomic(os.path.join(output_dir, COMMANDS_FILE), '\n'.join(merged) + '\n')
+    return restored
+
+
+def publish_results(
+    suite: bench_suite.Suite, output_dir: str, results_dir: str, *, log: Callable[[str], None] = print
+) -> int:
+    """Writes the report, its CSVs and plots, and every complete run's record to `results_dir`.
+
+    Files of `results_dir` that the report does not write (a notebook's
+    figures, say) are kept; records of runs no longer complete in
+    `output_dir` are kept too.
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's output directory, its report written.
+      results_dir: the results directory; created if needed.
+      log: receives where the results went.
+
+    Returns:
+      How many records `results_dir` holds for the suite's runs.
+    """
+    os.makedirs(results_dir, exist_ok=True)
+    with locked(os.path.join(output_dir, '.lock')):
+        names = list(PUBLISHED_FILES)
+        names += sorted(n for n in os.listdir(output_dir) if n.endswith('.png'))
+        for name in names:
+            path = os.path.join(output_dir, name)
+            if os.path.exists(path):
+                shutil.copyfile(path, os.path.join(results_dir, name))
+        count = 0
+        for run in suite.runs():
+            source = os.path.join(run.directory(output_dir), RESULT_FILE)
+            target = record_path(results_dir, run)
+            if os.path.exists(source):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                reports.write_text_atomic(target, file_text(source))
+            count += os.path.exists(target)
+    log(f'results: {results_dir} ({count} of {len(suite.runs())} run records)')
+    return count
+
+
 def _check_data(suite: bench_suite.Suite, runs: Sequence[bench_suite.Run]) -> None:
     """Data files named by the selected runs exist (cheap; before anything is written)."""
     for run in runs:
@@ -201,9 +327,9 @@ def _reference_partition(
     """`partition.csv` of the first complete run of the same (partition, seed)."""
     for other in suite.runs():
         if other.partition is run.partition and other.seed == run.seed and other != run:
-            directory = other.directory(output_dir)
-            if os.path.exists(os.path.join(directory, RESULT_FILE)):
-                return other.label, file_text(os.path.join(directory, 'partition.csv'))
+            text = file_text(os.path.join(other.directory(output_dir), RESULT_FILE))
+            if text is not None:  # the record keeps the run's partition.csv (restored runs have only it)
+                return other.label, json.loads(text)['partition_csv']
     return None, None
 
 
@@ -370,6 +496,8 @@ def run_suite(
     partitions: Sequence[str] | None = None,
     overwrite: bool = False,
     command: str | None = None,
+    results_dir: str | None = None,
+    report_only: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Runs the selected runs of a suite that are not complete, then writes the report.
@@ -389,22 +517,35 @@ def run_suite(
       overwrite: discard everything in `output_dir` first (required when it
         holds results of a different suite).
       command: recorded in `commands.txt` and shown in the report.
+      results_dir: a results directory (`restore_results`, `publish_results`):
+        its records count as complete runs, and the report and every
+        complete run's record are written back to it at the end. None: none.
+      report_only: train nothing; only restore, aggregate and publish.
       log: receives one line per run.
 
     Returns:
       `bench_report.write_report`'s summary rows.
 
     Raises:
-      bench_suite.SuiteError: bad selection, an output directory that does
-        not fit, a missing data file (all raised before anything is written),
-        or a run that does not share its partition with the others of its seed.
+      bench_suite.SuiteError: bad selection, an output or results directory
+        that does not fit, a missing data file (all raised before anything is
+        written), or a run that does not share its partition with the others
+        of its seed.
     """
     output_dir = os.path.abspath(output_dir)
     runs = suite.select(seeds=seeds, algorithms=algorithms, partitions=partitions)
     _check_output_dir(suite, output_dir, overwrite)
+    if results_dir is not None:
+        check_results_dir(suite, output_dir, results_dir)
     _check_data(suite, runs)
     _prepare_output_dir(suite, output_dir, overwrite, command)
+    if results_dir is not None:
+        restored = restore_results(suite, output_dir, results_dir)
+        if restored:
+            log(f'{suite.name}: {restored} complete runs restored from {results_dir}')
     todo = [run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), RESULT_FILE))]
+    if report_only:
+        todo = []
     log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} already complete, {len(todo)} to run')
     spent, done = 0.0, 0
     for i, run in enumerate(todo, start=1):
@@ -434,7 +575,10 @@ def run_suite(
     # Imported here, not at the top: bench_report imports this module (the file names, the lock).
     from tff_pfl.program import bench_report
 
-    return bench_report.write_report(suite, output_dir, log=log)
+    rows = bench_report.write_report(suite, output_dir, log=log)
+    if results_dir is not None:
+        publish_results(suite, output_dir, results_dir, log=log)
+    return rows
 
 
 def _run_one(suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run) -> dict:

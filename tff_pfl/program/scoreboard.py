@@ -141,9 +141,10 @@ def _number(row: Mapping, column: str) -> float | None:
 
 
 def _run_command(suite: bench_suite.Suite, suite_path: str) -> str:
-    """The command that runs the whole suite into its default output directory."""
+    """The command that runs the whole suite, adding to its committed results."""
     output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
-    return f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir}'
+    results = os.path.join(RESULTS_DIR, f'{bench_suite.slug(suite.name)}_suite')
+    return f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir} --results_dir={results}'
 
 
 def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
