@@ -679,6 +679,22 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
         ]
     with open(os.path.join(results, bench_run.COMMANDS_FILE)) as f:
         assert f.read() == 'first\nsecond\nthird\n'
+    # A sitting cut short after its first run keeps that run's record (and the suite beside it).
+    cut = str(tmp_path / 'cut')
+
+    def interrupt(line):
+        if line.startswith('run 1/'):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bench_run.run_suite(suite, str(tmp_path / 'cut_out'), seeds=[0], results_dir=cut, log=interrupt)
+    first = suite.select(seeds=[0])[0]
+    assert sorted(os.listdir(cut)) == sorted([bench_run.SUITE_FILE, bench_run.RECORDS_DIR])
+    with open(bench_run.record_path(cut, first)) as f:
+        assert (
+            json.load(f)['summary'] == json.loads(bench_run.file_text(bench_run.record_path(results, first)))['summary']
+        )
+    bench_run.check_results_dir(suite, str(tmp_path / 'next_out'), cut)
     # Bad results directories: refused before anything is written.
     with pytest.raises(bench_suite.SuiteError, match='is the output directory'):
         bench_run.run_suite(suite, fresh, results_dir=fresh, log=lines.append)

@@ -518,8 +518,9 @@ def run_suite(
         holds results of a different suite).
       command: recorded in `commands.txt` and shown in the report.
       results_dir: a results directory (`restore_results`, `publish_results`):
-        its records count as complete runs, and the report and every
-        complete run's record are written back to it at the end. None: none.
+        its records count as complete runs, each run's record is written to
+        it as soon as the run completes, and the report and every complete
+        run's record at the end. None: none.
       report_only: train nothing; only restore, aggregate and publish.
       log: receives one line per run.
 
@@ -543,6 +544,9 @@ def run_suite(
         restored = restore_results(suite, output_dir, results_dir)
         if restored:
             log(f'{suite.name}: {restored} complete runs restored from {results_dir}')
+        os.makedirs(results_dir, exist_ok=True)  # the records written below need their suite.toml beside them
+        if _stored_suite(results_dir) != suite.text:
+            reports.write_text_atomic(os.path.join(results_dir, SUITE_FILE), suite.text)
     todo = [run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), RESULT_FILE))]
     if report_only:
         todo = []
@@ -565,6 +569,10 @@ def run_suite(
             started = time.monotonic()
             record = _run_one(suite, output_dir, run)
             seconds = time.monotonic() - started
+            if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
+                target = record_path(results_dir, run)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                reports.write_text_atomic(target, file_text(os.path.join(directory, RESULT_FILE)))
             spent, done = spent + seconds, done + 1
             eta = spent / done * (len(todo) - i)
             accuracy = record['summary'][run.algorithm.model]['mean']
