@@ -117,7 +117,7 @@ def build_apfl_process(
             local_training.assign_weights(model, values)
             with tf.GradientTape() as tape:
                 loss, logits = local_training.supervised_loss(model, x, y)
-            return tape.gradient(loss, model.trainable_variables), loss, logits
+            return local_training.dense_gradients(tape, loss, model.trainable_variables), loss, logits
 
         def step(batches, carry):
             x, y, n = batches[0]

@@ -423,10 +423,11 @@ def build_kdpdfl_process(
         )
 
     def outputs(weights, x):
-        """The MidGetter: [G, n, L] outputs of G stacked models."""
+        """The MidGetter: [G, n, L] outputs of G stacked models (sequences: positions x classes flattened)."""
         out = stacked.forward(mid_layers, list(weights)[:mid_weights], x)
-        out = tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
-        return tf.nn.softmax(out, axis=-1) if distance_layer == -1 else out
+        if distance_layer == -1:
+            out = tf.nn.softmax(out, axis=-1)  # a distribution per example (per position of a sequence)
+        return tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
 
     def weigh_neighbours(star, own, theirs, neighbour_ids, present, num_neighbours, exchange_num):
         """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4)."""

@@ -80,7 +80,7 @@ VARIANT_SETTINGS = {'fo': PerFedAvgSettings, 'hf': PerFedAvgHFSettings}
 def _gradients(model, x, y):
     with tf.GradientTape() as tape:
         loss, logits = local_training.supervised_loss(model, x, y)
-    return tape.gradient(loss, model.trainable_variables), loss, logits
+    return local_training.dense_gradients(tape, loss, model.trainable_variables), loss, logits
 
 
 def _assign(model, values):

@@ -38,6 +38,7 @@ def test_logistic_regression_and_registry():
     assert models.names() == [
         'alexnet',
         'alexnet_small',
+        'char_gru',
         'fedavg_cnn',
         'gaussian_mean',
         'lenet',
@@ -251,3 +252,13 @@ def test_paper_size_architectures_are_registered_and_fresh_per_call():
     for name in ('fedavg_cnn', 'resnet18'):
         a, b = models.get(name)((28, 28, 1), 10), models.get(name)((28, 28, 1), 10)
         assert a.trainable_weights[0] is not b.trainable_weights[0]
+
+
+def test_char_gru_parameters_and_shapes():
+    model = models.get('char_gru')((80,), 90)
+    gru = 3 * (8 * 256 + 256 * 256 + 2 * 256)  # kernel, recurrent kernel, input and recurrent biases
+    assert model.count_params() == 90 * 8 + gru + 256 * 90 + 90 == 228_138
+    assert model(np.zeros((2, 80), np.int32)).shape == (2, 80, 90)
+    assert not model.non_trainable_weights
+    with pytest.raises(ValueError, match='sequences of ids'):
+        models.get('char_gru')((28, 28, 1), 10)

@@ -62,8 +62,17 @@ def grid_candidates(temperatures: Sequence[float], imitations: Sequence[float]) 
     return candidates
 
 
+def _scored(data: client_data.ClientSplit) -> tf.Tensor:
+    """How many predictions a split scores: its examples, or its labels that count (sequences)."""
+    if data.labels.shape.rank == 1:
+        return tf.cast(data.num_examples, tf.float32)
+    return client_data.count_labels(data.labels)
+
+
 def _stacked_accuracy(layers, weights, data: client_data.ClientSplit, batch_size=1000):
     """Per-candidate number of correct predictions on a whole split, [G]."""
+    if data.labels.shape.rank > 1:  # sequences: as many positions per pass as `batch_size` examples
+        batch_size = max(1, batch_size // int(np.prod(data.labels.shape[1:])))
     num_examples = data.num_examples
     num_models = tf.shape(weights[0])[0]
 
@@ -71,8 +80,8 @@ def _stacked_accuracy(layers, weights, data: client_data.ClientSplit, batch_size
         stop = tf.minimum(start + batch_size, num_examples)
         x, y = data.slice(start, stop)
         logits = stacked.forward(layers, weights, x)
-        hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y[tf.newaxis, :])
-        return stop, correct + tf.reduce_sum(tf.cast(hits, tf.float32), axis=1)
+        hits = tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y[tf.newaxis])  # ignored labels never hit
+        return stop, correct + tf.reduce_sum(tf.cast(hits, tf.float32), axis=list(range(1, hits.shape.rank)))
 
     _, correct = tf.while_loop(lambda start, _: start < num_examples, body, (tf.constant(0), tf.zeros([num_models])))
     return correct
@@ -135,7 +144,7 @@ def distill_grid(
     result = tf.while_loop(lambda step, *_: step < total_steps, body, (tf.constant(0),) + tuple(students))
     trained = list(result[1:])
     correct = _stacked_accuracy(layers, trained, val)
-    val_accuracy = correct / tf.cast(tf.maximum(val.num_examples, 1), tf.float32)
+    val_accuracy = correct / tf.maximum(_scored(val), 1.0)
     best = tf.argmax(val_accuracy, output_type=tf.int32)  # first maximum on ties
     return GridResult(trained, val_accuracy, best)
 

@@ -110,23 +110,76 @@ def assign_weights(model: tf.keras.Model, weights: Sequence[tf.Tensor]) -> list:
     return [v.assign(w) for v, w in zip(model.trainable_weights, weights)]
 
 
+def cross_entropy_sum(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """Summed sparse softmax cross-entropy over the labels that count (TF code).
+
+    Args:
+      logits: `[B, C]`, or `[B, L, C]` for one label per position.
+      y: int32 labels `[B]`, or `[B, L]` with `client_data.IGNORED_LABEL`
+        where a position does not count.
+
+    Returns:
+      A float32 scalar.
+    """
+    if y.shape.rank == 1:
+        return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    counted = tf.cast(tf.not_equal(y, client_data.IGNORED_LABEL), tf.float32)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=tf.maximum(y, 0), logits=logits)
+    return tf.reduce_sum(losses * counted)
+
+
+def mean_cross_entropy(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    """Mean sparse softmax cross-entropy over the labels that count (TF code).
+
+    Args:
+      logits: `[B, C]`, or `[B, L, C]` for one label per position.
+      y: int32 labels `[B]`, or `[B, L]` (`client_data.IGNORED_LABEL` where
+        a position does not count).
+
+    Returns:
+      A float32 scalar: the mean over examples, or over counted positions.
+    """
+    if y.shape.rank == 1:
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return cross_entropy_sum(logits, y) / tf.maximum(client_data.count_labels(y), 1.0)
+
+
 def supervised_loss(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
     """Mean sparse softmax cross-entropy of the model's logits; the default loss.
 
     Args:
       model: the Keras model (called in training mode).
       x: a batch of features `[B, ...]`.
-      y: the batch's int32 labels `[B]`.
+      y: the batch's int32 labels `[B]` (or `[B, L]`, see `mean_cross_entropy`).
 
     Returns:
-      `(loss, logits)`: the scalar mean loss and the `[B, num_classes]` logits.
+      `(loss, logits)`: the scalar mean loss and the `[B, num_classes]`
+      (or `[B, L, num_classes]`) logits.
     """
     logits = model(x, training=True)
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    return loss, logits
+    return mean_cross_entropy(logits, y), logits
+
+
+def dense_gradients(tape: tf.GradientTape, loss: tf.Tensor, variables) -> list[tf.Tensor]:
+    """`tape.gradient` as dense tensors, for arithmetic on them (TF code).
+
+    An embedding's gradient comes as `tf.IndexedSlices` (the rows of the ids
+    seen), which Python numbers cannot multiply; dense tensors pass through.
+
+    Args:
+      tape: the tape that recorded `loss`.
+      loss: a scalar.
+      variables: the variables to differentiate by.
+
+    Returns:
+      One dense tensor per variable.
+    """
+    grads = tape.gradient(loss, variables)
+    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
 
 
 def _correct(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    # An ignored label (-1) never equals an argmax, so it is never correct.
     return tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), y), tf.float32))
 
 
@@ -165,7 +218,8 @@ def batch_stream(data: client_data.ClientSplit, *, epochs, batch_size, seed: tf.
 
     Returns:
       `(batches_per_epoch, batch)`: an int32 scalar, and `batch(i) -> (x, y,
-      n)`, the features, labels and size of batch `i`.
+      n)`, the features, labels and size of batch `i` (for sequences: the
+      number of labels that count, `client_data.count_labels`).
     """
     epochs = tf.maximum(tf.cast(epochs, tf.int32), 1)
     batch_size = tf.cast(batch_size, tf.int32)
@@ -178,7 +232,8 @@ def batch_stream(data: client_data.ClientSplit, *, epochs, batch_size, seed: tf.
         start = (index % batches_per_epoch) * batch_size
         stop = tf.minimum(start + batch_size, num_examples)
         x, y = data.gather(permutations[epoch, start:stop])
-        return x, y, tf.cast(stop - start, tf.float32)
+        n = tf.cast(stop - start, tf.float32) if y.shape.rank == 1 else client_data.count_labels(y)
+        return x, y, n
 
     return batches_per_epoch, batch
 
@@ -257,9 +312,9 @@ def batch_stats(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor, n: tf.Tensor) 
 
     Args:
       loss: the batch's scalar mean loss.
-      logits: the batch's logits `[n, num_classes]`.
-      y: the batch's int32 labels `[n]`.
-      n: the batch size, a float32 scalar.
+      logits: the batch's logits `[B, num_classes]` (or `[B, L, num_classes]`).
+      y: the batch's int32 labels `[B]` (or `[B, L]`).
+      n: the batch size (for sequences: its labels that count), float32.
 
     Returns:
       `Stats(loss * n, number of correct predictions, n)`.
@@ -373,7 +428,8 @@ def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: i
       batch_size: examples per forward pass (memory bound only).
 
     Returns:
-      `Stats` summed over all examples.
+      `Stats` summed over all examples (for sequences: over the labels that
+      count, `num_examples` being their number).
     """
 
     @tf.function(autograph=False)
@@ -385,14 +441,14 @@ def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: i
             stop = tf.minimum(start + batch_size, num_examples)
             x, y = split.slice(start, stop)
             logits = model(x, training=False)
-            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-            return stop, loss_sum + tf.reduce_sum(losses), num_correct + _correct(logits, y)
+            return stop, loss_sum + cross_entropy_sum(logits, y), num_correct + _correct(logits, y)
 
         zero = tf.constant(0.0)
         _, loss_sum, num_correct = tf.while_loop(
             lambda start, *_: start < num_examples, body, (tf.constant(0), zero, zero)
         )
-        return Stats(loss_sum, num_correct, tf.cast(num_examples, tf.float32))
+        counted = tf.cast(num_examples, tf.float32) if labels.shape.rank == 1 else client_data.count_labels(labels)
+        return Stats(loss_sum, num_correct, counted)
 
     return loop(data.features, data.labels)
 

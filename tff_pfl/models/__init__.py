@@ -401,6 +401,38 @@ class _ScalarParameter(tf.keras.layers.Layer):
         return tf.ones_like(inputs[:, :1]) * self.theta
 
 
+def char_gru(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """Next-character prediction: character embedding, one GRU, logits at every position.
+
+    Embedding of the `num_classes` ids (the vocabulary, with pad, OOV, BOS and
+    EOS) in 8 dimensions, as in TFF's Shakespeare baseline; one GRU of 256
+    units returning the whole sequence (TFF's baseline has two LSTMs of 256:
+    3.6 times the parameters and 3 times the training time per sequence,
+    benchmarks/results/char_model_cost.md); a
+    dense layer of `num_classes` logits at every position. Padding is not
+    masked in the model: it only ever trails a sequence, so it never reaches
+    a scored position, and the loss leaves its targets out.
+
+    Args:
+      input_shape: `(L,)`, the length of a sequence of ids.
+      num_classes: the vocabulary size.
+
+    Returns:
+      An un-compiled `tf.keras.Model` mapping int32 `[B, L]` to `[B, L, num_classes]`.
+    """
+    if len(input_shape) != 1:
+        raise ValueError(f'char_gru needs sequences of ids [L], got inputs of shape {tuple(input_shape)}')
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.InputLayer(input_shape=tuple(input_shape), dtype='int32'),
+            tf.keras.layers.Embedding(num_classes, 8),
+            tf.keras.layers.GRU(256, return_sequences=True),
+            tf.keras.layers.Dense(num_classes),
+        ],
+        name='char_gru',
+    )
+
+
 def gaussian_mean(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     """The two-level Gaussian model's client parameter theta_m (Self-FL §2.1).
 
@@ -461,6 +493,7 @@ _REGISTRY: dict[str, ModelBuilder] = {
     'alexnet': alexnet,
     'resnet18': resnet18,
     'shufflenet_v2': shufflenet_v2,
+    'char_gru': char_gru,
 }
 
 

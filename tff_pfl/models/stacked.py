@@ -6,7 +6,9 @@ batched matmuls, so training a grid of hyper-parameters costs one loop, not G.
 `plan(model)` reads the layer structure once (at trace time).
 
 Supported layers: Flatten, Dense, Conv2D (channels_last), MaxPooling2D,
-Activation. Others raise ValueError naming the layer.
+Activation, and for sequences Embedding (without masking) and GRU (Keras's
+default cell: reset_after, tanh / sigmoid, no dropout, returning the whole
+sequence). Others raise ValueError naming the layer.
 """
 
 import collections
@@ -39,6 +41,17 @@ def plan(model: tf.keras.Model) -> list:
             layers.append(Layer(kind, config, 2 if config['use_bias'] else 1))
         elif kind in ('Flatten', 'MaxPooling2D', 'Activation'):
             layers.append(Layer(kind, config, 0))
+        elif kind == 'Embedding':
+            if config.get('mask_zero'):
+                raise ValueError(f'{layer.name}: an Embedding with mask_zero is not supported')
+            layers.append(Layer(kind, config, 1))
+        elif kind == 'GRU':
+            unsupported = [
+                f'{key}={config[key]!r}' for key, wanted in _GRU_CONFIG.items() if config.get(key, wanted) != wanted
+            ]
+            if unsupported:
+                raise ValueError(f'{layer.name}: GRU with {", ".join(unsupported)} is not supported')
+            layers.append(Layer(kind, config, 3 if config['use_bias'] else 2))
         elif kind != 'InputLayer':
             raise ValueError(f'layer {layer.name!r} of kind {kind} is not supported for stacked training')
     return layers
@@ -65,10 +78,12 @@ def forward(layers: list, weights, x: tf.Tensor) -> tf.Tensor:
         if layer.kind == 'Flatten':
             h = tf.reshape(h, tf.concat([tf.shape(h)[:2], [-1]], axis=0))
         elif layer.kind == 'Dense':
-            h = tf.matmul(h, params[0])
-            if len(params) > 1:
-                h = h + params[1][:, tf.newaxis, :]
+            h = _dense(h, params)
             h = tf.keras.activations.get(layer.config['activation'])(h)
+        elif layer.kind == 'Embedding':
+            h = tf.gather(params[0], h, batch_dims=1)  # [G, V, E] at [G, B, L] -> [G, B, L, E]
+        elif layer.kind == 'GRU':
+            h = _gru(h, params)
         elif layer.kind == 'Conv2D':
             h = _conv2d(h, params, layer.config)
         elif layer.kind == 'MaxPooling2D':
@@ -81,6 +96,62 @@ def forward(layers: list, weights, x: tf.Tensor) -> tf.Tensor:
         elif layer.kind == 'Activation':
             h = tf.keras.activations.get(layer.config['activation'])(h)
     return h
+
+
+# The GRU configuration `_gru` implements (Keras's defaults).
+_GRU_CONFIG = {
+    'activation': 'tanh',
+    'recurrent_activation': 'sigmoid',
+    'reset_after': True,
+    'return_sequences': True,
+    'return_state': False,
+    'go_backwards': False,
+    'stateful': False,
+    'dropout': 0.0,
+    'recurrent_dropout': 0.0,
+}
+
+
+def _dense(h, params):
+    """[G, B, ..., U] times G kernels [G, U, V] (plus biases [G, V])."""
+    if h.shape.rank == 3:
+        h = tf.matmul(h, params[0])
+        return h + params[1][:, tf.newaxis, :] if len(params) > 1 else h
+    shape = tf.shape(h)
+    y = tf.matmul(tf.reshape(h, tf.stack([shape[0], -1, shape[-1]])), params[0])
+    if len(params) > 1:
+        y = y + params[1][:, tf.newaxis, :]
+    return tf.reshape(y, tf.concat([shape[:-1], tf.shape(params[0])[-1:]], axis=0))
+
+
+def _gru(h, params):
+    """G GRUs (Keras's cell, reset_after) over [G, B, L, E] inputs -> [G, B, L, U] outputs.
+
+    Keras's gate order in the kernels is (z, r, h): z = sigmoid(x W_z + b_z +
+    s U_z + c_z), r = sigmoid(x W_r + b_r + s U_r + c_r), candidate = tanh(x W_h
+    + b_h + r * (s U_h + c_h)), s' = z * s + (1 - z) * candidate, with b the
+    input bias and c the recurrent bias (`bias[0]`, `bias[1]`).
+    """
+    kernel, recurrent = params[0], params[1]  # [G, E, 3U], [G, U, 3U]
+    bias = params[2] if len(params) > 2 else tf.zeros([tf.shape(kernel)[0], 2, tf.shape(kernel)[-1]], h.dtype)
+    units = recurrent.shape[1]
+    shape = tf.shape(h)
+    inputs = tf.matmul(tf.reshape(h, tf.stack([shape[0], -1, shape[-1]])), kernel) + bias[:, 0][:, tf.newaxis, :]
+    inputs = tf.reshape(inputs, tf.stack([shape[0], shape[1], shape[2], 3 * units]))
+    inputs = tf.transpose(inputs, [2, 0, 1, 3])  # [L, G, B, 3U]
+    recurrent_bias = bias[:, 1][:, tf.newaxis, :]
+
+    def step(state, projected):
+        x_z, x_r, x_h = tf.split(projected, 3, axis=-1)
+        s_z, s_r, s_h = tf.split(tf.matmul(state, recurrent) + recurrent_bias, 3, axis=-1)
+        z = tf.sigmoid(x_z + s_z)
+        r = tf.sigmoid(x_r + s_r)
+        candidate = tf.tanh(x_h + r * s_h)
+        return z * state + (1.0 - z) * candidate
+
+    initial = tf.zeros(tf.stack([shape[0], shape[1], units]), h.dtype)
+    outputs = tf.scan(step, inputs, initializer=initial)  # [L, G, B, U]
+    return tf.transpose(outputs, [1, 2, 0, 3])
 
 
 def _per_model(h, fn):
