@@ -13,22 +13,32 @@ file), `zero`/`accumulate`/`merge`/`report` to aggregate, and `update` on the
 server. `run_round_distribute_aggregate` does the same with the
 DistributeAggregateForm's five stages.
 
+`stage_clients_dir` is the device side of an export made from your own
+per-client files (`--dataset=clients:DIR`, docs/data.md): it prepares, from
+each device's own `<id>.npz` in the same layout, the files the client
+computations read, at the path baked into them.
+
 Command line (runs rounds over every client of the export):
 
     python -m deploy.loader --export_dir=DIR --state_dir=DIR [--rounds=N]
         [--form=map_reduce|distribute_aggregate] [--workers=host:port]
+        [--clients_dir=DIR]
 """
 
 import collections
+import filecmp
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 
 import tensorflow_federated as tff
 from tensorflow_federated.proto.v0 import computation_pb2
 
 from tff_pfl.computations import device_state
+from tff_pfl.data import client_data, natural, pipeline, sources
 
 MANIFEST = 'manifest.json'
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -147,6 +157,79 @@ class Export:
             return initial
         return device_state.load(device['state_file'], initial)
 
+    def stage_clients_dir(self, clients_dir: str, log=print) -> str:
+        """Prepares the client computations' files from per-client files in the `clients:DIR` layout.
+
+        The export must have been made from a `clients:` source. Each of
+        its clients is looked up in `clients_dir` by its source id, split
+        into train, validation and test exactly as the run that made the
+        export split it (`pipeline.natural_client_splits`: the seed and the
+        client's own id decide, not the other clients), and written in the
+        project's per-client layout at the export's `client_data_root`,
+        the path baked into the computations. Where that directory exists
+        already (the export's own machine), it is compared file by file
+        instead and left as it is.
+
+        Args:
+          clients_dir: a directory with `manifest.json` and one `<id>.npz`
+            per client (docs/data.md, "Your own per-client files").
+          log: receives one progress line.
+
+        Returns:
+          The client data root.
+
+        Raises:
+          ExportError: the export was not made from a `clients:` source, a
+            client is missing from `clients_dir` or unreadable, or its data
+            differ from those the export was made with.
+        """
+        config = self.manifest['config']
+        expected = self.manifest.get('client_data')
+        if not str(config.get('dataset', '')).startswith('clients:') or not expected:
+            raise ExportError(
+                f'--clients_dir: the export was made from {config.get("dataset")!r}, not from a clients:DIR source'
+            )
+        if expected.get('public_size'):
+            raise ExportError('--clients_dir: the export reads public examples, which a clients:DIR does not hold')
+        root = self.manifest['client_data_root']
+        try:
+            source = natural.load_clients_dir(clients_dir)
+            missing = sorted(set(expected['source_ids']) - set(source.client_ids))
+            if missing:
+                raise ExportError(f'--clients_dir: {clients_dir} has no client {missing[0]!r} ({len(missing)} missing)')
+            parent = os.path.dirname(os.path.abspath(root))
+            os.makedirs(parent, exist_ok=True)
+            scratch = tempfile.mkdtemp(prefix='.staged.', dir=parent)
+            staged = os.path.join(scratch, 'client_data')
+            try:
+                with client_data.ClientDataWriter(
+                    staged,
+                    feature_shape=expected['feature_shape'],
+                    encoding=expected['feature_encoding'],
+                    label_shape=expected.get('label_shape', ()),
+                ) as writer:
+                    for source_id in expected['source_ids']:
+                        splits = pipeline.natural_client_splits(
+                            source, source_id, seed=config['seed'], split_fractions=config['split_fractions']
+                        )
+                        writer.add_client(splits, source_id=source_id)
+                    writer.finish(expected['num_classes'])
+                if client_data.load_client_data_manifest(staged) != expected:
+                    raise ExportError(
+                        f'--clients_dir: {clients_dir} gives other clients, shapes or split sizes than the export '
+                        'was made with'
+                    )
+                if os.path.exists(root):
+                    _compare_client_data(staged, root, expected, clients_dir)
+                else:
+                    os.rename(staged, root)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        except (sources.DataError, ValueError, OSError) as e:
+            raise ExportError(f'--clients_dir: {e}') from None
+        log(f'client data of {len(expected["source_ids"])} devices from {clients_dir}: {root}')
+        return root
+
     def _require(self, forms, name):
         if not forms:
             reason = self.manifest['forms'].get(name, {}).get('reason', 'not exported')
@@ -219,6 +302,20 @@ class Export:
         return state, metrics
 
 
+def _compare_client_data(staged: str, root: str, expected: dict, clients_dir: str) -> None:
+    """Raises ExportError where `root`'s per-client files differ from `staged`'s."""
+    for client_id, source_id in zip(expected['client_ids'], expected['source_ids']):
+        for split in client_data.SPLITS:
+            for suffix in ('x.bin', 'y.i32'):
+                name = os.path.join(client_id, f'{split}_{suffix}')
+                there = os.path.join(root, name)
+                if not os.path.exists(there) or not filecmp.cmp(os.path.join(staged, name), there, shallow=False):
+                    raise ExportError(
+                        f'--clients_dir: client {source_id!r} of {clients_dir} differs from the data the export '
+                        f'was made with ({there})'
+                    )
+
+
 def _distribute_and_work(form):
     """`server_to_client_broadcast` then `client_work`, in one invocation.
 
@@ -270,6 +367,11 @@ def main(argv=None) -> int:
     parser.add_argument('--rounds', type=int, default=1)
     parser.add_argument('--form', choices=('map_reduce', 'distribute_aggregate'), default='map_reduce')
     parser.add_argument('--workers', default='', help='host:port of a TFF worker; default: a local one')
+    parser.add_argument(
+        '--clients_dir',
+        default='',
+        help='per-client files in the clients:DIR layout to prepare the client data from (exports of clients: sources)',
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f'--rounds must be >= 1, got {args.rounds}')
@@ -281,6 +383,8 @@ def main(argv=None) -> int:
         runtime.isolate_network('deploy.loader', ['-m', 'deploy.loader', *(sys.argv[1:] if argv is None else argv)])
     try:
         export = Export(args.export_dir)
+        if args.clients_dir:
+            export.stage_clients_dir(args.clients_dir)
     except ExportError as e:
         print(f'deploy.loader: error: {e}', file=sys.stderr)
         return 2

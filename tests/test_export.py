@@ -325,3 +325,79 @@ def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
     with pytest.raises(experiment.ConfigError, match='personal_layers=1 leaves no shared layer'):
         export.export(config, log=lambda line: None)
     assert not (tmp_path / 'out').exists()
+
+
+def _devices_dir(root, clients):
+    """Per-client files in the clients:DIR layout (docs/data.md)."""
+    root.mkdir()
+    for name, arrays in clients.items():
+        np.savez(root / f'{name}.npz', **arrays)
+    (root / 'manifest.json').write_text(json.dumps({'format': 'npz', 'num_classes': 3}))
+    return root
+
+
+def test_devices_prepare_their_client_data_from_the_clients_dir_layout(tmp_path):
+    """An export of a clients: source runs where only the per-client files are: the loader rebuilds what it reads."""
+    rng = np.random.default_rng(3)
+    clients = {
+        name: dict(
+            x_train=rng.random((n, 6)).astype(np.float32),
+            y_train=rng.integers(0, 3, n),
+            x_test=rng.random((4, 6)).astype(np.float32),
+            y_test=rng.integers(0, 3, 4),
+        )
+        for name, n in (('ann', 9), ('ben', 6), ('cai', 12), ('dee', 7))
+    }
+    devices = _devices_dir(tmp_path / 'devices', clients)
+    config = experiment.make_config(
+        output_dir=str(tmp_path / 'export'),
+        algorithm='fedavg',
+        dataset=f'clients:{devices}',
+        num_clients=3,
+        model='logistic',
+        batch_size=4,
+        seed=5,
+    )
+    manifest = export.export(config, log=lambda line: None)
+    root = manifest['client_data_root']
+    assert manifest['client_data']['source_ids'] == ['ann', 'cai', 'dee']  # the seeded subset of 3
+    original = {p: open(os.path.join(dirpath, p), 'rb').read() for dirpath, _, files in os.walk(root) for p in files}
+    # Same machine: the files are there and equal what the devices give.
+    exported = loader.Export(str(tmp_path / 'export'))
+    assert exported.stage_clients_dir(str(devices), log=lambda line: None) == root
+    # A worker that holds only the exported clients' files, elsewhere, and not the export's client data.
+    only_mine = _devices_dir(tmp_path / 'elsewhere', {k: clients[k] for k in ('ann', 'cai', 'dee')})
+    os.rename(root, str(tmp_path / 'moved'))
+    result = _run(
+        '-m',
+        'deploy.loader',
+        f'--export_dir={tmp_path / "export"}',
+        f'--state_dir={tmp_path}/s',
+        f'--clients_dir={only_mine}',
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].startswith('round 1/1')
+    rebuilt = {p: open(os.path.join(dirpath, p), 'rb').read() for dirpath, _, files in os.walk(root) for p in files}
+    assert rebuilt == original
+    # A device whose data differ from the export's, a missing device, an export of another source: one line each.
+    clients['cai']['y_train'] = (clients['cai']['y_train'] + 1) % 3
+    changed = _devices_dir(tmp_path / 'changed', clients)
+    with pytest.raises(loader.ExportError, match="client 'cai' of .* differs from the data the export was made with"):
+        exported.stage_clients_dir(str(changed), log=lambda line: None)
+    partial = _devices_dir(tmp_path / 'partial', {'ann': clients['ann']})
+    result = _run(
+        '-m',
+        'deploy.loader',
+        f'--export_dir={tmp_path / "export"}',
+        f'--state_dir={tmp_path}/t',
+        f'--clients_dir={partial}',
+    )
+    assert result.returncode == 2 and result.stderr.strip().count('\n') == 0, result.stderr
+    assert "has no client 'cai' (2 missing)" in result.stderr
+    assert not (tmp_path / 't').exists()
+    assert not [p for p in os.listdir(tmp_path / 'export') if p.startswith('.')]  # no scratch left behind
+
+
+def test_clients_dir_staging_refuses_an_export_of_another_source(exports):
+    with pytest.raises(loader.ExportError, match="made from 'synthetic', not from a clients:DIR source"):
+        loader.Export(exports['fedavg'][0]).stage_clients_dir('/nonexistent', log=lambda line: None)

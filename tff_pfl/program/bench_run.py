@@ -282,10 +282,17 @@ def publish_results(
 
 def _check_data(suite: bench_suite.Suite, runs: Sequence[bench_suite.Run]) -> None:
     """Data files named by the selected runs exist (cheap; before anything is written)."""
+    from tff_pfl.data import natural
+
     for run in runs:
-        dataset = suite.config(run.partition, run.algorithm, run.seed).dataset
+        config = suite.config(run.partition, run.algorithm, run.seed)
+        dataset = config.dataset
         kind, _, arg = dataset.partition(':')
-        path = arg if kind in ('npz', 'folder') else (dataset if dataset.endswith('.npz') else None)
+        path = arg if kind in ('npz', 'folder', 'clients') else (dataset if dataset.endswith('.npz') else None)
+        if kind == 'sqlite':
+            path = natural.parse_sqlite_spec(arg)[0]
+        elif kind == 'tff' and arg in natural.TFF_DATASETS and not config.download:
+            path = natural.tff_cache_file(arg, config.data_dir)
         if path is not None and not os.path.exists(path):
             raise bench_suite.SuiteError(
                 f'{suite.path}: dataset {dataset!r} of partitions "{run.partition.name}": '

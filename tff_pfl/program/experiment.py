@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from tff_pfl import models, runtime
 from tff_pfl import settings as settings_lib
+from tff_pfl.data import natural
 from tff_pfl.program import algorithms, checkpoints, reports, training_loop
 
 
@@ -76,9 +77,14 @@ class ExperimentConfig(settings_lib.Settings):
     output_dir: str
     algorithm: str = _setting('fedavg', 'Algorithm to run: ' + ', '.join(algorithms.names()) + '.')
     # Data.
-    dataset: str = _setting('synthetic', 'synthetic[:alpha,beta] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH.')
-    data_dir: str | None = _setting(None, 'TFDS data directory.')
-    download: bool = _setting(False, 'Let TFDS download the dataset.')
+    dataset: str = _setting(
+        'synthetic',
+        'synthetic[:alpha,beta] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH; naturally federated: '
+        'tff:NAME (shakespeare, emnist, emnist_digits, cifar100) | sqlite:PATH[#TRAIN,TEST] | clients:DIR '
+        '(docs/data.md).',
+    )
+    data_dir: str | None = _setting(None, "TFDS data directory; TFF's cache directory for tff: datasets.")
+    download: bool = _setting(False, 'Let TFDS (tfds:) or TFF (tff:) download the dataset.')
     partition: str = _setting('natural', ' | '.join(PARTITIONS) + ' (docs/data.md).')
     num_clients: int = _setting(30, 'Number of clients.')
     classes_per_client: int | None = _setting(
@@ -188,13 +194,16 @@ class ExperimentConfig(settings_lib.Settings):
         """The model to use: the explicit one, else the dataset's (and algorithm's) default.
 
         Returns:
-          A `tff_pfl.models` registry name: `model` if set; else the
-          algorithm's default for the dataset, if it has one; else
-          `mnist_dnn` for `.npz` data, the `DEFAULT_MODELS` entry of the
-          dataset, or `persfl_cnn`.
+          A `tff_pfl.models` registry name: `model` if set; else, for a
+          naturally federated source, `natural.default_model` (`char_gru`
+          for text); else the algorithm's default for the dataset, if it has
+          one; else `mnist_dnn` for `.npz` data, the `DEFAULT_MODELS` entry
+          of the dataset, or `persfl_cnn`.
         """
         if self.model:
             return self.model
+        if natural.is_natural(self.dataset):
+            return natural.default_model(self.dataset) or 'persfl_cnn'
         base = self.dataset.split(':', 1)[-1] if self.dataset.startswith('tfds:') else self.dataset
         base = base.split(':', 1)[0]
         if base.endswith('.npz') or base == 'npz':
@@ -457,7 +466,7 @@ def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] =
     log(
         f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
-        f'{sum(spec.split_sizes["test"])}'
+        f'{sum(spec.split_sizes["test"])}' + (f' ({prepared.note})' if prepared.note else '')
     )
     return spec, process
 
@@ -633,8 +642,11 @@ def run_experiment(
 
 def _write_partition_summary(out, spec, histogram) -> None:
     rows = []
-    for client_id, counts in zip(spec.client_ids, histogram):
+    source_ids = spec.source_ids or (None,) * spec.num_clients
+    for client_id, source_id, counts in zip(spec.client_ids, source_ids, histogram):
         row = collections.OrderedDict(client_id=client_id)
+        if source_id is not None:
+            row['source_id'] = source_id  # the client's own id in a naturally federated source
         for split in ('train', 'val', 'test'):
             row[f'{split}_examples'] = spec.sizes(split)[client_id]
         row.update((f'class_{c}', int(n)) for c, n in enumerate(counts))

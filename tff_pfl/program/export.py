@@ -37,6 +37,7 @@ from importlib import metadata
 
 import tensorflow_federated as tff
 
+from tff_pfl.data import client_data
 from tff_pfl.program import algorithms, experiment
 
 MANIFEST = 'manifest.json'
@@ -161,6 +162,9 @@ def _export_into(out, config, spec, process, log) -> collections.OrderedDict:
         versions=_versions(),
         client_data_root=spec.root,
         client_ids=list(spec.client_ids),
+        # What the client computations read, for a device that prepares its own files
+        # (`deploy/loader.py --clients_dir`): the client data's own manifest.
+        client_data=client_data.load_client_data_manifest(spec.root),
         device_state=process.device is not None,
         # The round's phases, in order (device form): `computations/<phase>.pb`.
         phases=list(process.device.phases) if process.device is not None else [],
