@@ -4,7 +4,10 @@
 `<repo>/runs/notebooks`). `MNIST` is an `.npz` in Keras layout (`x_train`,
 `y_train`, `x_test`, `y_test`): `TFF_PFL_MNIST` if set, else
 `<repo>/../shared/data/mnist.npz`, else a copy fetched once through
-`tf.keras.datasets.mnist` into `RUNS`.
+`tf.keras.datasets.mnist` into `RUNS`. `shakespeare_cache()` is a directory
+holding TFF's `shakespeare.sqlite`: `TFF_PFL_TFF_CACHE` if set, else
+`<repo>/../shared/data/tff`, else TFF's default cache `~/.tff`, where TFF's
+loader downloads it the first time.
 """
 
 import csv
@@ -38,6 +41,27 @@ def mnist_npz() -> pathlib.Path:
         fetched.parent.mkdir(parents=True, exist_ok=True)
         np.savez_compressed(fetched, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
     return fetched
+
+
+def shakespeare_cache() -> pathlib.Path:
+    """Returns a directory for TFF's Shakespeare loader (`cache_dir`), downloading the file once if needed.
+
+    Returns:
+      `TFF_PFL_TFF_CACHE`, or `<repo>/../shared/data/tff` when it holds
+      `shakespeare.sqlite`, or `~/.tff` (TFF's loader fetches the file there,
+      which needs the network, the first time).
+    """
+    if 'TFF_PFL_TFF_CACHE' in os.environ:
+        return pathlib.Path(os.environ['TFF_PFL_TFF_CACHE'])
+    shared = REPO.parent / 'shared' / 'data' / 'tff'
+    if (shared / 'shakespeare.sqlite').exists():
+        return shared
+    cache = pathlib.Path.home() / '.tff'
+    if not (cache / 'shakespeare.sqlite').exists():
+        import tensorflow_federated as tff  # pylint: disable=g-import-not-at-top
+
+        tff.simulation.datasets.shakespeare.load_data(cache_dir=str(cache))
+    return cache
 
 
 def read_csv(path) -> list[dict]:

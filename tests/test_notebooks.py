@@ -16,9 +16,9 @@ NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / 'notebooks'
 PATHS = sorted(NOTEBOOKS.glob('*.ipynb'))
 
 
-def test_there_is_a_tour_and_one_notebook_per_algorithm():
+def test_there_is_a_tour_one_notebook_per_algorithm_and_shakespeare():
     names = [p.stem for p in PATHS]
-    assert names == ['00_tour', '01_persfl', '02_selffl', '03_ktpfl', '04_kdpdfl']
+    assert names == ['00_tour', '01_persfl', '02_selffl', '03_ktpfl', '04_kdpdfl', '05_shakespeare']
 
 
 @pytest.mark.parametrize('path', PATHS, ids=[p.stem for p in PATHS])
