@@ -521,6 +521,19 @@ def test_outputs_equal_an_independent_recomputation(tiny_run):
             assert avg.split('|')[index].strip() == f'{np.mean(means):.2f}'
             std = next(line for line in report.splitlines() if line.startswith('| Std Dev |'))
             assert std.split('|')[index].strip() == f'{np.mean(stds):.2f}'
+            # Seconds per round: the median of the runs' training rounds (metrics.csv), mean over seeds.
+            medians = [
+                np.median(
+                    [
+                        float(r['round_seconds'])
+                        for r in _read_csv(
+                            os.path.join(out, 'runs', partition.slug, algorithm.slug, f'seed{seed}', 'metrics.csv')
+                        )
+                    ]
+                )
+                for seed in suite.seeds
+            ]
+            assert float(row['seconds_per_round']) == pytest.approx(np.mean(medians), rel=1e-4)
     # Columns grouped by algorithm, then partition, as in the paper's Table 3.
     assert '|  | FedAvg natural | FedAvg IID | PersFL natural | PersFL IID |' in report
     # Ours vs the paper, with the difference.
@@ -673,7 +686,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     # The same numbers as the benchmark that ran everything in one directory.
     for name in ('results.csv', 'summary.csv'):
         mine, theirs = _read_csv(os.path.join(results, name)), _read_csv(os.path.join(out, name))
-        drop = {'minutes_per_run'}
+        drop = {'minutes_per_run', 'seconds_per_round'}  # timings differ from run to run
         assert [{k: v for k, v in r.items() if k not in drop} for r in mine] == [
             {k: v for k, v in r.items() if k not in drop} for r in theirs
         ]

@@ -225,6 +225,7 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
                     bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
                     minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
+                    seconds_per_round=_mean(r.get('seconds_per_round') for r in mine),
                     per_client=per_client,
                 )
             )
@@ -549,6 +550,7 @@ def render_report(
                 if row['bytes_up_per_client'] is None
                 else f'{row["bytes_up_per_client"] / 1e6:.3f}',
                 'minutes / run': f'{row["minutes_per_run"]:.2f}',
+                's / round': '' if row['seconds_per_round'] is None else f'{row["seconds_per_round"]:.2f}',
             }
         )
     columns = [
@@ -562,6 +564,7 @@ def render_report(
         'MB down / client',
         'MB up / client',
         'minutes / run',
+        's / round',
     ]
     lines += [reports.markdown_table(cost, columns), '']
     lines += [

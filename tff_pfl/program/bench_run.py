@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -473,6 +474,8 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         seed=run.seed,
         model=model,
         seconds=seconds,
+        # A training round's wall time, the median over rounds (evaluation and personalization apart).
+        seconds_per_round=statistics.median(float(row['round_seconds']) for row in result.rounds),
         rounds=config.rounds,
         final_round=int(result.rounds[-1]['round']),
         summary={name: {k: float(v) for k, v in s.items()} for name, s in result.summary.items()},
