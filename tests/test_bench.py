@@ -777,3 +777,28 @@ def test_binary(tiny_run, tmp_path):
             return text.split('## Test accuracy per client')[1].split('## Commands')[0]
 
         assert section(f.read()) == section(g.read())
+
+
+def test_client_lift_by_hand():
+    """benchmarks/client_lift.py: per-client differences to a baseline, on the same client and seed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('client_lift', os.path.join(REPO, 'benchmarks', 'client_lift.py'))
+    client_lift = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(client_lift)
+
+    def row(algorithm, seed, client, accuracy):
+        return dict(partition='p', algorithm=algorithm, seed=str(seed), client_id=client, accuracy=str(accuracy))
+
+    rows = [row('FedAvg', 0, f'c{i}', a) for i, a in enumerate([0.5, 0.2, 0.9])]
+    rows += [row('FedAvg', 1, f'c{i}', a) for i, a in enumerate([0.4, 0.3, 0.8])]
+    rows += [row('Mine', 0, f'c{i}', a) for i, a in enumerate([0.6, 0.2, 0.7])]
+    rows += [row('Mine', 1, f'c{i}', a) for i, a in enumerate([0.5, 0.6, 0.8])]
+    (result,) = client_lift.lift(rows, 'FedAvg')
+    np.testing.assert_allclose(result['differences'], [10, 0, -20, 10, 30, 0], atol=1e-9)
+    assert (result['clients'], result['above'], result['equal'], result['below']) == (6, 0.5, 2 / 6, 1 / 6)
+    assert result['mean'] == pytest.approx(30 / 6) and result['median'] == pytest.approx(5)
+    # FedAvg's worst 10 % of its 6 (client, seed) pairs: ceil(0.6) = 1, client c1 of seed 0 (20 %): Mine +0.
+    assert result['worst_10_of_baseline'] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="'Other' has no results in partition 'p'"):
+        client_lift.lift(rows, 'Other')
