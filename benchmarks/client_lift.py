@@ -15,6 +15,7 @@ on the baseline's worst 10 % of clients (where personalization is meant to help 
         --out=benchmarks/results/shakespeare_suite/lift
 """
 
+import argparse
 import collections
 import csv
 import json
@@ -22,13 +23,8 @@ import math
 import statistics
 
 import numpy as np
-from absl import app, flags
 
 from tff_pfl.program import reports
-
-_RESULTS = flags.DEFINE_string('results', None, "A suite's results.csv.", required=True)
-_BASELINE = flags.DEFINE_string('baseline', 'FedAvg', 'The algorithm (suite name) to compare with.')
-_OUT = flags.DEFINE_string('out', None, 'Output path prefix (.md, .json, .png).', required=True)
 
 
 def lift(rows: list[dict], baseline: str) -> list[dict]:
@@ -77,11 +73,16 @@ def lift(rows: list[dict], baseline: str) -> list[dict]:
     return out
 
 
-def main(argv):
-    del argv
-    with open(_RESULTS.value, newline='') as f:
+def main(argv=None) -> None:
+    """The command line (argparse: importing this module defines no absl flags)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--results', required=True, help="a suite's results.csv")
+    parser.add_argument('--baseline', default='FedAvg', help='the algorithm (suite name) to compare with')
+    parser.add_argument('--out', required=True, help='output path prefix (.md, .json, .png)')
+    args = parser.parse_args(argv)
+    with open(args.results, newline='') as f:
         rows = list(csv.DictReader(f))
-    table = lift(rows, _BASELINE.value)
+    table = lift(rows, args.baseline)
     columns = ['partition', 'algorithm', 'clients', 'mean', 'median', 'above', 'equal', 'below', 'worst 10 %']
     shown = [
         {
@@ -99,35 +100,35 @@ def main(argv):
     ]
     text = '\n'.join(
         [
-            f'# Per-client accuracy against {_BASELINE.value}',
+            f'# Per-client accuracy against {args.baseline}',
             '',
-            f'From `{_RESULTS.value}`; command: `uv run --locked python benchmarks/client_lift.py '
-            f'--results={_RESULTS.value} --baseline={_BASELINE.value} --out={_OUT.value}`.',
+            f'From `{args.results}`; command: `uv run --locked python benchmarks/client_lift.py '
+            f'--results={args.results} --baseline={args.baseline} --out={args.out}`.',
             '',
-            f"Each client's test accuracy minus {_BASELINE.value}'s on the same client and seed, in percentage",
+            f"Each client's test accuracy minus {args.baseline}'s on the same client and seed, in percentage",
             f'points: mean and median over clients (and seeds); the share of clients above, equal to and below '
-            f'{_BASELINE.value}; worst 10 %: the mean difference on the 10 % of clients where {_BASELINE.value} '
+            f'{args.baseline}; worst 10 %: the mean difference on the 10 % of clients where {args.baseline} '
             'scores lowest.',
             '',
             reports.markdown_table(shown, columns),
             '',
-            f'![differences]({_OUT.value.rsplit("/", 1)[-1]}.png)',
+            f'![differences]({args.out.rsplit("/", 1)[-1]}.png)',
             '',
         ]
     )
-    reports.write_text_atomic(_OUT.value + '.md', text)
-    reports.write_text_atomic(_OUT.value + '.json', json.dumps(table, indent=1) + '\n')
+    reports.write_text_atomic(args.out + '.md', text)
+    reports.write_text_atomic(args.out + '.json', json.dumps(table, indent=1) + '\n')
     series = collections.OrderedDict((f'{row["algorithm"]} ({row["partition"]})', row['differences']) for row in table)
     longest = max(len(v) for v in series.values())
     series = {k: v for k, v in series.items() if len(v) == longest}
     reports.plot_client_bars(
         [str(i) for i in range(longest)],
         series,
-        _OUT.value + '.png',
-        f'test accuracy minus {_BASELINE.value} on the same client (percentage points)',
+        args.out + '.png',
+        f'test accuracy minus {args.baseline} on the same client (percentage points)',
         'difference (points)',
     )
 
 
 if __name__ == '__main__':
-    app.run(main)
+    main()
