@@ -67,7 +67,7 @@ def test_losses_and_accuracy_count_only_scored_positions():
     y[0, 3:] = IGNORED
     y[2, 1] = IGNORED
     expected, counted = _numpy_masked_cross_entropy(logits, y)
-    got = local_training.mean_cross_entropy(tf.constant(logits), tf.constant(y))
+    got = losses.hard_cross_entropy(tf.constant(logits), tf.constant(y))
     assert got.numpy() == pytest.approx(expected, rel=1e-5)
     assert client_data.count_labels(tf.constant(y)).numpy() == counted == 12
     stats = local_training.batch_stats(got, tf.constant(logits), tf.constant(y), client_data.count_labels(y))
@@ -86,7 +86,7 @@ def test_losses_and_accuracy_count_only_scored_positions():
     # Classification labels keep the plain batch mean.
     flat_logits, flat_y = logits[:, 0], np.maximum(y[:, 0], 0)
     plain = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=flat_y, logits=flat_logits))
-    assert local_training.mean_cross_entropy(tf.constant(flat_logits), tf.constant(flat_y)).numpy() == plain.numpy()
+    assert losses.hard_cross_entropy(tf.constant(flat_logits), tf.constant(flat_y)).numpy() == plain.numpy()
 
 
 def _random_weights(model, rng):
@@ -129,7 +129,7 @@ def test_grid_accuracy_counts_scored_characters():
     correct = distillation._stacked_accuracy(stacked.plan(model), weights, val, batch_size=12).numpy()
     expected = ((predicted == y) & (y != IGNORED)).sum()
     np.testing.assert_array_equal(correct, [expected, expected])
-    assert distillation._scored(val).numpy() == 36
+    assert client_data.count_labels(val.labels).numpy() == 36
 
 
 def test_generate_follows_the_model():

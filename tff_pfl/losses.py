@@ -30,7 +30,7 @@ def _mean_over_positions(values, labels):
     if labels.shape.rank == 1:
         return tf.reduce_mean(values, axis=-1)
     counted = tf.cast(tf.not_equal(labels, client_data.IGNORED_LABEL), values.dtype)
-    total = tf.maximum(tf.reduce_sum(counted), 1.0)
+    total = tf.maximum(client_data.count_labels(labels), 1.0)
     return tf.reduce_sum(values * counted, axis=list(range(-labels.shape.rank, 0))) / total
 
 

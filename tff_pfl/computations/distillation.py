@@ -62,13 +62,6 @@ def grid_candidates(temperatures: Sequence[float], imitations: Sequence[float]) 
     return candidates
 
 
-def _scored(data: client_data.ClientSplit) -> tf.Tensor:
-    """How many predictions a split scores: its examples, or its labels that count (sequences)."""
-    if data.labels.shape.rank == 1:
-        return tf.cast(data.num_examples, tf.float32)
-    return client_data.count_labels(data.labels)
-
-
 def _stacked_accuracy(layers, weights, data: client_data.ClientSplit, batch_size=1000):
     """Per-candidate number of correct predictions on a whole split, [G]."""
     if data.labels.shape.rank > 1:  # sequences: as many positions per pass as `batch_size` examples
@@ -144,7 +137,7 @@ def distill_grid(
     result = tf.while_loop(lambda step, *_: step < total_steps, body, (tf.constant(0),) + tuple(students))
     trained = list(result[1:])
     correct = _stacked_accuracy(layers, trained, val)
-    val_accuracy = correct / tf.maximum(_scored(val), 1.0)
+    val_accuracy = correct / tf.maximum(client_data.count_labels(val.labels), 1.0)
     best = tf.argmax(val_accuracy, output_type=tf.int32)  # first maximum on ties
     return GridResult(trained, val_accuracy, best)
 

@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import models, settings
+from tff_pfl import losses, models, settings
 from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
@@ -128,36 +128,20 @@ def cross_entropy_sum(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(losses * counted)
 
 
-def mean_cross_entropy(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    """Mean sparse softmax cross-entropy over the labels that count (TF code).
-
-    Args:
-      logits: `[B, C]`, or `[B, L, C]` for one label per position.
-      y: int32 labels `[B]`, or `[B, L]` (`client_data.IGNORED_LABEL` where
-        a position does not count).
-
-    Returns:
-      A float32 scalar: the mean over examples, or over counted positions.
-    """
-    if y.shape.rank == 1:
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    return cross_entropy_sum(logits, y) / tf.maximum(client_data.count_labels(y), 1.0)
-
-
 def supervised_loss(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
     """Mean sparse softmax cross-entropy of the model's logits; the default loss.
 
     Args:
       model: the Keras model (called in training mode).
       x: a batch of features `[B, ...]`.
-      y: the batch's int32 labels `[B]` (or `[B, L]`, see `mean_cross_entropy`).
+      y: the batch's int32 labels `[B]` (or `[B, L]`, see `losses.hard_cross_entropy`).
 
     Returns:
       `(loss, logits)`: the scalar mean loss and the `[B, num_classes]`
       (or `[B, L, num_classes]`) logits.
     """
     logits = model(x, training=True)
-    return mean_cross_entropy(logits, y), logits
+    return losses.hard_cross_entropy(logits, y), logits
 
 
 def dense_gradients(tape: tf.GradientTape, loss: tf.Tensor, variables) -> list[tf.Tensor]:
@@ -232,8 +216,7 @@ def batch_stream(data: client_data.ClientSplit, *, epochs, batch_size, seed: tf.
         start = (index % batches_per_epoch) * batch_size
         stop = tf.minimum(start + batch_size, num_examples)
         x, y = data.gather(permutations[epoch, start:stop])
-        n = tf.cast(stop - start, tf.float32) if y.shape.rank == 1 else client_data.count_labels(y)
-        return x, y, n
+        return x, y, client_data.count_labels(y)
 
     return batches_per_epoch, batch
 
@@ -447,8 +430,7 @@ def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: i
         _, loss_sum, num_correct = tf.while_loop(
             lambda start, *_: start < num_examples, body, (tf.constant(0), zero, zero)
         )
-        counted = tf.cast(num_examples, tf.float32) if labels.shape.rank == 1 else client_data.count_labels(labels)
-        return Stats(loss_sum, num_correct, counted)
+        return Stats(loss_sum, num_correct, client_data.count_labels(labels))
 
     return loop(data.features, data.labels)
 

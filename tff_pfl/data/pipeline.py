@@ -94,19 +94,9 @@ def prepare(
     labels = pool.y
     x, y = pool.x, pool.y
     if public_examples and public_dataset:
-        other = sources.load_source(public_dataset, data_dir=data_dir, download=download, seed=seed)
-        if other.x.shape[1:] != pool.x.shape[1:]:
-            raise sources.DataError(
-                f"public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients'"
-                f' {pool.x.shape[1:]}'
-            )
-        if public_examples > len(other.y):
-            raise partition.PartitionError(
-                f'public_examples ({public_examples}) exceeds the public dataset ({len(other.y)})'
-            )
-        drawn = np.sort(np.random.default_rng([seed, 0x9B]).permutation(len(other.y))[:public_examples])
+        drawn = _public_from(public_dataset, pool.x.shape[1:], public_examples, seed, data_dir, download)
         # Stored after the clients' pool; their labels are never written.
-        x = np.concatenate([pool.x, other.x[drawn]])
+        x = np.concatenate([pool.x, drawn])
         y = np.concatenate([pool.y, np.zeros(public_examples, pool.y.dtype)])
         public = np.arange(len(pool.y), len(y))
     elif public_examples:
@@ -147,6 +137,26 @@ def prepare(
     spec = client_data.write_client_data(root, x, y, pool.num_classes, splits, public_indices=public)
     histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
     return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)
+
+
+def _public_from(
+    public_dataset: str, feature_shape: Sequence[int], count: int, seed: int, data_dir, download
+) -> np.ndarray:
+    """`count` examples drawn (seeded, uniformly, kept in order) from `public_dataset`'s pool.
+
+    Raises:
+      sources.DataError: its examples are not of `feature_shape`.
+      partition.PartitionError: it has fewer than `count` examples.
+    """
+    other = sources.load_source(public_dataset, data_dir=data_dir, download=download, seed=seed)
+    if other.x.shape[1:] != tuple(feature_shape):
+        raise sources.DataError(
+            f"public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients' "
+            f'{tuple(feature_shape)}'
+        )
+    if count > len(other.y):
+        raise partition.PartitionError(f'public_examples ({count}) exceeds the public dataset ({len(other.y)})')
+    return other.x[np.sort(np.random.default_rng([seed, 0x9B]).permutation(len(other.y))[:count])]
 
 
 def prepare_natural(
@@ -223,17 +233,7 @@ def prepare_natural(
                 f"{source.name} is naturally federated and gives no examples away: take the algorithm's public "
                 'data from --public_dataset'
             )
-        other = sources.load_source(public_dataset, data_dir=data_dir, download=download, seed=seed)
-        if source.task != 'classification' or other.x.shape[1:] != tuple(source.feature_shape):
-            raise sources.DataError(
-                f"public dataset {other.name!r} has examples of shape {other.x.shape[1:]}, the clients' "
-                f'{tuple(source.feature_shape)}'
-            )
-        if public_examples > len(other.y):
-            raise partition.PartitionError(
-                f'public_examples ({public_examples}) exceeds the public dataset ({len(other.y)})'
-            )
-        public = other.x[np.sort(np.random.default_rng([seed, 0x9B]).permutation(len(other.y))[:public_examples])]
+        public = _public_from(public_dataset, source.feature_shape, public_examples, seed, data_dir, download)
     rng = np.random.default_rng([seed, 0x5A])
     chosen = np.sort(rng.choice(available, size=num_clients, replace=False))
     histogram = []
