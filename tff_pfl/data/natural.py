@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from tff_pfl.data import client_data, text
+from tff_pfl.data import client_data, sources, text
 from tff_pfl.data.sources import DataError
 
 # TFF's datasets: the cached file, the split names in it, the task.
@@ -562,18 +562,12 @@ def _npz_client(root: str, client: str, task: str, num_classes: int | None):
                     raise DataError(f'{where}: {keys[0]} must be a 1-D array of strings')
                 out[split] = text.snippet_examples(snippets.tolist())
                 continue
-            x, y = archive[keys[0]], archive[keys[1]]
-            if not np.issubdtype(x.dtype, np.number) or x.ndim < 2:
-                raise DataError(f'{where}: x_{split} must be numeric of shape [n, ...], got {x.dtype} {x.shape}')
+            x = sources.as_features(archive[keys[0]], f'{where}: x_{split}')
+            y = archive[keys[1]]
             if not np.issubdtype(y.dtype, np.integer) or y.shape != (len(x),):
                 raise DataError(f'{where}: y_{split} must be {len(x)} integer labels, got {y.dtype} {y.shape}')
             if len(y) and (y.min() < 0 or y.max() >= num_classes):
                 raise DataError(f'{where}: label {int(y.max() if y.max() >= num_classes else y.min())} out of range')
-            x = x.astype(np.float32) / np.float32(255.0) if x.dtype == np.uint8 else x.astype(np.float32)
-            if x.ndim == 3:
-                x = x[..., np.newaxis]
-            if not np.isfinite(x).all():
-                raise DataError(f'{where}: x_{split} holds NaN or infinite values')
             out[split] = (x, y.astype(np.int32))
     return out
 

@@ -54,7 +54,7 @@ def _one_line(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + '...'
 
 
-def _as_features(x: np.ndarray, what: str) -> np.ndarray:
+def as_features(x: np.ndarray, what: str) -> np.ndarray:
     """Converts raw features to float32, scaling uint8 images to `[0, 1]`.
 
     Args:
@@ -130,7 +130,7 @@ def _pool_splits(
     for split, x, y in splits:
         if x.size == 0 or y.size == 0:
             raise DataError(f'{name}: split {split!r} is empty')
-        x = _as_features(x, f'{name}: x_{split}')
+        x = as_features(x, f'{name}: x_{split}')
         y = _as_labels(y, f'{name}: y_{split}')
         if len(x) != len(y):
             raise DataError(f'{name}: x_{split} has {len(x)} examples but y_{split} has {len(y)}')
