@@ -1,6 +1,7 @@
 """tff-pfl-bench: suites, resume and split, the aggregated report, communication bytes."""
 
 import csv
+import dataclasses
 import functools
 import json
 import os
@@ -15,7 +16,7 @@ from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_report, bench_run, bench_suite
+from tff_pfl.program import bench_report, bench_run, bench_suite, experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -603,6 +604,47 @@ def test_incomplete_run_is_redone_and_others_are_not(tiny_run, tmp_path):
     assert not os.path.exists(os.path.join(redo.directory(out), 'stale'))
     assert os.path.exists(os.path.join(redo.directory(out), bench_run.RESULT_FILE))
     assert before == {r.label: _result_state(r.directory(out)) for r in suite.runs() if r != redo}
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(tiny_run, tmp_path, monkeypatch):
+    suite = tiny_run['suite']
+    out = str(tmp_path / 'copy')
+    shutil.copytree(tiny_run['out'], out)
+    run = suite.select(seeds=[1], algorithms=['PersFL'], partitions=['IID'])[0]
+    shutil.rmtree(run.directory(out))
+    write_progress = bench_run._RunLog.__call__
+
+    def interrupting(self, line):  # the run stops right after round 1 and its checkpoint
+        write_progress(self, line)
+        if line.startswith('round 1/2'):
+            raise _Interrupted
+
+    monkeypatch.setattr(bench_run._RunLog, '__call__', interrupting)
+    with pytest.raises(_Interrupted):
+        bench_run.run_suite(suite, out, seeds=[1], algorithms=['PersFL'], partitions=['IID'], checkpoint_every=1)
+    monkeypatch.undo()
+    config = bench_run.run_config(suite, out, run, checkpoint_every=1)
+    assert experiment.resumable_round(config) == 1
+    # Where and how often it checkpoints may change; what it computes may not.
+    assert experiment.resumable_round(dataclasses.replace(config, checkpoint_every=7)) == 1
+    assert experiment.resumable_round(dataclasses.replace(config, rounds=3)) is None
+    lines = []
+    bench_run.run_suite(suite, out, checkpoint_every=1, log=lines.append)
+    assert lines[0] == 'tiny: 8 runs selected, 7 already complete, 1 to run'
+    assert lines[1] == 'run 1/1 IID/PersFL/seed1: incomplete, continuing from its round-1 checkpoint'
+    with open(os.path.join(run.directory(out), bench_run.RESULT_FILE)) as f:
+        continued = json.load(f)
+    with open(os.path.join(run.directory(tiny_run['out']), bench_run.RESULT_FILE)) as f:
+        uninterrupted = json.load(f)
+    assert (continued['continued'], uninterrupted['continued']) == (True, False)
+    for key in ('summary', 'clients', 'curve', 'communication', 'final_round', 'partition_csv'):
+        assert continued[key] == uninterrupted[key], key
+    # A complete run keeps its record, not its checkpoints.
+    assert not os.path.exists(os.path.join(run.directory(out), 'checkpoints'))
 
 
 def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):

@@ -43,6 +43,13 @@ _RESULTS_DIR = flags.DEFINE_string(
     'A results directory kept beyond the output directory, e.g. benchmarks/results/<name>_suite: the run records '
     "it holds count as complete runs, and the report and every complete run's record are written back to it.",
 )
+_CHECKPOINT_EVERY = flags.DEFINE_integer(
+    'checkpoint_every',
+    5,
+    "Each run writes a checkpoint every this many rounds (0: never), in place of the suite's setting; an "
+    'interrupted run continues from its newest checkpoint when the command is run again.',
+    lower_bound=0,
+)
 _REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the complete runs into the report.')
 _OVERWRITE = flags.DEFINE_bool(
     'overwrite', False, "Discard the output directory's contents first (needed for a different suite)."
@@ -145,6 +152,7 @@ def main(argv) -> None:
                 command=command,
                 results_dir=_RESULTS_DIR.value,
                 report_only=_REPORT_ONLY.value,
+                checkpoint_every=_CHECKPOINT_EVERY.value,
                 log=_log,
             )
     except errors as e:

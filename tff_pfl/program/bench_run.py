@@ -2,10 +2,11 @@
 
 Every (partition, algorithm, seed) of a suite (`bench_suite`) is one
 `experiment.run_experiment` run in its own directory; the harness skips runs
-that are already complete, so a suite can be resumed after an interruption,
-run in several sittings, or split over processes by seed, algorithm or
-partition. At the end `run_suite` aggregates whatever is complete into the
-report (`bench_report`).
+that are already complete and continues an interrupted run from its newest
+checkpoint, so a suite can be resumed after an interruption, run in several
+sittings, or split over processes by seed, algorithm or partition. At the
+end `run_suite` aggregates whatever is complete into the report
+(`bench_report`).
 
 Output directory (`run_suite`):
 
@@ -54,6 +55,8 @@ COMMANDS_FILE = 'commands.txt'
 RECORDS_DIR = 'records'
 # What `publish_results` copies besides the records (and the report's plots).
 PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', SUITE_FILE, COMMANDS_FILE)
+# Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
+CHECKPOINT_EVERY = 5
 
 
 # ----------------------------------------------------------------------------
@@ -508,15 +511,17 @@ def run_suite(
     command: str | None = None,
     results_dir: str | None = None,
     report_only: bool = False,
+    checkpoint_every: int = CHECKPOINT_EVERY,
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Runs the selected runs of a suite that are not complete, then writes the report.
 
-    Each run is `experiment.run_experiment(config, overwrite=True)` into
+    Each run is `experiment.run_experiment(config)` into
     `<output_dir>/runs/<partition>/<algorithm>/seed<k>/` (its per-round lines
     go to `progress.log` there), then `bench_result.json` is written last. A
-    run whose directory lacks `bench_result.json` is removed and redone; a
-    run another process is doing (its lock is held) is left alone.
+    run whose directory lacks `bench_result.json` continues from its newest
+    checkpoint, or is removed and redone if it has none; a run another
+    process is doing (its lock is held) is left alone.
 
     Args:
       suite: the suite (`bench_suite.load_suite`).
@@ -532,6 +537,11 @@ def run_suite(
         it as soon as the run completes, and the report and every complete
         run's record at the end. None: none.
       report_only: train nothing; only restore, aggregate and publish.
+      checkpoint_every: each run writes a checkpoint every this many rounds
+        (0: never), in place of the suite's setting. An interrupted run whose
+        directory holds a checkpoint continues from it, with the numbers an
+        uninterrupted run gives; one without is redone. A complete run's
+        checkpoints are removed once its record is written.
       log: receives one line per run.
 
     Returns:
@@ -573,11 +583,15 @@ def run_suite(
                 continue
             if os.path.exists(os.path.join(directory, RESULT_FILE)):  # finished elsewhere meanwhile
                 continue
-            if os.path.exists(directory):
+            config = run_config(suite, output_dir, run, checkpoint_every)
+            resume_from = experiment.resumable_round(config) if os.path.exists(directory) else None
+            if resume_from is not None:
+                log(f'run {i}/{len(todo)} {run.label}: incomplete, continuing from its round-{resume_from} checkpoint')
+            elif os.path.exists(directory):
                 log(f'run {i}/{len(todo)} {run.label}: incomplete, redoing it')
                 shutil.rmtree(directory)
             started = time.monotonic()
-            record = _run_one(suite, output_dir, run)
+            record = _run_one(suite, output_dir, run, config, resume=resume_from is not None)
             seconds = time.monotonic() - started
             if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
                 target = record_path(results_dir, run)
@@ -599,9 +613,27 @@ def run_suite(
     return rows
 
 
-def _run_one(suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run) -> dict:
+def run_config(
+    suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run, checkpoint_every: int
+) -> experiment.ExperimentConfig:
+    """The run's configuration in `output_dir`, writing a checkpoint every `checkpoint_every` rounds.
+
+    `checkpoint_every` changes where a run can continue from, never what it
+    computes (`experiment.resumable_round` ignores it).
+    """
+    config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir))
+    return dataclasses.replace(config, checkpoint_every=checkpoint_every)
+
+
+def _run_one(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    run: bench_suite.Run,
+    config: experiment.ExperimentConfig,
+    *,
+    resume: bool = False,
+) -> dict:
     directory = run.directory(output_dir)
-    config = suite.config(run.partition, run.algorithm, run.seed, directory)
     reference = _reference_partition(suite, output_dir, run)
     found = {}
 
@@ -610,8 +642,11 @@ def _run_one(suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run) ->
         found['communication'] = _check_process(run, process, found['partition'], reference)
 
     started = time.monotonic()
-    result = experiment.run_experiment(config, overwrite=True, log=_RunLog(directory), on_process=on_process)
+    result = experiment.run_experiment(config, overwrite=not resume, log=_RunLog(directory), on_process=on_process)
     seconds = time.monotonic() - started
     record = _bench_result(suite, run, config, result, seconds, found['communication'], found['partition'])
+    record['continued'] = resume
     reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
+    # The record holds what the run found; its checkpoints only served an interruption.
+    shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)
     return record

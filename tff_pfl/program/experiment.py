@@ -526,6 +526,29 @@ def _changed_fields(saved: dict, config: ExperimentConfig) -> list[str]:
     ]
 
 
+def resumable_round(config: ExperimentConfig) -> int | None:
+    """The round an interrupted run in `config.output_dir` would continue from.
+
+    Args:
+      config: the run's configuration.
+
+    Returns:
+      The round of the newest checkpoint, if `config.output_dir` holds an
+      unfinished run of this configuration (fields in `_RESUMABLE_CHANGES`
+      may differ) with a checkpoint; None otherwise (no run, another
+      configuration, an unreadable config.json, a finished run, or no
+      checkpoint yet).
+    """
+    out = os.path.abspath(config.output_dir)
+    try:
+        saved = _saved_config(out)
+    except ConfigError:
+        return None
+    if saved is None or _changed_fields(saved, config) or os.path.exists(os.path.join(out, 'report.md')):
+        return None
+    return checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')).latest_round()
+
+
 def run_experiment(
     config: ExperimentConfig,
     *,
