@@ -620,6 +620,15 @@ def run_config(
 
     `checkpoint_every` changes where a run can continue from, never what it
     computes (`experiment.resumable_round` ignores it).
+
+    Args:
+      suite: the suite.
+      output_dir: the benchmark's output directory.
+      run: one of the suite's runs.
+      checkpoint_every: rounds between the run's checkpoints (0: none).
+
+    Returns:
+      The `experiment.ExperimentConfig` of the run in its own directory.
     """
     config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir))
     return dataclasses.replace(config, checkpoint_every=checkpoint_every)
