@@ -71,6 +71,7 @@ def build_apfl_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: APFLSettings | None = None,
     *,
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds APFL as a `PersonalizedProcess`.
@@ -82,6 +83,8 @@ def build_apfl_process(
         (`client_learning_rate`), the server learning rate, the initial alpha
         and eta_alpha (default 0.01, smaller than usual local learning rates
         on purpose: see docs/algorithms/baselines.md); None: `APFLSettings()`.
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed; v_i starts from the same initial model as w.
 
     Returns:
@@ -164,5 +167,6 @@ def build_apfl_process(
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         server_optimizer=settings.server_optimizer(),
+        model_aggregator=model_aggregator,
         seed=seed,
     )

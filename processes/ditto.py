@@ -93,6 +93,7 @@ def build_ditto_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: DittoSettings | None = None,
     *,
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Ditto as a `PersonalizedProcess`.
@@ -102,6 +103,8 @@ def build_ditto_process(
       model_fn: no-arg function returning a fresh Keras model (logits out).
       settings: local training of both models, the server learning rate,
         lambda and the personal epochs; None: `DittoSettings()`.
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
 
     Returns:
@@ -165,5 +168,6 @@ def build_ditto_process(
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         server_optimizer=settings.server_optimizer(),
+        model_aggregator=model_aggregator,
         seed=seed,
     )

@@ -67,7 +67,7 @@ def build_fedavg_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: FedAvgSettings | None = None,
     *,
-    model_aggregator: tff.aggregators.WeightedAggregationFactory | None = None,
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedAvg, or FedAvg + fine-tuning, as a `PersonalizedProcess`.
@@ -78,9 +78,9 @@ def build_fedavg_process(
         whose outputs are logits.
       settings: a `FedAvgSettings` (plain FedAvg) or a `FedAvgFTSettings`
         (FedAvg + fine-tuning: adds `personalize`); None: `FedAvgSettings()`.
-      model_aggregator: weighted aggregation of client updates (Python API
-        only, e.g. DP or compression); default
-        `tff.aggregators.MeanFactory()` (example-weighted mean).
+      model_aggregator: aggregation of the uploaded updates
+        (`averaging.build_averaging_process`); default the example-weighted
+        mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed; fixes the initial model and every client's batch order.
 
     Returns:

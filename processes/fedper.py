@@ -85,6 +85,7 @@ def build_fedper_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: FedPerSettings | None = None,
     *,
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedPer as a `PersonalizedProcess`.
@@ -95,6 +96,8 @@ def build_fedper_process(
       settings: local training, the server learning rate (applied to the
         mean base-layer update) and `personal_layers`; None:
         `FedPerSettings()`.
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
 
     Returns:
@@ -150,5 +153,6 @@ def build_fedper_process(
         evaluate_client=evaluate_client,
         server_optimizer=settings.server_optimizer(),
         shared_indices=base_indices,
+        model_aggregator=model_aggregator,
         seed=seed,
     )

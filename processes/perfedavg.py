@@ -94,6 +94,7 @@ def build_perfedavg_process(
     settings: PerFedAvgSettings | None = None,
     *,
     variant: str = 'fo',
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Per-FedAvg (first-order or Hessian-free) as a `PersonalizedProcess`.
@@ -106,6 +107,8 @@ def build_perfedavg_process(
         (`client_learning_rate`), alpha, and for HF delta: the variant's
         `VARIANT_SETTINGS` class; None: its defaults.
       variant: 'fo' (Per-FedAvg FO) or 'hf' (Per-FedAvg HF).
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
 
     Returns:
@@ -200,5 +203,6 @@ def build_perfedavg_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
+        model_aggregator=model_aggregator,
         seed=seed,
     )

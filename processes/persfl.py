@@ -95,6 +95,7 @@ def build_persfl_process(
     settings: PersFLSettings | None = None,
     *,
     soft_loss: str = 'kl',
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds PersFL (soft_loss='kl') or PersFL-GD (soft_loss='ce').
@@ -105,6 +106,8 @@ def build_persfl_process(
         (logits out) of layers `tff_pfl.models.stacked` supports.
       settings: a `PersFLSettings`; None: `PersFLSettings()`.
       soft_loss: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
 
     Returns:
@@ -229,6 +232,7 @@ def build_persfl_process(
         evaluate_client=evaluate_client,
         server_optimizer=settings.server_optimizer(),
         personalize_builder=averaging.broadcast_personalize(client_personalize),
+        model_aggregator=model_aggregator,
         seed=seed,
         grid_candidates=candidates,
     )

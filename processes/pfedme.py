@@ -80,6 +80,7 @@ def build_pfedme_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: PFedMeSettings | None = None,
     *,
+    model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds pFedMe as a `PersonalizedProcess`.
@@ -91,6 +92,8 @@ def build_pfedme_process(
         (`batch_size`), eta (`client_learning_rate`, the local model's
         learning rate), lambda, K, the personal learning rate and beta;
         None: `PFedMeSettings()`.
+      model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
+        default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
 
     Returns:
@@ -174,5 +177,6 @@ def build_pfedme_process(
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=settings.pfedme_beta),
+        model_aggregator=model_aggregator,
         seed=seed,
     )

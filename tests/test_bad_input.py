@@ -61,6 +61,26 @@ CASES = [
     ('negative epochs', {}, dict(local_epochs=-1), 'local_epochs'),
     ('negative checkpoint interval', {}, dict(checkpoint_every=-1), 'checkpoint_every must be >= 0'),
     ('an output directory that is not writable', {}, dict(output_dir='/proc/tff-pfl-run'), 'is not writable'),
+    ('negative DP noise', {}, dict(dp_noise_multiplier=-0.5, dp_clip=1.0), 'dp_noise_multiplier must be >= 0'),
+    ('non-positive DP clip', {}, dict(dp_noise_multiplier=1.0, dp_clip=-1.0), 'dp_clip must be > 0'),
+    (
+        'DP quantile outside (0, 1)',
+        {},
+        dict(dp_noise_multiplier=1.0, dp_target_quantile=1.5),
+        'dp_target_quantile must be in (0, 1)',
+    ),
+    (
+        'a target epsilon without noise',
+        {},
+        dict(dp_target_epsilon=1.0),
+        '--dp_target_epsilon needs --dp_noise_multiplier',
+    ),
+    (
+        'a target epsilon the schedule exceeds',
+        {},
+        dict(dp_noise_multiplier=0.5, dp_clip=1.0, rounds=50, dp_target_epsilon=1.0),
+        '--dp_target_epsilon 1: 50 rounds at noise multiplier 0.5',
+    ),
 ]
 
 
@@ -97,9 +117,14 @@ def test_bad_input_is_refused_before_anything_is_written(what, data, changes, me
 
 
 # The binary turns these errors into one line and exit code 2: one refused while
-# reading the data, one while preparing the output directory (each start of the
+# reading the data, one while preparing the output directory, one DP schedule (each start of the
 # binary imports TensorFlow and TFF; the other messages are checked above).
-BINARY_CASES = [c for c in CASES if c[0] in ('corrupt data file', 'an output directory that is not writable')]
+BINARY_CASES = [
+    c
+    for c in CASES
+    if c[0]
+    in ('corrupt data file', 'an output directory that is not writable', 'a target epsilon the schedule exceeds')
+]
 
 
 @pytest.mark.parametrize('what, data, changes, message', BINARY_CASES, ids=[c[0] for c in BINARY_CASES])

@@ -23,6 +23,9 @@ from tff_pfl.computations import building_blocks, device_state, local_training, 
 # any other one is a declared output the caller may pass through.
 _SET_HERE = ('initial_client_state', 'evaluate', 'personalize', 'device')
 
+# How the clients' updates are aggregated: weighted (by examples) or unweighted (user-level DP).
+Aggregator = tff.aggregators.WeightedAggregationFactory | tff.aggregators.UnweightedAggregationFactory
+
 # Builds `personalize` from the server state type and the client state type.
 PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
 
@@ -61,7 +64,7 @@ def build_averaging_process(
     initial_client_state: tff.Computation,
     evaluate_client: tff.Computation,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
-    model_aggregator: tff.aggregators.WeightedAggregationFactory | None = None,
+    model_aggregator: Aggregator | None = None,
     personalize_builder: PersonalizeBuilder | None = None,
     server_info: Callable[[tff.Type], tff.Computation] | None = None,
     shared_indices: Sequence[int] | None = None,
@@ -81,8 +84,10 @@ def build_averaging_process(
         (of the global `weights` and of any personalized model it holds).
       server_optimizer: applied to the aggregated update; default SGD with
         learning rate 1.0 (plain averaging).
-      model_aggregator: weighted aggregation of updates; default
-        `tff.aggregators.MeanFactory()`.
+      model_aggregator: aggregation of updates; default
+        `tff.aggregators.MeanFactory()`. A weighted factory receives each
+        client's `weight`; an unweighted one (user-level DP,
+        `privacy.DPConfig.factory`) counts every client once.
       personalize_builder: optional; called with the server state type and
         the client state type, returns the process's `personalize`.
       server_info: optional; called with the aggregator state type, returns
@@ -125,7 +130,12 @@ def build_averaging_process(
     weights_type = local_training.weights_type(model_fn, shared_indices)
     client_state_type = initial_client_state.type_signature.result
     optimizer_init, optimizer_apply = building_blocks.build_server_update(weights_type, server_optimizer)
-    aggregation = model_aggregator.create(weights_type, tff.TensorType(np.float32))
+    # An unweighted factory (user-level DP: every client counts once) gets no weights.
+    weighted = isinstance(model_aggregator, tff.aggregators.WeightedAggregationFactory)
+    if weighted:
+        aggregation = model_aggregator.create(weights_type, tff.TensorType(np.float32))
+    else:
+        aggregation = model_aggregator.create(weights_type)
 
     @tff.tensorflow.computation
     def server_init():
@@ -183,7 +193,10 @@ def build_averaging_process(
 
     def finish(state, outputs):
         """Aggregation, server update and metrics of a round (federated code)."""
-        aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
+        if weighted:
+            aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
+        else:
+            aggregated = aggregation.next(state.aggregator_state, outputs.update)
         updated = tff.federated_map(server_update, (state, aggregated.result))
         new_state = tff.federated_zip(
             collections.OrderedDict(

@@ -45,6 +45,10 @@ class Algorithm:
         is not given, where it differs from the dataset's default.
       check: `(config) -> problem or None`, the algorithm's conditions on the
         common settings (e.g. full participation).
+      private_uploads: what user-level DP (`--dp_noise_multiplier`) clips
+        and noises in this algorithm's uploads; None: it takes no DP.
+      no_privacy: why not, when `private_uploads` is None (completes
+        "<algorithm> ...").
     """
 
     title: str
@@ -56,6 +60,8 @@ class Algorithm:
     not_one_aggregation: str | None = None
     default_models: Mapping[str, str] = dataclasses.field(default_factory=dict)
     check: Callable | None = None
+    private_uploads: str | None = None
+    no_privacy: str = 'does not take user-level DP yet (docs/privacy.md lists the algorithms that do)'
 
     @property
     def own_architectures(self) -> bool:
@@ -283,16 +289,23 @@ def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
     )
 
 
+def _dp_aggregator(config, spec):
+    """Under user-level DP, the clipped, noised, unweighted mean of the uploads; else None (the default mean)."""
+    dp = config.privacy(spec.num_clients)
+    return None if dp is None else dp.factory()
+
+
 def _persfl(title, soft_loss) -> Algorithm:
     """A PersFL entry: the soft loss of stage 2 (Eq. 3 KL or Eq. 7 cross-entropy) is the algorithm."""
     return Algorithm(
         title,
         persfl.PersFLSettings,
         lambda s, spec, model_fn, config: persfl.build_persfl_process(
-            spec, model_fn, s, soft_loss=soft_loss, seed=config.seed
+            spec, model_fn, s, soft_loss=soft_loss, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
         ),
         _persfl_columns,
         _persfl_plots,
+        private_uploads="stage 1's model updates (stage 2 stays on the clients)",
     )
 
 
@@ -300,14 +313,20 @@ _ALGORITHMS = {
     'fedavg': Algorithm(
         'FedAvg (McMahan et al., 2017)',
         fedavg.FedAvgSettings,
-        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
+        private_uploads='model updates',
     ),
     'fedavg_ft': Algorithm(
         'FedAvg + local fine-tuning chosen on validation',
         fedavg.FedAvgFTSettings,
-        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: fedavg.build_fedavg_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
         lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
         _finetune_plots,
+        private_uploads='model updates (fine-tuning stays on the clients)',
     ),
     'persfl': _persfl('PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid', 'kl'),
     'persfl_gd': _persfl('PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL', 'ce'),
@@ -352,44 +371,59 @@ _ALGORITHMS = {
         'Local-only training',
         local.LocalSettings,
         lambda s, spec, model_fn, config: local.build_local_process(spec, model_fn, s, seed=config.seed),
+        no_privacy='uploads nothing but training metrics: there is no model to protect',
     ),
     'fedper': Algorithm(
         'FedPer (Arivazhagan et al., 2019): shared base layers, personal head',
         fedper.FedPerSettings,
-        lambda s, spec, model_fn, config: fedper.build_fedper_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: fedper.build_fedper_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
         # Logistic regression has one layer: nothing would be shared.
         default_models={'synthetic': 'mnist_dnn'},
+        private_uploads="the shared base's updates (the head stays on the clients)",
     ),
     'ditto': Algorithm(
         'Ditto (Li et al., 2021): personal models pulled towards the global one',
         ditto.DittoSettings,
-        lambda s, spec, model_fn, config: ditto.build_ditto_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: ditto.build_ditto_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
+        private_uploads="the global model's updates (v_i stays on the clients)",
     ),
     'pfedme': Algorithm(
         'pFedMe (Dinh et al., 2020): Moreau envelopes',
         pfedme.PFedMeSettings,
-        lambda s, spec, model_fn, config: pfedme.build_pfedme_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: pfedme.build_pfedme_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
+        private_uploads="the local models' updates (the personalized theta_i stays on the clients)",
     ),
     'perfedavg_fo': Algorithm(
         'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
         perfedavg.PerFedAvgSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='fo', seed=config.seed
+            spec, model_fn, s, variant='fo', model_aggregator=_dp_aggregator(config, spec), seed=config.seed
         ),
+        private_uploads='meta-model updates',
     ),
     'perfedavg_hf': Algorithm(
         'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
         perfedavg.PerFedAvgHFSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='hf', seed=config.seed
+            spec, model_fn, s, variant='hf', model_aggregator=_dp_aggregator(config, spec), seed=config.seed
         ),
+        private_uploads='meta-model updates',
     ),
     'apfl': Algorithm(
         'APFL (Deng et al., 2020): adaptive mixture of local and global models',
         apfl.APFLSettings,
-        lambda s, spec, model_fn, config: apfl.build_apfl_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: apfl.build_apfl_process(
+            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+        ),
         lambda state: {'alpha': float(state['alpha'])},
         _apfl_plots,
+        private_uploads="the global model w's updates (v_i and alpha_i stay on the clients)",
     ),
     'kdpdfl': _serverless(
         'KD-PDFL (Jeong & Kountouris, 2023): serverless, star nodes weigh neighbours by logit distances',

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from tff_pfl import models, runtime
 from tff_pfl import settings as settings_lib
+from tff_pfl.computations import privacy as privacy_lib
 from tff_pfl.data import natural
 from tff_pfl.program import algorithms, checkpoints, reports, training_loop
 
@@ -62,6 +63,14 @@ PARTITIONS = tuple(_PARTITION_FIELDS)
 _PARTITION_SETTINGS = tuple(dict.fromkeys(name for fields in _PARTITION_FIELDS.values() for name in fields))
 
 _setting = settings_lib.setting
+_DP_FIELDS = (
+    'dp_noise_multiplier',
+    'dp_clip',
+    'dp_target_quantile',
+    'dp_initial_clip',
+    'dp_delta',
+    'dp_target_epsilon',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +127,21 @@ class ExperimentConfig(settings_lib.Settings):
         'continue an interrupted run.',
     )
     seed: int = _setting(0, 'Seed of the partition, the sampling and the training.')
+    # User-level differential privacy of the uploads (docs/privacy.md).
+    dp_noise_multiplier: float | None = _setting(
+        None,
+        'User-level DP: Gaussian noise stddev over the clipping norm, added at the server to the sum of clipped '
+        'uploads (default: no DP). Needs --dp_clip or --dp_target_quantile.',
+    )
+    dp_clip: float | None = _setting(None, "DP: fixed L2 clipping norm of each client's upload.")
+    dp_target_quantile: float | None = _setting(
+        None, "DP: adaptive clipping towards this quantile of the clients' upload norms, in (0, 1)."
+    )
+    dp_initial_clip: float | None = _setting(None, 'DP, adaptive clipping: the initial clipping norm (0.1).')
+    dp_delta: float | None = _setting(None, 'DP: the delta epsilon is reported at (default 1 / num_clients^1.1).')
+    dp_target_epsilon: float | None = _setting(
+        None, 'DP: refuse, before anything is written, a run whose epsilon after --rounds would exceed this.'
+    )
     max_concurrent_clients: int = _setting(2, 'Client computations the TFF worker runs at once (-1: no limit).')
     workers: tuple[str, ...] = _setting(
         (),
@@ -283,6 +307,76 @@ class ExperimentConfig(settings_lib.Settings):
             ),
         ]
 
+    def privacy(self, num_clients: int | None = None) -> 'privacy_lib.DPConfig | None':
+        """The run's user-level DP mechanism, or None without DP.
+
+        Args:
+          num_clients: the population N (default `num_clients`); the noised
+            sum is divided by the expected clients per round, client_fraction x N.
+
+        Returns:
+          A `privacy.DPConfig`, or None when `dp_noise_multiplier` is not set.
+
+        Raises:
+          privacy.PrivacyError: a mechanism that cannot run.
+        """
+        if self.dp_noise_multiplier is None:
+            return None
+        population = self.num_clients if num_clients is None else num_clients
+        return privacy_lib.DPConfig(
+            noise_multiplier=self.dp_noise_multiplier,
+            clients_per_round=self.client_fraction * population,
+            clip=self.dp_clip,
+            target_quantile=self.dp_target_quantile,
+            initial_clip=privacy_lib.DEFAULT_INITIAL_CLIP if self.dp_initial_clip is None else self.dp_initial_clip,
+        )
+
+    def dp_delta_for(self, num_clients: int) -> float:
+        """The delta epsilon is reported at.
+
+        Args:
+          num_clients: N, the run's population.
+
+        Returns:
+          `dp_delta` if set, else 1 / N^1.1.
+        """
+        return self.dp_delta if self.dp_delta is not None else privacy_lib.default_delta(num_clients)
+
+    def _check_privacy(self, entry) -> None:
+        dp_fields = [name for name in _DP_FIELDS if getattr(self, name) is not None]
+        if not dp_fields:
+            return
+        if self.dp_noise_multiplier is None:
+            raise ConfigError(f'--{dp_fields[0]} needs --dp_noise_multiplier (user-level DP)')
+        if entry.private_uploads is None:
+            raise ConfigError(f'--dp_noise_multiplier: {self.algorithm} {entry.no_privacy}')
+        if self.dp_initial_clip is not None and self.dp_clip is not None:
+            raise ConfigError('--dp_initial_clip applies to adaptive clipping (--dp_target_quantile), not to --dp_clip')
+        if self.dp_delta is not None and not 0 < self.dp_delta < 1:
+            raise ConfigError(f'dp_delta must be in (0, 1), got {self.dp_delta}')
+        try:
+            dp = self.privacy()
+        except privacy_lib.PrivacyError as e:
+            raise ConfigError(str(e)) from None
+        if self.dp_target_epsilon is None:
+            return
+        if self.dp_target_epsilon <= 0:
+            raise ConfigError(f'dp_target_epsilon must be > 0, got {self.dp_target_epsilon}')
+        if dp.noise_multiplier == 0:
+            raise ConfigError('--dp_target_epsilon needs --dp_noise_multiplier > 0: without noise epsilon is infinite')
+        if self.dp_delta is None and natural.is_natural(self.dataset):
+            raise ConfigError(
+                f'--dp_target_epsilon with {self.dataset}: give --dp_delta (the population is known only once read)'
+            )
+        delta = self.dp_delta_for(self.num_clients)
+        reached = privacy_lib.epsilon(dp, self.client_fraction, self.rounds, delta)
+        if reached > self.dp_target_epsilon:
+            raise ConfigError(
+                f'--dp_target_epsilon {self.dp_target_epsilon:g}: {self.rounds} rounds at noise multiplier '
+                f'{dp.noise_multiplier:g} and client fraction {self.client_fraction:g} reach epsilon {reached:.3g} '
+                f'at delta {delta:.3g}; lower --rounds or --client_fraction, or raise --dp_noise_multiplier'
+            )
+
     def validate(self) -> 'ExperimentConfig':
         """Returns self, or raises ConfigError on the first value that cannot run.
 
@@ -317,6 +411,7 @@ class ExperimentConfig(settings_lib.Settings):
         problem = entry.check(self) if entry.check else None
         if problem:
             raise ConfigError(problem)
+        self._check_privacy(entry)
         if len(self.workers) > 1:
             if entry.not_one_aggregation:
                 raise ConfigError(
@@ -526,6 +621,15 @@ def _changed_fields(saved: dict, config: ExperimentConfig) -> list[str]:
     ]
 
 
+def _epsilon_column(dp: privacy_lib.DPConfig, config: ExperimentConfig, num_clients: int):
+    delta = config.dp_delta_for(num_clients)
+
+    def columns(round_num: int) -> dict:
+        return {'dp_epsilon': privacy_lib.epsilon(dp, config.client_fraction, round_num, delta)}
+
+    return columns
+
+
 def resumable_round(config: ExperimentConfig) -> int | None:
     """The round an interrupted run in `config.output_dir` would continue from.
 
@@ -644,6 +748,7 @@ def run_experiment(
             if custom_run is not None:
                 result = custom_run(process, spec, config, config.settings, **loop)
             else:
+                dp = config.privacy(spec.num_clients)
                 result = training_loop.run(
                     process,
                     spec.client_ids,
@@ -655,6 +760,9 @@ def run_experiment(
                     # states on the devices (TFF's mergeable context returns
                     # nothing CLIENTS-placed from before the aggregation).
                     device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
+                    # DP accounting assumes Poisson sampling of the clients.
+                    poisson_sampling=dp is not None and config.client_fraction < 1,
+                    privacy=None if dp is None else _epsilon_column(dp, config, spec.num_clients),
                     **loop,
                 )
     finally:
@@ -761,6 +869,40 @@ def summary_table(result: training_loop.RunResult) -> tuple[list, list]:
     return rows, columns
 
 
+def privacy_lines(config: ExperimentConfig, num_clients: int, rounds) -> list[str]:
+    """The report's paragraph on user-level DP (empty without DP).
+
+    Args:
+      config: the run's configuration.
+      num_clients: the population N.
+      rounds: the metrics rows (the last one's `dp_epsilon` is the privacy spent).
+
+    Returns:
+      Lines of markdown, starting with an empty one.
+    """
+    dp = config.privacy(num_clients)
+    if dp is None:
+        return []
+    clipping = (
+        f'fixed clip {dp.clip:g}'
+        if not dp.adaptive
+        else (f'adaptive clip towards the {dp.target_quantile:g} quantile of upload norms (from {dp.initial_clip:g})')
+    )
+    sampling = (
+        f'Poisson sampling of clients with q = {config.client_fraction:g}'
+        if config.client_fraction < 1
+        else 'every client in every round'
+    )
+    spent = rounds[-1].get('dp_epsilon', float('nan')) if rounds else float('nan')
+    return [
+        '',
+        f'User-level DP ({algorithms.get(config.algorithm).private_uploads}): noise multiplier '
+        f'{dp.noise_multiplier:g}, {clipping}, {sampling}; the noised sum is divided by {dp.clients_per_round:g} '
+        f'expected clients. epsilon = {spent:.4g} at delta = {config.dp_delta_for(num_clients):.3g} after '
+        f'{len(rounds)} rounds (RDP accountant; docs/privacy.md).',
+    ]
+
+
 def render_report(config, spec, result, extra_plots=()) -> str:
     """The markdown report of a run.
 
@@ -785,6 +927,7 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         f'{config.rounds} rounds, client fraction {config.client_fraction}, seed {config.seed}.',
         f'Median round time {sorted(seconds)[len(seconds) // 2]:.3f} s; final train loss '
         f'{last.get("train_loss", float("nan")):.4f}.',
+        *privacy_lines(config, spec.num_clients, result.rounds),
         '',
         '## Test accuracy across clients (%)',
         '',

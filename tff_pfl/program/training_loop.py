@@ -19,19 +19,26 @@ from tff_pfl.computations import device_state, template
 from tff_pfl.program import checkpoints as checkpoints_lib
 
 
-def sample_clients(rng: np.random.Generator, client_ids: Sequence[str], fraction: float) -> list[str]:
-    """Clients of one round: all of them, or `ceil(fraction * n)` without replacement.
+def sample_clients(
+    rng: np.random.Generator, client_ids: Sequence[str], fraction: float, *, poisson: bool = False
+) -> list[str]:
+    """Clients of one round: all of them, `ceil(fraction * n)` without replacement, or a Poisson draw.
 
     Args:
       rng: the run's sampling generator (its state advances).
       client_ids: every client id.
       fraction: share of clients per round, in (0, 1].
+      poisson: each client takes part independently with probability
+        `fraction` (the sampling DP accounting assumes); the draw may be
+        empty.
 
     Returns:
       The sampled ids, in the order of `client_ids`.
     """
     if fraction >= 1.0:
         return list(client_ids)
+    if poisson:
+        return [c for c, chosen in zip(client_ids, rng.random(len(client_ids)) < fraction) if chosen]
     count = max(1, int(np.ceil(fraction * len(client_ids))))
     chosen = np.sort(rng.choice(len(client_ids), size=count, replace=False))
     return [client_ids[i] for i in chosen]
@@ -593,6 +600,8 @@ def run(
     checkpoint_every: int = 0,
     on_resume: Callable[[int, list], None] | None = None,
     spill_dir: str | None = None,
+    poisson_sampling: bool = False,
+    privacy: Callable[[int], Mapping] | None = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -621,6 +630,11 @@ def run(
       on_resume: called with the round resumed after and the restored rows.
       spill_dir: where the driver's client-state store is memory-mapped
         once it exceeds `SPILL_BYTES` (None: it stays on the heap).
+      poisson_sampling: sample clients by `sample_clients(poisson=True)`. A
+        round that draws no client uploads nothing and changes nothing
+        (`num_clients` 0 in its row).
+      privacy: `round -> columns` added to each round's row (the privacy
+        spent after that round, `dp_epsilon`).
 
     Returns:
       A `RunResult`.
@@ -635,9 +649,14 @@ def run(
     state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, 'round', log, on_resume)
     for round_num in range(first_round, rounds + 1):
         round_start = time.monotonic()
-        sampled = sample_clients(rng, client_ids, client_fraction)
-        state, round_metrics = store.run_round(process, state, sampled)
+        sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
+        if sampled:
+            state, round_metrics = store.run_round(process, state, sampled)
+        else:  # an empty Poisson draw: nothing to aggregate
+            round_metrics = {'num_clients': 0}
         row = collections.OrderedDict(round=round_num, **flatten(round_metrics))
+        if privacy is not None:
+            row.update(privacy(round_num))
         row['round_seconds'] = time.monotonic() - round_start
         evaluate_now = round_num == rounds or (eval_every and round_num % eval_every == 0)
         if round_num == rounds and process.personalize is not None:

@@ -1,0 +1,212 @@
+"""User-level DP: clipping, noise, adaptive clipping, accounting, the DP round, bad settings."""
+
+import functools
+import math
+
+import dp_accounting
+import numpy as np
+import pytest
+import tensorflow_federated as tff
+from tensorflow_federated.python.aggregators import differential_privacy
+
+from processes import fedavg
+from tests.conftest import make_linear_problem
+from tff_pfl import models
+from tff_pfl.computations import privacy
+from tff_pfl.program import experiment, training_loop
+
+
+def _aggregate(dp, values):
+    """One aggregation of `values` (one float32 vector per client) by `dp.factory()`; returns (result, state)."""
+    process = dp.factory().create(tff.TensorType(np.float32, [len(values[0])]))
+    output = process.next(process.initialize(), [np.asarray(v, np.float32) for v in values])
+    return np.asarray(output.result), output.state
+
+
+def test_fixed_clip_scales_only_the_uploads_over_the_clip_and_divides_by_expected_clients(tff_runtime):
+    big = np.array([3.0, 4.0, 0.0])  # norm 5: scaled to norm 2
+    small = np.array([0.0, 1.0, 1.0])  # norm sqrt(2) < 2: unchanged
+    dp = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=4.0, clip=2.0)
+    result, _ = _aggregate(dp, [big, small])
+    np.testing.assert_allclose(result, (big * 2.0 / 5.0 + small) / 4.0, rtol=1e-6)
+
+
+def test_noise_stddev_is_noise_multiplier_times_clip_over_expected_clients(tff_runtime):
+    dim, z, clip, per_round = 40_000, 1.3, 0.7, 5.0
+    dp = privacy.DPConfig(noise_multiplier=z, clients_per_round=per_round, clip=clip)
+    result, _ = _aggregate(dp, [np.zeros(dim), np.zeros(dim)])
+    want = z * clip / per_round
+    # 40,000 draws: the sample stddev is within 2 % of the truth with probability > 0.999 (std error 0.35 %).
+    assert np.std(result) == pytest.approx(want, rel=0.02)
+    assert abs(np.mean(result)) < 4 * want / math.sqrt(dim)
+
+
+def test_adaptive_clip_moves_to_the_target_quantile_of_the_norms(tff_runtime):
+    norms = np.arange(1.0, 11.0)  # ten clients with norms 1..10: the median lies between 5 and 6
+    values = [np.array([n, 0.0], np.float32) for n in norms]
+    dp = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=10.0, target_quantile=0.5, initial_clip=0.1)
+    process = dp.factory().create(tff.TensorType(np.float32, [2]))
+    state = process.initialize()
+    clips = []
+    for _ in range(80):
+        output = process.next(state, values)
+        state = output.state
+        clips.append(float(output.measurements['dp_query_metrics']['clip']))
+    assert clips[0] > 0.1 and clips[10] > clips[0]  # growing while every norm is above it
+    assert 5.0 <= clips[-1] <= 6.0 * math.exp(0.2 * 0.5)  # settled at the median (one step of slack)
+
+
+def test_round_event_is_the_event_the_aggregator_reports(tff_runtime):
+    for dp in [
+        privacy.DPConfig(noise_multiplier=1.1, clients_per_round=50.0, clip=1.0),
+        privacy.DPConfig(noise_multiplier=1.1, clients_per_round=50.0, target_quantile=0.5),
+    ]:
+        _, state = _aggregate(dp, [np.ones(3)] * 2)
+        reported = differential_privacy.extract_dp_event_from_state(state)
+        assert _same_event(reported, dp.round_event()), (reported, dp.round_event())
+
+
+def _same_event(a, b) -> bool:  # the aggregator's parameters are float32
+    if isinstance(a, dp_accounting.ComposedDpEvent) and isinstance(b, dp_accounting.ComposedDpEvent):
+        return len(a.events) == len(b.events) and all(map(_same_event, a.events, b.events))
+    if isinstance(a, dp_accounting.GaussianDpEvent) and isinstance(b, dp_accounting.GaussianDpEvent):
+        return a.noise_multiplier == pytest.approx(b.noise_multiplier, rel=1e-6)
+    return False
+
+
+def test_epsilon_equals_dp_accounting_directly_and_grows_with_rounds():
+    dp = privacy.DPConfig(noise_multiplier=1.0, clients_per_round=100.0, clip=1.0)
+    q, delta = 0.1, 1e-5
+    direct = dp_accounting.rdp.RdpAccountant()
+    direct.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), 50)
+    assert privacy.epsilon(dp, q, 50, delta) == pytest.approx(direct.get_epsilon(delta), rel=1e-12)
+    series = [privacy.epsilon(dp, q, t, delta) for t in (0, 1, 10, 50, 200)]
+    assert series[0] == 0.0 and all(a < b for a, b in zip(series, series[1:]))
+    # Everyone in every round: T Gaussian mechanisms compose to one with multiplier z / sqrt(T) (a closed form
+    # for the RDP curve alpha T / (2 z^2)); the accountant's epsilon is that curve's.
+    full = privacy.epsilon(dp, 1.0, 16, delta)
+    assert full == pytest.approx(privacy.epsilon(privacy.DPConfig(0.25, 1.0, clip=1.0), 1.0, 1, delta), rel=1e-9)
+    assert privacy.epsilon(privacy.DPConfig(0.0, 1.0, clip=1.0), q, 3, delta) == math.inf
+
+
+def test_poisson_sampling_draws_each_client_with_probability_q():
+    rng = np.random.default_rng(0)
+    ids = [f'c{i}' for i in range(200)]
+    counts = [len(training_loop.sample_clients(rng, ids, 0.1, poisson=True)) for _ in range(400)]
+    # Binomial(200, 0.1): mean 20, variance 18.
+    assert np.mean(counts) == pytest.approx(20.0, abs=4 * math.sqrt(18 / 400))
+    assert np.var(counts) == pytest.approx(18.0, rel=0.25)
+    assert min(counts) < 16 < 24 < max(counts)  # not a fixed size
+
+
+def test_without_noise_and_with_a_loose_clip_the_dp_round_is_the_plain_round(tmp_path, tff_runtime):
+    # Equal client sizes: the plain example-weighted mean is the DP round's unweighted mean.
+    spec = make_linear_problem(tmp_path / 'data', sizes=(30, 30, 30))
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
+    loose = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=3.0, clip=1e6)
+    plain = fedavg.build_fedavg_process(spec, model_fn, settings, seed=3)
+    private = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=loose.factory(), seed=3)
+    states = {}
+    for name, process in (('plain', plain), ('private', private)):
+        state = process.initialize()
+        clients = [process.initial_client_state(c) for c in spec.client_ids]
+        for _ in range(3):
+            state, clients, _ = process.next(state, clients)
+        states[name] = state['model']
+    for got, want in zip(states['private'], states['plain']):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    # And with a tight clip the two differ: the clip is applied.
+    tight = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=3.0, clip=1e-3)
+    clipped = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=tight.factory(), seed=3)
+    state = clipped.initialize()
+    state, _, _ = clipped.next(state, [clipped.initial_client_state(c) for c in spec.client_ids])
+    moved = np.sqrt(
+        sum(np.sum((np.asarray(a) - np.asarray(b)) ** 2) for a, b in zip(state['model'], plain.initialize()['model']))
+    )
+    assert moved <= 1e-3 + 1e-7
+
+
+def _config(**fields):
+    return experiment.ExperimentConfig.from_dict({'output_dir': '', 'num_clients': 100, **fields})
+
+
+@pytest.mark.parametrize(
+    'fields, message',
+    [
+        ({'dp_noise_multiplier': -1.0, 'dp_clip': 1.0}, 'dp_noise_multiplier must be >= 0, got -1.0'),
+        ({'dp_noise_multiplier': 1.0, 'dp_clip': 0.0}, 'dp_clip must be > 0, got 0.0'),
+        ({'dp_noise_multiplier': 1.0, 'dp_target_quantile': 1.0}, 'dp_target_quantile must be in (0, 1), got 1.0'),
+        ({'dp_noise_multiplier': 1.0}, 'give --dp_clip (fixed clipping) or --dp_target_quantile'),
+        ({'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'dp_target_quantile': 0.5}, 'give --dp_clip'),
+        ({'dp_clip': 1.0}, '--dp_clip needs --dp_noise_multiplier (user-level DP)'),
+        ({'dp_target_epsilon': 3.0}, '--dp_target_epsilon needs --dp_noise_multiplier'),
+        (
+            {'dp_noise_multiplier': 0.0, 'dp_clip': 1.0, 'dp_target_epsilon': 3.0},
+            '--dp_target_epsilon needs --dp_noise_multiplier > 0',
+        ),
+        ({'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'dp_delta': 1.0}, 'dp_delta must be in (0, 1), got 1.0'),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'dp_initial_clip': 0.5},
+            '--dp_initial_clip applies to adaptive clipping',
+        ),
+        (
+            {'dp_noise_multiplier': 2.0, 'dp_target_quantile': 0.5, 'client_fraction': 0.1},
+            'adaptive clipping cannot reach noise multiplier 2 with 10 expected clients per round',
+        ),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'local'},
+            '--dp_noise_multiplier: local uploads nothing but training metrics',
+        ),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'ktpfl'},
+            '--dp_noise_multiplier: ktpfl does not take user-level DP yet',
+        ),
+    ],
+)
+def test_bad_privacy_settings_are_one_line(fields, message):
+    with pytest.raises(experiment.ConfigError) as error:
+        _config(**fields).validate()
+    assert message in str(error.value) and '\n' not in str(error.value)
+
+
+def test_a_target_epsilon_the_schedule_exceeds_is_refused_with_the_epsilon_it_would_reach():
+    fields = {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'client_fraction': 0.1, 'dp_delta': 1e-5}
+    reach = privacy.epsilon(_config(**fields).privacy(), 0.1, 100, 1e-5)
+    _config(**fields, rounds=100, dp_target_epsilon=reach * 1.01).validate()
+    with pytest.raises(experiment.ConfigError, match=f'reach epsilon {reach:.3g} at delta 1e-05'):
+        _config(**fields, rounds=100, dp_target_epsilon=reach * 0.99).validate()
+    # The default delta is 1 / N^1.1.
+    assert _config(**fields).dp_delta_for(1000) == 1e-5
+    assert _config(**{k: v for k, v in fields.items() if k != 'dp_delta'}).dp_delta_for(1000) == pytest.approx(
+        1000**-1.1
+    )
+
+
+def test_a_dp_run_reports_epsilon_after_every_round(tmp_path, tff_runtime):
+    out = str(tmp_path / 'run')
+    config = experiment.make_config(
+        output_dir=out,
+        algorithm='persfl',
+        num_clients=12,
+        rounds=3,
+        client_fraction=0.5,
+        temperatures=(1.0,),
+        imitations=(0.5,),
+        distill_epochs=1,
+        dp_noise_multiplier=0.5,
+        dp_target_quantile=0.5,
+        dp_delta=1e-3,
+    )
+    result = experiment.run_experiment(config, log=lambda line: None)
+    dp = config.privacy(12)
+    assert dp.clients_per_round == 6.0
+    for row in result.rounds:
+        assert row['dp_epsilon'] == pytest.approx(privacy.epsilon(dp, 0.5, row['round'], 1e-3), rel=1e-9)
+        assert row['aggregator_dp_query_metrics_clip'] > 0  # the adaptive clip, per round
+    with open(f'{out}/metrics.csv') as f:
+        assert 'dp_epsilon' in f.readline()
+    with open(f'{out}/report.md') as f:
+        report = f.read()
+    assert "User-level DP (stage 1's model updates (stage 2 stays on the clients)): noise multiplier 0.5" in report
+    assert f'epsilon = {result.rounds[-1]["dp_epsilon"]:.4g} at delta = 0.001 after 3 rounds' in report

@@ -1,0 +1,197 @@
+"""User-level differential privacy of what clients upload: clipping, Gaussian noise, accounting.
+
+DP-FedAvg (McMahan et al., 2018, https://arxiv.org/abs/1710.06963): each
+client's upload is clipped to L2 norm C, the clipped uploads are summed, the
+server adds N(0, (z C)^2) noise to the sum and divides by the expected number
+of clients per round. Every client counts once, whatever its number of
+examples: one user's contribution is bounded by C, which is what user-level
+DP needs. C is either fixed or adapted each round towards a quantile of the
+clients' norms (Andrew et al., 2021, https://arxiv.org/abs/1905.03871),
+privately: the count of unclipped clients is noised too, and the value noise
+is raised so that the pair costs what noise multiplier z alone would.
+
+Both are TFF's own `tff.aggregators.DifferentiallyPrivateFactory`
+(`gaussian_fixed`, `gaussian_adaptive`); the noise is added at SERVER, after
+the sum (central DP). The noise is drawn from TensorFlow's unseeded
+generator, as in a deployment: a noise anyone could regenerate from a seed
+would void the guarantee. So a DP run is not bit-for-bit reproducible, and a
+resumed DP run continues with fresh noise.
+
+Accounting (`epsilon`) uses `dp_accounting`'s RDP accountant on the event
+the aggregator itself reports each round (`round_event` builds the same
+event), amplified by Poisson sampling of clients with probability q when
+q < 1, composed over the rounds.
+"""
+
+import dataclasses
+import math
+
+import dp_accounting
+import tensorflow_federated as tff
+
+# Adaptive clipping's other parameters: TFF's defaults (Andrew et al.: an
+# initial clip that starts small, a geometric learning rate of 0.2, and the
+# unclipped count noised with stddev 0.05 x the expected clients per round).
+ADAPTIVE_LEARNING_RATE = 0.2
+DEFAULT_INITIAL_CLIP = 0.1
+
+
+class PrivacyError(ValueError):
+    """A differential-privacy configuration that cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DPConfig:
+    """User-level DP of the uploads.
+
+    Attributes:
+      noise_multiplier: z, the noise standard deviation over the clip (>= 0).
+      clients_per_round: the expected number of clients per round (q N); the
+        noised sum is divided by it.
+      clip: a fixed clipping norm C; None: adaptive clipping.
+      target_quantile: adaptive clipping's target share of unclipped clients,
+        in (0, 1); None with a fixed clip.
+      initial_clip: adaptive clipping's initial norm.
+    """
+
+    noise_multiplier: float
+    clients_per_round: float
+    clip: float | None = None
+    target_quantile: float | None = None
+    initial_clip: float = DEFAULT_INITIAL_CLIP
+
+    def __post_init__(self):
+        problems = [
+            (self.noise_multiplier >= 0, f'dp_noise_multiplier must be >= 0, got {self.noise_multiplier}'),
+            (self.clients_per_round > 0, f'the expected clients per round must be > 0, got {self.clients_per_round}'),
+            (
+                (self.clip is None) != (self.target_quantile is None),
+                'give --dp_clip (fixed clipping) or --dp_target_quantile (adaptive clipping), one of them',
+            ),
+            (self.clip is None or self.clip > 0, f'dp_clip must be > 0, got {self.clip}'),
+            (
+                self.target_quantile is None or 0 < self.target_quantile < 1,
+                f'dp_target_quantile must be in (0, 1), got {self.target_quantile}',
+            ),
+            (self.initial_clip > 0, f'dp_initial_clip must be > 0, got {self.initial_clip}'),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise PrivacyError(message)
+        if self.adaptive and self.noise_multiplier > 0:
+            try:
+                _adaptive_split(self.noise_multiplier, self.clients_per_round)
+            except ValueError:
+                raise PrivacyError(
+                    f'adaptive clipping cannot reach noise multiplier {self.noise_multiplier:g} with '
+                    f'{self.clients_per_round:g} expected clients per round (the unclipped count is noised with '
+                    f'stddev 0.05 x clients per round, which must exceed half the multiplier); sample more clients '
+                    'or use --dp_clip'
+                ) from None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the clip adapts to a quantile of the clients' norms."""
+        return self.clip is None
+
+    def noise_parameters(self) -> tuple[float, float]:
+        """The noise multiplier of the values and the stddev of the unclipped count.
+
+        Returns:
+          `(z_values, count_stddev)`: with a fixed clip `(z, 0)`; adaptive,
+          TFF's split (`adaptive_clip_noise_params`), in which the two
+          Gaussian releases together cost what one with multiplier z would.
+        """
+        if not self.adaptive:
+            return self.noise_multiplier, 0.0
+        return _adaptive_split(self.noise_multiplier, self.clients_per_round)
+
+    def factory(self) -> tff.aggregators.UnweightedAggregationFactory:
+        """The aggregation of the uploads: clip, sum, noise at SERVER, divide by `clients_per_round`.
+
+        Returns:
+          TFF's `DifferentiallyPrivateFactory`, fixed or adaptive.
+        """
+        if self.adaptive:
+            return tff.aggregators.DifferentiallyPrivateFactory.gaussian_adaptive(
+                noise_multiplier=float(self.noise_multiplier),
+                clients_per_round=float(self.clients_per_round),
+                initial_l2_norm_clip=float(self.initial_clip),
+                target_unclipped_quantile=float(self.target_quantile),
+                learning_rate=ADAPTIVE_LEARNING_RATE,
+            )
+        return tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
+            noise_multiplier=float(self.noise_multiplier),
+            clients_per_round=float(self.clients_per_round),
+            clip=float(self.clip),
+        )
+
+    def round_event(self) -> dp_accounting.DpEvent:
+        """What one round releases, before client sampling (the event the aggregator reports).
+
+        Returns:
+          `GaussianDpEvent(z)` with a fixed clip; adaptive, the composition of
+          the values' and the unclipped count's Gaussian releases (the count
+          has sensitivity 1/2).
+        """
+        if not self.adaptive:
+            return dp_accounting.GaussianDpEvent(self.noise_multiplier)
+        values, count_stddev = self.noise_parameters()
+        count = count_stddev / 0.5 if count_stddev > 0 else 0.0
+        return dp_accounting.ComposedDpEvent(
+            [dp_accounting.GaussianDpEvent(values), dp_accounting.GaussianDpEvent(count)]
+        )
+
+
+def _adaptive_split(noise_multiplier: float, clients_per_round: float) -> tuple[float, float]:
+    from tensorflow_federated.python.aggregators import differential_privacy
+
+    return differential_privacy.adaptive_clip_noise_params(float(noise_multiplier), float(clients_per_round))
+
+
+def default_delta(num_clients: int) -> float:
+    """delta = 1 / N^1.1: below 1/N, so that no single user's data may leak with that probability.
+
+    Args:
+      num_clients: N, the population (users).
+
+    Returns:
+      The delta of the reported (epsilon, delta).
+    """
+    return float(num_clients) ** -1.1
+
+
+def sampled_event(event: dp_accounting.DpEvent, sampling_probability: float) -> dp_accounting.DpEvent:
+    """One round's event with its client sampling: Poisson with probability q, or everyone.
+
+    Args:
+      event: the round's release (`DPConfig.round_event`).
+      sampling_probability: q in (0, 1].
+
+    Returns:
+      `PoissonSampledDpEvent(q, event)`, or `event` itself when q = 1.
+    """
+    if sampling_probability >= 1.0:
+        return event
+    return dp_accounting.PoissonSampledDpEvent(sampling_probability, event)
+
+
+def epsilon(dp: DPConfig, sampling_probability: float, rounds: int, delta: float) -> float:
+    """epsilon after `rounds` rounds at `delta`, by the RDP accountant.
+
+    Args:
+      dp: the mechanism.
+      sampling_probability: q, each client's chance to take part in a round.
+      rounds: rounds run so far (>= 0).
+      delta: the delta of (epsilon, delta).
+
+    Returns:
+      epsilon; 0 before any round, inf without noise.
+    """
+    if rounds <= 0:
+        return 0.0
+    if dp.noise_multiplier == 0:
+        return math.inf
+    accountant = dp_accounting.rdp.RdpAccountant()
+    accountant.compose(sampled_event(dp.round_event(), sampling_probability), rounds)
+    return float(accountant.get_epsilon(delta))
