@@ -34,6 +34,8 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
+import numpy as np
+import tensorflow as tf
 import tensorflow_federated as tff
 from tensorflow_federated.proto.v0 import computation_pb2
 
@@ -264,18 +266,29 @@ class Export:
         Returns:
           `(new server state, phase metrics)`.
 
+        The secure-aggregation parts of `work` (`secure_sum_bitwidth`,
+        `secure_sum_max_input`, `secure_modular_sum`) are summed here as a
+        secure-aggregation service would: integer sums of every device's
+        values, each checked against its bit width or maximum input, modular
+        sums reduced by their modulus; only the sums reach `update`.
+
         Raises:
-          ExportError: if the phase has secure-aggregation parts.
+          ExportError: a device's secure-sum input outside its declared range.
         """
         broadcast = form.prepare(state)
         accumulator = form.zero()
+        secure = [
+            _SecureSum('secure_sum_bitwidth', form.secure_sum_bitwidth(), lambda b: 2**b - 1, None),
+            _SecureSum('secure_sum_max_input', form.secure_sum_max_input(), lambda m: m, None),
+            _SecureSum('secure_modular_sum', form.secure_modular_sum_modulus(), lambda m: m - 1, 'modulus'),
+        ]
         for device in devices:
             work = form.work(device, broadcast)
-            if any(len(tff.structure.flatten(part)) for part in work[1:]):
-                raise ExportError('the round has secure-aggregation parts; run them under tff.backends.test')
             accumulator = form.accumulate(accumulator, work[0])
+            for part, values in zip(secure, work[1:]):
+                part.add(values)
         report = form.report(form.merge(form.zero(), accumulator))
-        result = form.update(state, (report, (), (), ()))
+        result = form.update(state, (report, *(part.result() for part in secure)))
         return _state_and_metrics(result)
 
     def run_round_distribute_aggregate(self, state, devices: Sequence):
@@ -300,6 +313,42 @@ class Export:
             state, phase_metrics = _state_and_metrics(form.server_result(intermediate, aggregated))
             metrics.update(phase_metrics)
         return state, metrics
+
+
+class _SecureSum:
+    """What a secure-aggregation service releases for one kind of MapReduceForm secure sum: only the sum.
+
+    Each device's values must lie in [0, `bound(parameter)`] (the bit width's
+    or the maximum input's range, or below the modulus); a modular sum is
+    reduced by its modulus.
+    """
+
+    def __init__(self, name: str, parameters, bound, reduce):
+        self._name = name
+        self._parameters = tf.nest.flatten(parameters)
+        self._bounds = [int(bound(int(p))) for p in self._parameters]
+        self._modular = reduce == 'modulus'
+        self._template = None
+        self._sums = None
+
+    def add(self, values) -> None:
+        flat = tf.nest.flatten(values)
+        if self._template is None:
+            self._template = values
+            self._sums = [np.zeros(np.shape(v), np.int64) for v in flat]
+        for i, (value, bound) in enumerate(zip(flat, self._bounds)):
+            value = np.asarray(value).astype(np.int64)
+            if value.size and (value.min() < 0 or value.max() > bound):
+                raise ExportError(f'a device sent {self._name} input outside [0, {bound}]')
+            self._sums[i] = self._sums[i] + value
+            if self._modular:
+                self._sums[i] %= int(self._parameters[i])
+
+    def result(self):
+        if self._template is None:  # no secure part of this kind (or no device)
+            return ()
+        dtypes = [np.asarray(v).dtype for v in tf.nest.flatten(self._template)]
+        return tf.nest.pack_sequence_as(self._template, [s.astype(d) for s, d in zip(self._sums, dtypes)])
 
 
 def _compare_client_data(staged: str, root: str, expected: dict, clients_dir: str) -> None:

@@ -51,6 +51,10 @@ def exports(tmp_path_factory):
         config = _config(root / algorithm, algorithm, **extra)
         export.export(config, log=lambda line: None)
         done[algorithm] = (str(root / algorithm), config)
+    # FedAvg with its uploads summed by secure sums (federated_secure_sum_bitwidth).
+    config = _config(root / 'fedavg_secure', 'fedavg', secure_aggregation=True)
+    export.export(config, log=lambda line: None)
+    done['fedavg_secure'] = (str(root / 'fedavg_secure'), config)
     return done
 
 
@@ -88,6 +92,8 @@ def _assert_equal(a, b):
     [
         ('fedavg', 'map_reduce'),
         ('fedavg', 'distribute_aggregate'),
+        ('fedavg_secure', 'map_reduce'),
+        ('fedavg_secure', 'distribute_aggregate'),
         ('persfl', 'map_reduce'),
         ('persfl', 'distribute_aggregate'),
         ('local', 'map_reduce'),
@@ -401,3 +407,15 @@ def test_devices_prepare_their_client_data_from_the_clients_dir_layout(tmp_path)
 def test_clients_dir_staging_refuses_an_export_of_another_source(exports):
     with pytest.raises(loader.ExportError, match="made from 'synthetic', not from a clients:DIR source"):
         loader.Export(exports['fedavg'][0]).stage_clients_dir('/nonexistent', log=lambda line: None)
+
+
+def test_manifest_says_how_the_uploads_are_aggregated(exports):
+    manifests = {}
+    for name in ('fedavg', 'fedavg_secure'):
+        with open(os.path.join(exports[name][0], 'manifest.json')) as f:
+            manifests[name] = json.load(f)['aggregation']
+    plain, secure = manifests['fedavg'], manifests['fedavg_secure']
+    assert (plain['dp'], plain['secure_aggregation'], secure['secure_aggregation']) == (False, False, True)
+    assert 'federated_secure_sum_bitwidth' not in plain['phases']['next']
+    # The model's update goes through the secure sum; only the training metrics' sums stay plain.
+    assert secure['phases']['next'] == ['federated_secure_sum_bitwidth', 'federated_sum']

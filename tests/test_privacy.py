@@ -12,8 +12,8 @@ from tensorflow_federated.python.aggregators import differential_privacy
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import privacy
-from tff_pfl.program import experiment, training_loop
+from tff_pfl.computations import audit, privacy
+from tff_pfl.program import algorithms, experiment, training_loop
 
 
 def _aggregate(dp, values):
@@ -162,6 +162,14 @@ def _config(**fields):
             {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'ktpfl'},
             '--dp_noise_multiplier: ktpfl does not take user-level DP yet',
         ),
+        (
+            {'secure_aggregation': True, 'algorithm': 'selffl'},
+            '--secure_aggregation: selffl does not take user-level DP yet',
+        ),
+        (
+            {'secure_aggregation': True, 'workers': ('localhost:1', 'localhost:2')},
+            '--secure_aggregation runs on one worker',
+        ),
     ],
 )
 def test_bad_privacy_settings_are_one_line(fields, message):
@@ -210,3 +218,46 @@ def test_a_dp_run_reports_epsilon_after_every_round(tmp_path, tff_runtime):
         report = f.read()
     assert "User-level DP (stage 1's model updates (stage 2 stays on the clients)): noise multiplier 0.5" in report
     assert f'epsilon = {result.rounds[-1]["dp_epsilon"]:.4g} at delta = 0.001 after 3 rounds' in report
+
+
+def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
+    models_after = []
+    for aggregator in (None, privacy.secure_mean_factory()):
+        process = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=aggregator, seed=3)
+        state = process.initialize()
+        clients = [process.initial_client_state(c) for c in spec.client_ids]
+        for _ in range(2):
+            state, clients, metrics = process.next(state, clients)
+        models_after.append(state['model'])
+    # The same example-weighted mean, up to the 32-bit quantization of the secure sum's range.
+    for secure, plain in zip(models_after[1], models_after[0]):
+        np.testing.assert_allclose(secure, plain, atol=1e-5)
+    assert metrics['aggregator']['mean_value']['secure_upper_clipped_count'] == 0
+
+
+@pytest.mark.parametrize('name', sorted(a for a in algorithms.names() if algorithms.get(a).private_uploads))
+def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_name = 'mnist_dnn' if name == 'fedper' else 'logistic'
+    model_fn = functools.partial(models.get(model_name), spec.feature_shape, spec.num_classes)
+    params = sum(int(np.prod(w.shape)) for w in model_fn().trainable_weights)
+    built = {}
+    for label, extra in [
+        ('plain', {}),
+        ('dp+secure', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': True}),
+    ]:
+        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, model=model_name, **extra)
+        config.validate()
+        built[label] = algorithms.build(name, config.settings, spec, model_fn, config)
+    for label, process in built.items():
+        # What crosses from CLIENTS to SERVER as large as a model (the uploads) and how.
+        uploads = {uri for uri, t in audit.clients_to_server_values(process.next) if audit.type_bytes(t) >= 2 * params}
+        if label == 'plain':
+            assert uploads and not uploads & {'federated_secure_sum_bitwidth'}, uploads
+        else:
+            assert uploads == {'federated_secure_sum_bitwidth'}, uploads
+        dp_state = 'l2_norm_clip' in str(process.next.type_signature.parameter[0])
+        assert dp_state == (label != 'plain')

@@ -26,6 +26,7 @@ with runtime.local_runtime() as rt:
 
 import atexit
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -141,6 +142,38 @@ def _wait_until_ready(
     return stub
 
 
+def compile_for_worker(comp):
+    """TFF's native compilation, with secure-sum intrinsics replaced by what they compute.
+
+    TFF's worker implements no secure-aggregation protocol; a simulation runs
+    the secure sums' arithmetic (clip, quantize, integer sum, dequantize) as
+    plain TensorFlow, as TFF's own test contexts do. The computation itself,
+    and what it exports, keep the secure intrinsics (docs/privacy.md).
+
+    Args:
+      comp: a computation building block.
+
+    Returns:
+      The compiled building block.
+    """
+    from tensorflow_federated.python.core.backends.test import compiler as test_compiler
+
+    return tff.backends.native.desugar_and_transform_to_native(
+        test_compiler.replace_secure_intrinsics_with_bodies(comp)
+    )
+
+
+def _unused_secure_sum_assertion(record: logging.LogRecord) -> bool:
+    """False for TensorFlow's complaint about the assertions TFF's secure-sum bodies build and never run."""
+    message = record.getMessage()
+    return not ('Object was never used' in message and 'assert_less_equal' in message)
+
+
+# Those complaints come when the graphs are collected, at any later time; they
+# are noise (the assertions are TFF's, unused by design), so they never show.
+logging.getLogger('tensorflow').addFilter(_unused_secure_sum_assertion)
+
+
 def _execution_context(stub, asynchronous: bool = False):
     """TFF's synchronous (or asynchronous) execution context on the worker behind `stub`."""
 
@@ -155,7 +188,7 @@ def _execution_context(stub, asynchronous: bool = False):
     context_class = tff.framework.AsyncExecutionContext if asynchronous else tff.framework.SyncExecutionContext
     return context_class(
         executor_fn=tff.framework.ResourceManagingExecutorFactory(executor_fn),
-        compiler_fn=tff.backends.native.desugar_and_transform_to_native,
+        compiler_fn=compile_for_worker,
         transform_args=tff.tensorflow.transform_args,
         transform_result=tff.tensorflow.transform_result,
     )

@@ -10,9 +10,11 @@ clients' norms (Andrew et al., 2021, https://arxiv.org/abs/1905.03871),
 privately: the count of unclipped clients is noised too, and the value noise
 is raised so that the pair costs what noise multiplier z alone would.
 
-Both are TFF's own `tff.aggregators.DifferentiallyPrivateFactory`
-(`gaussian_fixed`, `gaussian_adaptive`); the noise is added at SERVER, after
-the sum (central DP). The noise is drawn from TensorFlow's unseeded
+Both are TFF's own `tff.aggregators.DifferentiallyPrivateFactory` with the
+queries of its `gaussian_fixed` and `gaussian_adaptive`; the noise is added
+at SERVER, after the sum (central DP), which may be a secure sum
+(`SecureSumFactory`). Without DP, `secure_mean_factory` is the
+example-weighted mean through secure sums. The noise is drawn from TensorFlow's unseeded
 generator, as in a deployment: a noise anyone could regenerate from a seed
 would void the guarantee. So a DP run is not bit-for-bit reproducible, and a
 resumed DP run continues with fresh noise.
@@ -28,6 +30,7 @@ import math
 
 import dp_accounting
 import tensorflow_federated as tff
+import tensorflow_privacy as tfp
 
 # Adaptive clipping's other parameters: TFF's defaults (Andrew et al.: an
 # initial clip that starts small, a geometric learning rate of 0.2, and the
@@ -106,25 +109,40 @@ class DPConfig:
             return self.noise_multiplier, 0.0
         return _adaptive_split(self.noise_multiplier, self.clients_per_round)
 
-    def factory(self) -> tff.aggregators.UnweightedAggregationFactory:
+    def factory(self, *, secure: bool = False) -> tff.aggregators.UnweightedAggregationFactory:
         """The aggregation of the uploads: clip, sum, noise at SERVER, divide by `clients_per_round`.
 
+        Args:
+          secure: sum the clipped records with TFF's `SecureSumFactory`
+            (`federated_secure_sum_bitwidth`) instead of a plain sum; the
+            noise is still added at SERVER, after the secure sum. With a
+            fixed clip C every coordinate of a record lies in [-C, C], the
+            secure sum's range; with adaptive clipping the range adapts
+            (`secure_range`). Clipping coordinates never raises a record's
+            L2 norm, so the DP guarantee is unchanged.
+
         Returns:
-          TFF's `DifferentiallyPrivateFactory`, fixed or adaptive.
+          TFF's `DifferentiallyPrivateFactory` (its `gaussian_fixed` or
+          `gaussian_adaptive` query).
         """
+        z, cpr = float(self.noise_multiplier), float(self.clients_per_round)
         if self.adaptive:
-            return tff.aggregators.DifferentiallyPrivateFactory.gaussian_adaptive(
-                noise_multiplier=float(self.noise_multiplier),
-                clients_per_round=float(self.clients_per_round),
+            values_z, count_stddev = self.noise_parameters()
+            query = tfp.QuantileAdaptiveClipSumQuery(
                 initial_l2_norm_clip=float(self.initial_clip),
+                noise_multiplier=values_z,
                 target_unclipped_quantile=float(self.target_quantile),
                 learning_rate=ADAPTIVE_LEARNING_RATE,
+                clipped_count_stddev=count_stddev,
+                expected_num_records=cpr,
+                geometric_update=True,
             )
-        return tff.aggregators.DifferentiallyPrivateFactory.gaussian_fixed(
-            noise_multiplier=float(self.noise_multiplier),
-            clients_per_round=float(self.clients_per_round),
-            clip=float(self.clip),
-        )
+            records = tff.aggregators.SecureSumFactory(secure_range()) if secure else None
+        else:
+            clip = float(self.clip)
+            query = tfp.GaussianSumQuery(l2_norm_clip=clip, stddev=clip * z)
+            records = tff.aggregators.SecureSumFactory(clip) if secure else None
+        return tff.aggregators.DifferentiallyPrivateFactory(tfp.NormalizedQuery(query, denominator=cpr), records)
 
     def round_event(self) -> dp_accounting.DpEvent:
         """What one round releases, before client sampling (the event the aggregator reports).
@@ -141,6 +159,35 @@ class DPConfig:
         return dp_accounting.ComposedDpEvent(
             [dp_accounting.GaussianDpEvent(values), dp_accounting.GaussianDpEvent(count)]
         )
+
+
+def secure_range() -> tff.templates.EstimationProcess:
+    """The adaptive range of a secure sum: TFF's own (`tff.learning.secure_aggregator`).
+
+    The bound on |value| starts at 50 and follows twice the 0.95 quantile of
+    the clients' largest absolute coordinates, estimated through secure sums
+    of indicators; values beyond it are clipped to it and counted
+    (`secure_upper_clipped_count`, `secure_lower_clipped_count`).
+
+    Returns:
+      A `tff.aggregators.PrivateQuantileEstimationProcess` without noise.
+    """
+    return tff.aggregators.PrivateQuantileEstimationProcess.no_noise(
+        initial_estimate=50.0, target_quantile=0.95, learning_rate=1.0, multiplier=2.0, secure_estimation=True
+    )
+
+
+def secure_mean_factory() -> tff.aggregators.WeightedAggregationFactory:
+    """The example-weighted mean through secure sums (without DP).
+
+    TFF's `tff.learning.secure_aggregator` without its robustness options
+    (zeroing, norm clipping), which would change the algorithms: the weighted
+    values are summed in `secure_range`, the weights in [0, 2^20 - 1].
+
+    Returns:
+      A weighted `tff.aggregators.MeanFactory` over `SecureSumFactory`s.
+    """
+    return tff.learning.secure_aggregator(zeroing=False, clipping=False, weighted=True)
 
 
 def _adaptive_split(noise_multiplier: float, clients_per_round: float) -> tuple[float, float]:

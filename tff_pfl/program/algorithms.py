@@ -15,7 +15,7 @@ import numpy as np
 
 from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import heterogeneous
+from tff_pfl.computations import heterogeneous, privacy
 from tff_pfl.program import reports
 
 
@@ -289,10 +289,15 @@ def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
     )
 
 
-def _dp_aggregator(config, spec):
-    """Under user-level DP, the clipped, noised, unweighted mean of the uploads; else None (the default mean)."""
+def _upload_aggregator(config, spec):
+    """How the uploads are aggregated: DP's clipped, noised, unweighted mean, through secure sums or not.
+
+    Returns None (the example-weighted mean) without DP or secure aggregation.
+    """
     dp = config.privacy(spec.num_clients)
-    return None if dp is None else dp.factory()
+    if dp is not None:
+        return dp.factory(secure=config.secure_aggregation)
+    return privacy.secure_mean_factory() if config.secure_aggregation else None
 
 
 def _persfl(title, soft_loss) -> Algorithm:
@@ -301,7 +306,7 @@ def _persfl(title, soft_loss) -> Algorithm:
         title,
         persfl.PersFLSettings,
         lambda s, spec, model_fn, config: persfl.build_persfl_process(
-            spec, model_fn, s, soft_loss=soft_loss, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, soft_loss=soft_loss, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         _persfl_columns,
         _persfl_plots,
@@ -314,7 +319,7 @@ _ALGORITHMS = {
         'FedAvg (McMahan et al., 2017)',
         fedavg.FedAvgSettings,
         lambda s, spec, model_fn, config: fedavg.build_fedavg_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads='model updates',
     ),
@@ -322,7 +327,7 @@ _ALGORITHMS = {
         'FedAvg + local fine-tuning chosen on validation',
         fedavg.FedAvgFTSettings,
         lambda s, spec, model_fn, config: fedavg.build_fedavg_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
         _finetune_plots,
@@ -377,7 +382,7 @@ _ALGORITHMS = {
         'FedPer (Arivazhagan et al., 2019): shared base layers, personal head',
         fedper.FedPerSettings,
         lambda s, spec, model_fn, config: fedper.build_fedper_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         # Logistic regression has one layer: nothing would be shared.
         default_models={'synthetic': 'mnist_dnn'},
@@ -387,7 +392,7 @@ _ALGORITHMS = {
         'Ditto (Li et al., 2021): personal models pulled towards the global one',
         ditto.DittoSettings,
         lambda s, spec, model_fn, config: ditto.build_ditto_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads="the global model's updates (v_i stays on the clients)",
     ),
@@ -395,7 +400,7 @@ _ALGORITHMS = {
         'pFedMe (Dinh et al., 2020): Moreau envelopes',
         pfedme.PFedMeSettings,
         lambda s, spec, model_fn, config: pfedme.build_pfedme_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads="the local models' updates (the personalized theta_i stays on the clients)",
     ),
@@ -403,7 +408,7 @@ _ALGORITHMS = {
         'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
         perfedavg.PerFedAvgSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='fo', model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, variant='fo', model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads='meta-model updates',
     ),
@@ -411,7 +416,7 @@ _ALGORITHMS = {
         'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
         perfedavg.PerFedAvgHFSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='hf', model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, variant='hf', model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads='meta-model updates',
     ),
@@ -419,7 +424,7 @@ _ALGORITHMS = {
         'APFL (Deng et al., 2020): adaptive mixture of local and global models',
         apfl.APFLSettings,
         lambda s, spec, model_fn, config: apfl.build_apfl_process(
-            spec, model_fn, s, model_aggregator=_dp_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         lambda state: {'alpha': float(state['alpha'])},
         _apfl_plots,

@@ -142,6 +142,11 @@ class ExperimentConfig(settings_lib.Settings):
     dp_target_epsilon: float | None = _setting(
         None, 'DP: refuse, before anything is written, a run whose epsilon after --rounds would exceed this.'
     )
+    secure_aggregation: bool = _setting(
+        False,
+        "Sum the clients' uploads with TFF's secure-sum aggregators (federated_secure_sum_bitwidth); with DP the "
+        'noise is added after the secure sum (docs/privacy.md).',
+    )
     max_concurrent_clients: int = _setting(2, 'Client computations the TFF worker runs at once (-1: no limit).')
     workers: tuple[str, ...] = _setting(
         (),
@@ -343,6 +348,11 @@ class ExperimentConfig(settings_lib.Settings):
         return self.dp_delta if self.dp_delta is not None else privacy_lib.default_delta(num_clients)
 
     def _check_privacy(self, entry) -> None:
+        if self.secure_aggregation:
+            if entry.private_uploads is None:
+                raise ConfigError(f'--secure_aggregation: {self.algorithm} {entry.no_privacy}')
+            if len(self.workers) > 1:
+                raise ConfigError('--secure_aggregation runs on one worker: give one --workers address or none')
         dp_fields = [name for name in _DP_FIELDS if getattr(self, name) is not None]
         if not dp_fields:
             return

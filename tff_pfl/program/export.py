@@ -37,6 +37,7 @@ from importlib import metadata
 
 import tensorflow_federated as tff
 
+from tff_pfl.computations import audit
 from tff_pfl.data import client_data
 from tff_pfl.program import algorithms, experiment
 
@@ -153,6 +154,18 @@ def export(
     return manifest
 
 
+def _aggregation(config, process) -> collections.OrderedDict:
+    """How the uploads reach the server: DP, secure sums, and each phase's CLIENTS-to-SERVER intrinsics."""
+    phases = process.device.phases if process.device is not None else {'next': process.next}
+    return collections.OrderedDict(
+        dp=config.dp_noise_multiplier is not None,
+        secure_aggregation=config.secure_aggregation,
+        phases=collections.OrderedDict(
+            (phase, sorted(audit.clients_to_server_intrinsics(comp))) for phase, comp in phases.items()
+        ),
+    )
+
+
 def _export_into(out, config, spec, process, log) -> collections.OrderedDict:
     limit = algorithms.get(config.algorithm).not_one_aggregation
     manifest = collections.OrderedDict(
@@ -171,6 +184,7 @@ def _export_into(out, config, spec, process, log) -> collections.OrderedDict:
         forms=collections.OrderedDict(),
         computations=collections.OrderedDict(),
         config=config.to_dict(),
+        aggregation=_aggregation(config, process),
     )
     for name, comp in exported_computations(process).items():
         manifest['computations'][name] = _write_computation(out, f'computations/{name}.pb', comp)
