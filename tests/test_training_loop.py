@@ -56,6 +56,28 @@ def test_run_samples_evaluates_everyone_and_is_deterministic(process, tff_runtim
     assert [r['train_loss'] for r in other.rounds] != [r['train_loss'] for r in result.rounds]
 
 
+def test_poisson_rounds_may_be_empty_and_then_change_nothing(process, tff_runtime):
+    spec, proc = process
+    # q = 0.2 with 3 clients: a round draws nobody with probability 0.8^3 = 0.51.
+    result, lines = _run(proc, spec, rounds=8, client_fraction=0.2, seed=2, poisson_sampling=True)
+    sizes = [r['num_clients'] for r in result.rounds]
+    assert 0 in sizes and any(n > 0 for n in sizes), sizes
+    assert len(lines) == 8
+    # The rounds that drew nobody did not count as participation, and the sizes vary.
+    assert sum(s['num_participations'] for s in result.client_states.values()) == sum(sizes)
+    rng = np.random.default_rng([2, 0x5A3D])
+    expected = [len(training_loop.sample_clients(rng, spec.client_ids, 0.2, poisson=True)) for _ in range(8)]
+    assert sizes == expected
+    # Only empty rounds: the model is the initial one.
+    rng, rounds = np.random.default_rng([2, 0x5A3D]), 0
+    while training_loop.sample_clients(rng, spec.client_ids, 0.2, poisson=True) == []:
+        rounds += 1
+    assert rounds == 4  # seed 2 draws nobody in its first four rounds
+    idle, _ = _run(proc, spec, rounds=rounds, client_fraction=0.2, seed=2, poisson_sampling=True)
+    for got, want in zip(idle.state['model'], proc.initialize()['model']):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_store_rejects_a_state_in_the_wrong_slot(process, tff_runtime):
     spec, proc = process
     store = training_loop.ClientStateStore(proc, spec.client_ids)
