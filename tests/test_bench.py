@@ -844,3 +844,50 @@ def test_client_lift_by_hand():
     assert result['worst_10_of_baseline'] == pytest.approx(0.0)
     with pytest.raises(ValueError, match="'Other' has no results in partition 'p'"):
         client_lift.lift(rows, 'Other')
+
+
+DP_SUITE = """
+name = "dp"
+description = "accuracy against epsilon"
+[defaults]
+dataset = "synthetic"
+num_clients = 6
+rounds = 2
+eval_every = 0
+client_fraction = 0.5
+seeds = [0]
+[[partitions]]
+name = "natural"
+partition = "natural"
+[[algorithms]]
+name = "FedAvg"
+algorithm = "fedavg"
+model = "global_model"
+[[algorithms]]
+name = "FedAvg z=1"
+algorithm = "fedavg"
+model = "global_model"
+[algorithms.overrides]
+dp_noise_multiplier = 1.0
+dp_clip = 1.0
+dp_delta = 0.001
+"""
+
+
+def test_a_dp_suite_reports_epsilon_and_plots_accuracy_against_it(tmp_path, tff_runtime):
+    from tff_pfl.computations import privacy
+
+    path = tmp_path / 'dp.toml'
+    path.write_text(DP_SUITE)
+    suite = bench_suite.load_suite(str(path))
+    out = str(tmp_path / 'out')
+    rows = bench_run.run_suite(suite, out, log=lambda line: None)
+    by_name = {row['algorithm']: row for row in rows}
+    want = privacy.epsilon(privacy.DPConfig(1.0, 3.0, clip=1.0), 0.5, 2, 1e-3)
+    assert by_name['FedAvg']['epsilon'] is None
+    assert by_name['FedAvg z=1']['epsilon'] == pytest.approx(want, rel=1e-9)
+    with open(os.path.join(out, 'report.md')) as f:
+        report = f.read()
+    assert '| diff std | epsilon |' in report
+    assert 'no DP' in report and f'{want:.3g}' in report
+    assert os.path.getsize(os.path.join(out, 'epsilon_natural.png')) > 0

@@ -182,7 +182,7 @@ def test_a_target_epsilon_the_schedule_exceeds_is_refused_with_the_epsilon_it_wo
     fields = {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'client_fraction': 0.1, 'dp_delta': 1e-5}
     reach = privacy.epsilon(_config(**fields).privacy(), 0.1, 100, 1e-5)
     _config(**fields, rounds=100, dp_target_epsilon=reach * 1.01).validate()
-    with pytest.raises(experiment.ConfigError, match=f'reach epsilon {reach:.3g} at delta 1e-05'):
+    with pytest.raises(experiment.ConfigError, match=f'reach epsilon {reach:.5g} at delta 1e-05'):
         _config(**fields, rounds=100, dp_target_epsilon=reach * 0.99).validate()
     # The default delta is 1 / N^1.1.
     assert _config(**fields).dp_delta_for(1000) == 1e-5
@@ -261,3 +261,30 @@ def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path
             assert uploads == {'federated_secure_sum_bitwidth'}, uploads
         dp_state = 'l2_norm_clip' in str(process.next.type_signature.parameter[0])
         assert dp_state == (label != 'plain')
+
+
+def test_noise_multiplier_for_a_target_epsilon_reaches_it():
+    q, rounds, delta = 0.1, 200, 1e-5
+    for target in (1.0, 3.0, 8.0):
+        z = privacy.noise_multiplier_for(target, q, rounds, delta)
+        at = privacy.epsilon(privacy.DPConfig(z, 100.0, clip=1.0), q, rounds, delta)
+        below = privacy.epsilon(privacy.DPConfig(z - 1e-3, 100.0, clip=1.0), q, rounds, delta)
+        assert at <= target < below, (target, z, at, below)
+
+
+def test_dp_noise_script_prints_calibrated_multipliers(capsys):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'benchmarks', 'dp_noise.py')
+    spec = importlib.util.spec_from_file_location('dp_noise', path)
+    dp_noise = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dp_noise)
+    args = ['--epsilons=2', '--client_fraction=0.1', '--rounds=50', '--num_clients=1000']
+    assert dp_noise.main(args) == 0
+    line = capsys.readouterr().out.strip()
+    z = privacy.noise_multiplier_for(2.0, 0.1, 50, 1000**-1.1, clients_per_round=100.0)
+    assert line.startswith(f'epsilon 2: dp_noise_multiplier = {math.ceil(z * 1e4) / 1e4:.4f} (reaches ')
+    with pytest.raises(SystemExit) as exited:
+        dp_noise.main(['--epsilons=-1', '--client_fraction=0.1', '--rounds=50', '--num_clients=1000'])
+    assert exited.value.code == 2

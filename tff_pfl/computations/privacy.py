@@ -242,3 +242,41 @@ def epsilon(dp: DPConfig, sampling_probability: float, rounds: int, delta: float
     accountant = dp_accounting.rdp.RdpAccountant()
     accountant.compose(sampled_event(dp.round_event(), sampling_probability), rounds)
     return float(accountant.get_epsilon(delta))
+
+
+def noise_multiplier_for(
+    target_epsilon: float, sampling_probability: float, rounds: int, delta: float, **mechanism
+) -> float:
+    """The smallest noise multiplier whose epsilon after `rounds` rounds is at most `target_epsilon`.
+
+    `dp_accounting.calibrate_dp_mechanism` over `epsilon`'s schedule (for a
+    suite's rows at chosen epsilons: `benchmarks/dp_noise.py`).
+
+    Args:
+      target_epsilon: epsilon to reach (> 0).
+      sampling_probability: q.
+      rounds: rounds of the run.
+      delta: the delta of (epsilon, delta).
+      **mechanism: `DPConfig` fields besides the noise multiplier (default:
+        a fixed clip; adaptive clipping's event depends on
+        `clients_per_round`).
+
+    Returns:
+      z, within 1e-4 above the exact calibration.
+    """
+    fields = {'clients_per_round': 1.0, 'clip': 1.0, **mechanism}
+
+    def event(z: float) -> dp_accounting.DpEvent:
+        release = DPConfig(noise_multiplier=z, **fields).round_event()
+        return dp_accounting.SelfComposedDpEvent(sampled_event(release, sampling_probability), rounds)
+
+    return float(
+        dp_accounting.calibrate_dp_mechanism(
+            dp_accounting.rdp.RdpAccountant,
+            event,
+            target_epsilon,
+            delta,
+            dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
+            tol=1e-4,
+        )
+    )

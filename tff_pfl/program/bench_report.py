@@ -226,6 +226,9 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
                     minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
                     seconds_per_round=_mean(r.get('seconds_per_round') for r in mine),
+                    # The schedule fixes epsilon: every seed spends the same.
+                    epsilon=_mean(r.get('dp_epsilon') for r in mine),
+                    registry_name=algorithm.algorithm,
                     per_client=per_client,
                 )
             )
@@ -324,7 +327,19 @@ def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
             errors=[row['client_std_over_seeds'] for row in mine],
         )
         plots.append((f'Std across clients, {partition.name}', name))
+        if any(row['epsilon'] is not None for row in mine):
+            name = f'epsilon_{partition.slug}.png'
+            reports.plot_accuracy_vs_epsilon(
+                mine,
+                os.path.join(output_dir, name),
+                f'{suite.name}, {partition.name}: accuracy against the privacy spent (mean over seeds)',
+            )
+            plots.append((f'Accuracy against epsilon, {partition.name}', name))
     return plots
+
+
+def _epsilon(value: float | None) -> str:
+    return 'no DP' if value is None else f'{value:.3g}'
 
 
 def _display_path(path: str) -> str:
@@ -481,6 +496,7 @@ def render_report(
             'paper std': _paper_number(paper_std),
             'diff': '' if paper_mean is None else f'{row["accuracy_mean"] - paper_mean:+.2f}',
             'diff std': '' if paper_std is None else f'{row["client_std"] - paper_std:+.2f}',
+            'epsilon': _epsilon(row['epsilon']),
         }
         for metric in targeted:
             if metric == 'mean':  # the columns above
@@ -510,6 +526,9 @@ def render_report(
         if metric != 'mean':
             label = METRICS[metric][2]
             columns += [f'paper {label}', f'diff {label}']
+    if any(row['epsilon'] is not None for row in rows):
+        columns.append('epsilon')
+        lines += ['epsilon: user-level DP spent by the end of the run (docs/privacy.md); "no DP" without it.', '']
     lines += [reports.markdown_table(comparison, columns), '']
     target = (
         'no target_accuracy set'

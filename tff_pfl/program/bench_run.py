@@ -492,6 +492,9 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         ],
         final_only=final_only,
         curve=curve,
+        # User-level DP: the privacy spent by the end of the run (None without DP).
+        dp_epsilon=result.rounds[-1].get('dp_epsilon'),
+        dp_delta=config.dp_delta_for(num_clients) if config.dp_noise_multiplier is not None else None,
         target_accuracy=suite.target_accuracy,
         rounds_to_target=rounds_to_target(curve, suite.target_accuracy),
         communication=communication_totals(communication, config, result.rounds, num_clients),

@@ -383,7 +383,7 @@ class ExperimentConfig(settings_lib.Settings):
         if reached > self.dp_target_epsilon:
             raise ConfigError(
                 f'--dp_target_epsilon {self.dp_target_epsilon:g}: {self.rounds} rounds at noise multiplier '
-                f'{dp.noise_multiplier:g} and client fraction {self.client_fraction:g} reach epsilon {reached:.3g} '
+                f'{dp.noise_multiplier:g} and client fraction {self.client_fraction:g} reach epsilon {reached:.5g} '
                 f'at delta {delta:.3g}; lower --rounds or --client_fraction, or raise --dp_noise_multiplier'
             )
 

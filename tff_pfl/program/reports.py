@@ -157,6 +157,42 @@ def plot_curves(
     _save(fig, path)
 
 
+def plot_accuracy_vs_epsilon(rows: Sequence[Mapping], path: str, title: str) -> None:
+    """Mean and worst-10 % accuracy against epsilon, one line per algorithm; runs without DP as dashed levels.
+
+    Args:
+      rows: summary rows with `registry_name`, `epsilon` (None: no DP),
+        `accuracy_mean` and `worst_10` (in %).
+      path: where to write the PNG.
+      title: the figure title.
+    """
+    fig = Figure(figsize=(11, 5))
+    axes = fig.subplots(1, 2, sharey=True)
+    names = list(dict.fromkeys(row['registry_name'] for row in rows))
+    colors = {name: f'C{i % 10}' for i, name in enumerate(names)}
+    for ax, key, label in zip(axes, ('accuracy_mean', 'worst_10'), ('mean over clients', 'worst 10 % of clients')):
+        for name in names:
+            private = sorted(
+                (row['epsilon'], row[key])
+                for row in rows
+                if row['registry_name'] == name and row['epsilon'] is not None
+            )
+            if private:
+                xs, ys = zip(*private)
+                ax.plot(xs, ys, marker='o', color=colors[name], label=name)
+            for row in rows:
+                if row['registry_name'] == name and row['epsilon'] is None:
+                    ax.axhline(row[key], color=colors[name], linestyle='--', linewidth=1, label=f'{name}, no DP')
+        ax.set_xscale('log')
+        ax.set_xlabel('epsilon (log scale)')
+        ax.set_title(label)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel('test accuracy (%)')
+    axes[1].legend(fontsize='small')
+    fig.suptitle(title)
+    _save(fig, path)
+
+
 def plot_client_bars(
     client_ids: Sequence[str],
     series: Mapping[str, Sequence[float]],
