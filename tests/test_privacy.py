@@ -288,3 +288,47 @@ def test_dp_noise_script_prints_calibrated_multipliers(capsys):
     with pytest.raises(SystemExit) as exited:
         dp_noise.main(['--epsilons=-1', '--client_fraction=0.1', '--rounds=50', '--num_clients=1000'])
     assert exited.value.code == 2
+
+
+def _uploads(name, spec, model_fn):
+    extra = {'architectures': ('logistic',)} if algorithms.get(name).own_architectures else {'model': 'logistic'}
+    config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **extra)
+    process = algorithms.build(name, config.settings, spec, model_fn, config)
+    phases = process.device.phases if process.device is not None else {'next': process.next}
+    return {
+        phase: [(uri, str(t.member)) for uri, t in audit.clients_to_server_values(comp)]
+        for phase, comp in phases.items()
+    }
+
+
+def test_what_the_algorithms_without_dp_upload(tmp_path):
+    """docs/privacy.md's table, read from the rounds: N = 3 clients, P = 12 public examples, C = 3, D = 15."""
+    spec = make_linear_problem(tmp_path / 'data', public_examples=12)
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    metrics = '<loss_sum=float32,num_correct=float32,num_examples=float32,num_clients=float32,local_steps=float32>'
+    uploads = {name: _uploads(name, spec, model_fn) for name in ('selffl', 'ktpfl', 'ktpfl_homo', 'feddf', 'kdpdfl')}
+    (selffl,) = uploads['selffl'].values()
+    assert selffl[0] == (
+        'federated_sum',
+        '<weighted=<float32[4,3],float32[3]>,precision=float32,value=<float32[4,3],float32[3]>,square=float32,'
+        'count=float32,sigma_sum=float32,sigma_count=float32>',
+    )
+    # KT-pFL: every client's soft predictions, example count and presence in its own slot.
+    assert uploads['ktpfl']['share'] == [
+        ('federated_sum', 'float32[3,12,3]'),
+        ('federated_sum', 'float32[3]'),
+        ('federated_sum', 'float32[3]'),
+        ('federated_sum', metrics),
+    ]
+    assert uploads['ktpfl']['distill'] == [('federated_mean', 'float32')]
+    assert uploads['ktpfl_homo']['share'][0] == ('federated_sum', 'float32[3,15]')
+    (feddf,) = uploads['feddf'].values()
+    assert feddf[:3] == [
+        ('federated_sum', 'float32[1,15]'),
+        ('federated_sum', 'float32[1]'),
+        ('federated_mean', 'float32[12,3]'),
+    ]
+    (kdpdfl,) = uploads['kdpdfl'].values()
+    slots = kdpdfl[1][1]
+    assert kdpdfl[0] == ('federated_sum', f'<float32[{slots[8:-1]},4,3],float32[{slots[8:-1]},3]>')
+    assert slots.startswith('float32[')
