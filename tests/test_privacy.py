@@ -225,7 +225,7 @@ def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
     model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
     settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
     models_after = []
-    for aggregator in (None, privacy.secure_mean_factory()):
+    for aggregator in (None, privacy.secure_mean_factory(max(spec.split_sizes['train']))):
         process = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=aggregator, seed=3)
         state = process.initialize()
         clients = [process.initial_client_state(c) for c in spec.client_ids]
@@ -332,3 +332,12 @@ def test_what_the_algorithms_without_dp_upload(tmp_path):
     slots = kdpdfl[1][1]
     assert kdpdfl[0] == ('federated_sum', f'<float32[{slots[8:-1]},4,3],float32[{slots[8:-1]},3]>')
     assert slots.startswith('float32[')
+
+
+def test_a_weight_the_secure_sum_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(privacy, 'SECURE_WEIGHT_LIMIT', 10)  # Synthetic(1,1)'s clients have more examples
+    out = tmp_path / 'run'
+    config = experiment.make_config(output_dir=str(out), num_clients=5, rounds=1, secure_aggregation=True)
+    with pytest.raises(experiment.ConfigError, match='more than the secure sum of weights holds \\(10\\)'):
+        experiment.run_experiment(config, log=lambda line: None)
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -177,16 +177,33 @@ def secure_range() -> tff.templates.EstimationProcess:
     )
 
 
-def secure_mean_factory() -> tff.aggregators.WeightedAggregationFactory:
+# The range of the secure sum of the weights (examples) in `secure_mean_factory`: TFF's.
+SECURE_WEIGHT_LIMIT = 2**20 - 1
+
+
+def secure_mean_factory(max_weight: float) -> tff.aggregators.WeightedAggregationFactory:
     """The example-weighted mean through secure sums (without DP).
 
     TFF's `tff.learning.secure_aggregator` without its robustness options
     (zeroing, norm clipping), which would change the algorithms: the weighted
     values are summed in `secure_range`, the weights in [0, 2^20 - 1].
 
+    Args:
+      max_weight: the largest weight a client can send (its training
+        examples).
+
     Returns:
       A weighted `tff.aggregators.MeanFactory` over `SecureSumFactory`s.
+
+    Raises:
+      PrivacyError: `max_weight` does not fit the weights' range (it would be
+        clipped, and the mean silently wrong).
     """
+    if max_weight > SECURE_WEIGHT_LIMIT:
+        raise PrivacyError(
+            f'--secure_aggregation: a client weighs {max_weight:g} (its training examples), more than the secure '
+            f'sum of weights holds ({SECURE_WEIGHT_LIMIT})'
+        )
     return tff.learning.secure_aggregator(zeroing=False, clipping=False, weighted=True)
 
 

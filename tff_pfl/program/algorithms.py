@@ -297,7 +297,9 @@ def _upload_aggregator(config, spec):
     dp = config.privacy(spec.num_clients)
     if dp is not None:
         return dp.factory(secure=config.secure_aggregation)
-    return privacy.secure_mean_factory() if config.secure_aggregation else None
+    if not config.secure_aggregation:
+        return None
+    return privacy.secure_mean_factory(max(spec.split_sizes['train']))
 
 
 def _persfl(title, soft_loss) -> Algorithm:
