@@ -278,9 +278,9 @@ class Export:
         broadcast = form.prepare(state)
         accumulator = form.zero()
         secure = [
-            _SecureSum('secure_sum_bitwidth', form.secure_sum_bitwidth(), lambda b: 2**b - 1, None),
-            _SecureSum('secure_sum_max_input', form.secure_sum_max_input(), lambda m: m, None),
-            _SecureSum('secure_modular_sum', form.secure_modular_sum_modulus(), lambda m: m - 1, 'modulus'),
+            _SecureSum('secure_sum_bitwidth', form.secure_sum_bitwidth(), lambda b: 2**b - 1),
+            _SecureSum('secure_sum_max_input', form.secure_sum_max_input(), lambda m: m),
+            _SecureSum('secure_modular_sum', form.secure_modular_sum_modulus(), lambda m: m - 1, modular=True),
         ]
         for device in devices:
             work = form.work(device, broadcast)
@@ -323,11 +323,11 @@ class _SecureSum:
     reduced by its modulus.
     """
 
-    def __init__(self, name: str, parameters, bound, reduce):
+    def __init__(self, name: str, parameters, bound, *, modular: bool = False):
         self._name = name
         self._parameters = tf.nest.flatten(parameters)
         self._bounds = [int(bound(int(p))) for p in self._parameters]
-        self._modular = reduce == 'modulus'
+        self._modular = modular
         self._template = None
         self._sums = None
 

@@ -99,6 +99,15 @@ def test_poisson_sampling_draws_each_client_with_probability_q():
     assert min(counts) < 16 < 24 < max(counts)  # not a fixed size
 
 
+def _train(process, spec, rounds):
+    """`rounds` rounds of every client from the initial state; returns (server state, last metrics)."""
+    state = process.initialize()
+    clients = [process.initial_client_state(c) for c in spec.client_ids]
+    for _ in range(rounds):
+        state, clients, metrics = process.next(state, clients)
+    return state, metrics
+
+
 def test_without_noise_and_with_a_loose_clip_the_dp_round_is_the_plain_round(tmp_path, tff_runtime):
     # Equal client sizes: the plain example-weighted mean is the DP round's unweighted mean.
     spec = make_linear_problem(tmp_path / 'data', sizes=(30, 30, 30))
@@ -107,13 +116,7 @@ def test_without_noise_and_with_a_loose_clip_the_dp_round_is_the_plain_round(tmp
     loose = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=3.0, clip=1e6)
     plain = fedavg.build_fedavg_process(spec, model_fn, settings, seed=3)
     private = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=loose.factory(), seed=3)
-    states = {}
-    for name, process in (('plain', plain), ('private', private)):
-        state = process.initialize()
-        clients = [process.initial_client_state(c) for c in spec.client_ids]
-        for _ in range(3):
-            state, clients, _ = process.next(state, clients)
-        states[name] = state['model']
+    states = {name: _train(process, spec, 3)[0]['model'] for name, process in (('plain', plain), ('private', private))}
     for got, want in zip(states['private'], states['plain']):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     # And with a tight clip the two differ: the clip is applied.
@@ -227,10 +230,7 @@ def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
     models_after = []
     for aggregator in (None, privacy.secure_mean_factory(max(spec.split_sizes['train']))):
         process = fedavg.build_fedavg_process(spec, model_fn, settings, model_aggregator=aggregator, seed=3)
-        state = process.initialize()
-        clients = [process.initial_client_state(c) for c in spec.client_ids]
-        for _ in range(2):
-            state, clients, metrics = process.next(state, clients)
+        state, metrics = _train(process, spec, 2)
         models_after.append(state['model'])
     # The same example-weighted mean, up to the 32-bit quantization of the secure sum's range.
     for secure, plain in zip(models_after[1], models_after[0]):

@@ -63,14 +63,6 @@ PARTITIONS = tuple(_PARTITION_FIELDS)
 _PARTITION_SETTINGS = tuple(dict.fromkeys(name for fields in _PARTITION_FIELDS.values() for name in fields))
 
 _setting = settings_lib.setting
-_DP_FIELDS = (
-    'dp_noise_multiplier',
-    'dp_clip',
-    'dp_target_quantile',
-    'dp_initial_clip',
-    'dp_delta',
-    'dp_target_epsilon',
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +345,7 @@ class ExperimentConfig(settings_lib.Settings):
                 raise ConfigError(f'--secure_aggregation: {self.algorithm} {entry.no_privacy}')
             if len(self.workers) > 1:
                 raise ConfigError('--secure_aggregation runs on one worker: give one --workers address or none')
-        dp_fields = [name for name in _DP_FIELDS if getattr(self, name) is not None]
+        dp_fields = [n for n in self.common_fields() if n.startswith('dp_') and getattr(self, n) is not None]
         if not dp_fields:
             return
         if self.dp_noise_multiplier is None:
