@@ -50,7 +50,15 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
+from tff_pfl.computations import (
+    building_blocks,
+    device_state,
+    distillation,
+    heterogeneous,
+    local_training,
+    privacy,
+    template,
+)
 from tff_pfl.data import client_data
 
 C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
@@ -358,6 +366,7 @@ def build_ktpfl_process(
     spec: client_data.ClientDataSpec,
     settings: KTpFLSettings = KTpFLSettings(),
     *,
+    dp: privacy.DPConfig | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds KT-pFL over clients with heterogeneous models.
@@ -371,6 +380,8 @@ def build_ktpfl_process(
         is set (`kt_c_update`: 'paper' (Eq. 7), 'released' (the authors'
         code), or a baseline: 'fedmd' (uniform c, never updated),
         'similarity' (Sim-pFL), 'topk' (TopK-pFL, with `kt_top_k`)).
+      dp: local DP of the soft predictions (fixed clip; `_local_output`);
+        None: none.
       seed: run seed.
 
     Returns:
@@ -388,11 +399,12 @@ def build_ktpfl_process(
       settings.SettingsError: a setting out of range (one line).
       TypeError: `settings` is not a `KTpFLSettings`.
       ValueError: one line, if an architecture cannot take the data or the
-        partition has too little public data.
+        partition has too little public data, or `dp` clips adaptively.
     """
     if not isinstance(settings, KTpFLSettings):
         raise TypeError(f'build_ktpfl_process takes KTpFLSettings, got {type(settings).__name__}')
     settings.validate()
+    _check_local_dp(dp)
     training = settings.training_config()
     num_clients = spec.num_clients
     public_batch = heterogeneous.public_batch_for(settings, spec)
@@ -435,7 +447,7 @@ def build_ktpfl_process(
             seed=local_training.client_seed(seed, round_num, state['client_id']),
             outputs=lambda model: soft(model, x_public),
         )
-        return _local_output(state, num_clients, params, stats, private.num_examples, predictions=predictions)
+        return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, predictions=predictions)
 
     @tff.tensorflow.computation(predictions_type, np.int32, client_state_type)
     def distill_stage(targets, round_num, state):
@@ -605,6 +617,7 @@ def build_ktpfl_homogeneous_process(
     model_fn,
     settings: KTpFLHomoSettings = KTpFLHomoSettings(),
     *,
+    dp: privacy.DPConfig | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds homogeneous KT-pFL (the paper's Appendix C, Algorithm 2).
@@ -625,6 +638,8 @@ def build_ktpfl_homogeneous_process(
         (`kt_transfer_steps`), eta_2 (`kt_transfer_learning_rate`; 1 with
         R = 1: the client adopts u_n), eta_3 (0 keeps c at 1/N), rho and
         lambda.
+      dp: local DP of the uploaded parameters (fixed clip;
+        `_local_output`); None: none.
       seed: run seed.
 
     Returns:
@@ -638,10 +653,12 @@ def build_ktpfl_homogeneous_process(
     Raises:
       settings.SettingsError: a setting out of range (one line).
       TypeError: `settings` is not a `KTpFLHomoSettings`.
+      ValueError: `dp` clips adaptively.
     """
     if not isinstance(settings, KTpFLHomoSettings):
         raise TypeError(f'build_ktpfl_homogeneous_process takes KTpFLHomoSettings, got {type(settings).__name__}')
     settings.validate()
+    _check_local_dp(dp)
     training = settings.training_config()
     transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
     num_clients = spec.num_clients
@@ -668,7 +685,7 @@ def build_ktpfl_homogeneous_process(
             training,
             seed=local_training.client_seed(seed, round_num, state['client_id']),
         )
-        return _local_output(state, num_clients, params, stats, private.num_examples, params=params)
+        return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, params=params)
 
     @tff.tensorflow.computation(params_type, np.int32, client_state_type)
     def transfer_stage(personalized, round_num, state):
@@ -738,7 +755,23 @@ def _build_server_init(num_clients: int) -> tff.Computation:
     return server_init
 
 
-def _local_output(state, num_clients, params, stats, num_examples, /, **upload) -> collections.OrderedDict:
+# Why the KT-pFL family's local DP takes a fixed clip and no secure aggregation (one line each).
+LOCAL_DP_ADAPTIVE = (
+    "the KT-pFL family's DP is local (each client noises its own upload): give --dp_clip, not --dp_target_quantile "
+    '(an adaptive clip would need the server to see the norms)'
+)
+LOCAL_DP_SECURE = (
+    '--secure_aggregation: a KT-pFL client sends its value in its own slot of the sum, which a secure sum does not '
+    'hide (docs/privacy.md); protect it with --dp_noise_multiplier and --dp_clip (local DP)'
+)
+
+
+def _check_local_dp(dp) -> None:
+    if dp is not None and dp.adaptive:
+        raise ValueError(LOCAL_DP_ADAPTIVE)
+
+
+def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, **upload) -> collections.OrderedDict:
     """A local stage's output: the client's upload in its own slot, its size, presence, metrics and new state (TF code).
 
     Args:
@@ -747,6 +780,9 @@ def _local_output(state, num_clients, params, stats, num_examples, /, **upload) 
       params: the client's packed weights after local training.
       stats: the training's `local_training.Stats`.
       num_examples: the client's number of training examples, D_n.
+      dp: local DP (`privacy.DPConfig` with a fixed clip): the upload is
+        clipped and noised on the client (`privacy.local_gaussian`) and
+        the size is sent as 1 (every client weighs the same); None: none.
       **upload: one entry, `name=value`: what the client uploads (soft
         predictions `[P, C]` or parameters `[D]`), put into slot
         `client_index` of an `[N, ...]` tensor.
@@ -758,6 +794,9 @@ def _local_output(state, num_clients, params, stats, num_examples, /, **upload) 
       `params` replaced (the second stage counts the participation).
     """
     ((name, value),) = upload.items()
+    if dp is not None:
+        value = privacy.local_gaussian(value, dp.clip, dp.noise_multiplier)
+        num_examples = 1
     slot = tf.one_hot(state['client_index'], num_clients)
     new_state = collections.OrderedDict((k, state[k]) for k in state)
     new_state['params'] = params

@@ -32,7 +32,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, template
+from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, privacy, template
 from tff_pfl.data import client_data
 
 LOSSES = ('cross_entropy', 'gaussian')
@@ -201,6 +201,8 @@ def build_selffl_process(
     loss: str = 'cross_entropy',
     known_sigma0_sq: float | None = None,
     gaussian_noise_var: float | None = None,
+    dp: privacy.DPConfig | None = None,
+    secure: bool = False,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Self-FL.
@@ -220,6 +222,9 @@ def build_selffl_process(
         contracts exactly as Eq. 8 asks).
       known_sigma0_sq: a known inter-client variance (no estimation).
       gaussian_noise_var: s^2, required with loss='gaussian'.
+      dp: user-level DP of everything the clients upload, with a fixed clip
+        (`aggregators.PrecisionWeightedMeanFactory`); None: none.
+      secure: sum the DP records through secure sums (needs `dp`).
       seed: run seed.
 
     Returns:
@@ -232,7 +237,8 @@ def build_selffl_process(
     Raises:
       TypeError: if `settings` is not a `SelfFLSettings`.
       SettingsError: on a bad setting (`settings.validate()`).
-      ValueError: on a bad `activity_rate`, `loss` or `gaussian_noise_var`.
+      ValueError: on a bad `activity_rate`, `loss` or `gaussian_noise_var`,
+        adaptive clipping, or `secure` without `dp`.
     """
     settings = SelfFLSettings() if settings is None else settings
     if not isinstance(settings, SelfFLSettings):
@@ -254,7 +260,9 @@ def build_selffl_process(
     loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.supervised_loss
     weights_type = local_training.weights_type(model_fn)
     test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
-    aggregator = aggregators.PrecisionWeightedMeanFactory(spec.num_clients, fixed_sigma0_sq=known_sigma0_sq)
+    aggregator = aggregators.PrecisionWeightedMeanFactory(
+        spec.num_clients, fixed_sigma0_sq=known_sigma0_sq, dp=dp, secure=secure
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):

@@ -9,10 +9,10 @@ import pytest
 import tensorflow_federated as tff
 from tensorflow_federated.python.aggregators import differential_privacy
 
-from processes import fedavg
+from processes import fedavg, selffl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.computations import audit, privacy
+from tff_pfl.computations import aggregators, audit, privacy
 from tff_pfl.program import algorithms, experiment, training_loop
 
 
@@ -130,6 +130,129 @@ def test_without_noise_and_with_a_loose_clip_the_dp_round_is_the_plain_round(tmp
     assert moved <= 1e-3 + 1e-7
 
 
+def _selffl_aggregators(dp, size, num_clients):
+    value_type, weight_type = tff.TensorType(np.float32, [size]), tff.TensorType(np.float32)
+    plain = aggregators.PrecisionWeightedMeanFactory(num_clients).create(value_type, weight_type)
+    private = aggregators.PrecisionWeightedMeanFactory(num_clients, dp=dp).create(value_type, weight_type)
+    return plain, private
+
+
+def _own(state):
+    return {k: float(state[k]) for k in ('sigma0_sq', 'total_precision', 'mean_sigma_m_sq')}
+
+
+def test_selffl_dp_record_without_noise_gives_the_plain_precision_weighted_mean(tff_runtime):
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=6).astype(np.float32) for _ in range(4)]
+    values[0] *= 10.0  # over the clip: the DP round sees it scaled to norm `clip`
+    clip = 2.0
+    clipped = [v * min(1.0, clip / np.linalg.norm(v)) for v in values]
+    # All <= clip^2 (sent whole), and none more than twice as precise as the typical client (no cap).
+    sigmas = [np.float32(s) for s in (1.0, 1.5, 2.0, 2.5)]
+    dp = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=4.0, clip=clip)
+    plain, private = _selffl_aggregators(dp, 6, num_clients=4)
+    plain_state, private_state = plain.initialize(), private.initialize()
+    for _ in range(3):  # round 1: sigma0 unknown, equal weights; then precision weights
+        want = plain.next(plain_state, clipped, sigmas)
+        got = private.next(private_state, values, sigmas)
+        np.testing.assert_allclose(got.result, want.result, rtol=1e-5, atol=1e-6)
+        plain_state, private_state = want.state, got.state
+        for key, value in _own(plain_state).items():
+            assert _own(private_state)[key] == pytest.approx(value, rel=1e-4), key
+    # The record's clip: two vector parts bounded by the clip, three scalars by half of it.
+    assert float(private_state['dp'][0].l2_norm_clip) == pytest.approx(clip * math.sqrt(2.75))
+    # And the numbers themselves: sigma0^2 is the ddof-1 variance of the clipped values (Eq. 14).
+    stacked = np.stack(clipped)
+    assert _own(private_state)['sigma0_sq'] == pytest.approx(np.sum((stacked - stacked.mean(0)) ** 2) / 3, rel=1e-4)
+
+
+def test_selffl_dp_noise_is_z_times_the_record_clip_and_sigma0_is_debiased(tff_runtime):
+    dim, clients, z = 40_000, 10, 0.01
+    rng = np.random.default_rng(1)
+    values = [v * (0.9 / np.linalg.norm(v)) for v in rng.normal(size=(clients, dim)).astype(np.float32)]
+    dp = privacy.DPConfig(noise_multiplier=z, clients_per_round=float(clients), clip=1.0)
+    _, private = _selffl_aggregators(dp, dim, num_clients=clients)
+    out = private.next(private.initialize(), values, [np.float32(1.0)] * clients)
+    # Round 1 weighs every client 1: the result is (sum + noise) / (10 + noise' / 0.5), both noises of
+    # stddev z sqrt(2.75) (the record's clip).
+    noise = np.asarray(out.result) - np.mean(values, axis=0)
+    assert np.std(noise) == pytest.approx(z * math.sqrt(2.75) / clients, rel=0.03)
+    # The noise adds about dim (z sqrt 2.75)^2 = 11 to |sum v|^2 = 8.1: without removing it the estimate
+    # would be (8.1 - 19.1 / 10) / 9 = 0.69 instead of 0.81.
+    stacked = np.stack(values)
+    want = np.sum((stacked - stacked.mean(0)) ** 2) / (clients - 1)
+    assert float(out.state['sigma0_sq']) == pytest.approx(want, abs=0.03)
+
+
+def test_selffl_dp_round_without_noise_and_a_loose_clip_is_the_plain_round(tmp_path, tff_runtime):
+    spec = make_linear_problem(tmp_path / 'data')
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    settings = selffl.SelfFLSettings(batch_size=8, selffl_default_steps=3, selffl_max_steps=6)
+    loose = privacy.DPConfig(noise_multiplier=0.0, clients_per_round=3.0, clip=1e3)
+    trained = {}
+    for name, dp in (('plain', None), ('private', loose)):
+        process = selffl.build_selffl_process(spec, model_fn, settings, dp=dp, seed=3)
+        trained[name] = _train(process, spec, 4)[0]
+    for got, want in zip(trained['private']['model'], trained['plain']['model']):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert _own(trained['private']['aggregator_state']) == pytest.approx(
+        _own(trained['plain']['aggregator_state']), rel=1e-3
+    )
+
+
+def test_local_gaussian_clips_and_adds_fresh_noise_of_stddev_twice_z_clip(tff_runtime):
+    dim, clip, z = 20_000, 2.0, 0.5
+    value = np.full(dim, 10.0 / math.sqrt(dim), np.float32)  # norm 10: clipped to norm 2
+
+    def on_clients(noise_multiplier):
+        @tff.tensorflow.computation(tff.TensorType(np.float32, [dim]))
+        def upload(v):
+            return privacy.local_gaussian(v, clip, noise_multiplier)
+
+        @tff.federated_computation(tff.FederatedType(tff.TensorType(np.float32, [dim]), tff.CLIENTS))
+        def round_(values):
+            return tff.federated_map(upload, values)
+
+        return [np.asarray(u) for u in round_([value] * 3)]
+
+    for clipped in on_clients(0.0):
+        np.testing.assert_allclose(clipped, value * clip / 10.0, rtol=1e-5)
+    noises = [u - value * clip / 10.0 for u in on_clients(z) + on_clients(z)]
+    for noise in noises:  # 20,000 draws each: the sample stddev's standard error is 0.5 %
+        assert np.std(noise) == pytest.approx(2 * z * clip, rel=0.03)
+    # Fresh for every client and every round: no two uploads share their noise.
+    correlations = np.corrcoef(np.stack(noises))[np.triu_indices(len(noises), 1)]
+    assert np.max(np.abs(correlations)) < 0.05
+
+
+@pytest.mark.parametrize('name', ['ktpfl', 'ktpfl_homo'])
+def test_ktpfl_family_noises_on_the_clients_and_without_noise_is_the_plain_round(name, tmp_path, tff_runtime):
+    spec = make_linear_problem(tmp_path / 'data', sizes=(30, 30, 30), public_examples=12)
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    extra = {'architectures': ('logistic',)} if name == 'ktpfl' else {'model': 'logistic'}
+    trained = {}
+    for label, dp in [
+        ('plain', {}),
+        ('loose', {'dp_noise_multiplier': 0.0, 'dp_clip': 1e4}),
+        ('noised', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0}),
+    ]:
+        config = experiment.make_config(
+            output_dir='', algorithm=name, num_clients=3, local_epochs=1, batch_size=8, **extra, **dp
+        )
+        config.validate()
+        process = algorithms.build(name, config.settings, spec, model_fn, config)
+        # The noise is drawn where the uploads are made: inside the computation mapped over CLIENTS.
+        draws = 'RandomStandardNormal' in audit.clients_tensorflow_ops(process.device.phases['share'])
+        assert draws == (label == 'noised'), label
+        if label != 'noised':  # equal client sizes: DP's unit weights are the plain D_n / D
+            trained[label] = _train(process, spec, 2)[0]
+    np.testing.assert_allclose(trained['loose']['coefficients'], trained['plain']['coefficients'], rtol=1e-5)
+    # Local DP is accounted per client, every round, whatever the sampling.
+    local = _config(algorithm=name, dp_noise_multiplier=1.0, dp_clip=1.0, client_fraction=0.5, **extra)
+    assert local.dp_sampling_probability() == 1.0
+    assert _config(dp_noise_multiplier=1.0, dp_clip=1.0, client_fraction=0.5).dp_sampling_probability() == 0.5
+
+
 def _config(**fields):
     return experiment.ExperimentConfig.from_dict({'output_dir': '', 'num_clients': 100, **fields})
 
@@ -162,12 +285,24 @@ def _config(**fields):
             '--dp_noise_multiplier: local uploads nothing but training metrics',
         ),
         (
-            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'ktpfl'},
-            '--dp_noise_multiplier: ktpfl does not take user-level DP yet',
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'feddf'},
+            '--dp_noise_multiplier: feddf does not take user-level DP yet',
+        ),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_target_quantile': 0.5, 'algorithm': 'ktpfl'},
+            "the KT-pFL family's DP is local (each client noises its own upload): give --dp_clip",
+        ),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': True, 'algorithm': 'ktpfl_homo'},
+            '--secure_aggregation: a KT-pFL client sends its value in its own slot of the sum',
         ),
         (
             {'secure_aggregation': True, 'algorithm': 'selffl'},
-            '--secure_aggregation: selffl does not take user-level DP yet',
+            "--secure_aggregation: Self-FL's sums need a bounded range",
+        ),
+        (
+            {'dp_noise_multiplier': 1.0, 'dp_target_quantile': 0.5, 'algorithm': 'selffl'},
+            "Self-FL's DP record bounds its scalar parts by the clip",
         ),
         (
             {'secure_aggregation': True, 'workers': ('localhost:1', 'localhost:2')},
@@ -240,27 +375,29 @@ def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
 
 @pytest.mark.parametrize('name', sorted(a for a in algorithms.names() if algorithms.get(a).private_uploads))
 def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path):
-    spec = make_linear_problem(tmp_path / 'data')
+    spec = make_linear_problem(tmp_path / 'data', public_examples=12)
     model_name = 'mnist_dnn' if name == 'fedper' else 'logistic'
     model_fn = functools.partial(models.get(model_name), spec.feature_shape, spec.num_classes)
     params = sum(int(np.prod(w.shape)) for w in model_fn().trainable_weights)
     built = {}
+    local = algorithms.get(name).local_dp
+    own = {'architectures': ('logistic',)} if algorithms.get(name).own_architectures else {'model': model_name}
     for label, extra in [
         ('plain', {}),
-        ('dp+secure', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': True}),
+        ('dp+secure', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': not local}),
     ]:
-        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, model=model_name, **extra)
+        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **own, **extra)
         config.validate()
         built[label] = algorithms.build(name, config.settings, spec, model_fn, config)
     for label, process in built.items():
         # What crosses from CLIENTS to SERVER as large as a model (the uploads) and how.
         uploads = {uri for uri, t in audit.clients_to_server_values(process.next) if audit.type_bytes(t) >= 2 * params}
-        if label == 'plain':
+        if label == 'plain' or local:  # local DP: noised on the clients, summed in plain slots
             assert uploads and not uploads & {'federated_secure_sum_bitwidth'}, uploads
         else:
             assert uploads == {'federated_secure_sum_bitwidth'}, uploads
         dp_state = 'l2_norm_clip' in str(process.next.type_signature.parameter[0])
-        assert dp_state == (label != 'plain')
+        assert dp_state == (label != 'plain' and not local)
 
 
 def test_noise_multiplier_for_a_target_epsilon_reaches_it():

@@ -57,6 +57,49 @@ def clients_to_server_values(comp: tff.Computation) -> list:
     return found
 
 
+def clients_tensorflow_ops(comp: tff.Computation) -> set[str]:
+    """The TensorFlow op types of every computation `comp` maps over CLIENTS.
+
+    What runs on the clients, read from the graphs themselves (with their
+    function libraries): e.g. whether a client draws noise
+    (`RandomStandardNormal`) before it uploads.
+
+    Args:
+      comp: a federated `tff.Computation`.
+
+    Returns:
+      The set of op type names.
+    """
+    import tensorflow as tf
+
+    ops = set()
+
+    def graph_ops(building_block):
+        if not isinstance(building_block, tff.framework.CompiledComputation):
+            for child in building_block.children():
+                graph_ops(child)
+            return
+        graph = tf.compat.v1.GraphDef()
+        building_block.proto.tensorflow.graph_def.Unpack(graph)
+        ops.update(node.op for node in graph.node)
+        for function in graph.library.function:
+            ops.update(node.op for node in function.node_def)
+
+    def visit(building_block):
+        if (
+            isinstance(building_block, tff.framework.Call)
+            and isinstance(building_block.function, tff.framework.Intrinsic)
+            and building_block.function.uri == 'federated_map'
+            and _placements(building_block.type_signature) == {tff.CLIENTS}
+        ):
+            graph_ops(building_block.argument)
+        for child in building_block.children():
+            visit(child)
+
+    visit(comp.to_building_block())
+    return ops
+
+
 def clients_to_server_intrinsics(comp: tff.Computation) -> set[str]:
     """URIs of the intrinsics that take CLIENTS values and return SERVER values.
 

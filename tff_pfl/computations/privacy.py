@@ -29,6 +29,7 @@ import dataclasses
 import math
 
 import dp_accounting
+import tensorflow as tf
 import tensorflow_federated as tff
 import tensorflow_privacy as tfp
 
@@ -159,6 +160,31 @@ class DPConfig:
         return dp_accounting.ComposedDpEvent(
             [dp_accounting.GaussianDpEvent(values), dp_accounting.GaussianDpEvent(count)]
         )
+
+
+def local_gaussian(value, clip: float, noise_multiplier: float):
+    """A client's own Gaussian mechanism (local DP): clip to L2 norm C, add N(0, (2 z C)^2) (TF code).
+
+    The server sees this value alone (a slot of its own), so the noise is
+    added on the client. Two datasets of one user give values within the
+    ball of radius C, at most 2C apart: the noise of stddev 2 z C makes one
+    upload the Gaussian mechanism of multiplier z (`GaussianDpEvent(z)`),
+    with no amplification by sampling, since the server knows who sent it.
+    The noise comes from TensorFlow's unseeded generator, fresh for every
+    client and every call.
+
+    Args:
+      value: a float32 tensor (soft predictions `[P, C]`, parameters `[D]`).
+      clip: C > 0, the bound on the value's L2 norm.
+      noise_multiplier: z >= 0.
+
+    Returns:
+      The clipped, noised tensor.
+    """
+    clipped = tf.clip_by_norm(value, clip)
+    if noise_multiplier == 0:
+        return clipped
+    return clipped + tf.random_normal_initializer(stddev=2.0 * noise_multiplier * clip)(tf.shape(value))
 
 
 def secure_range() -> tff.templates.EstimationProcess:

@@ -15,7 +15,7 @@ import numpy as np
 
 from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import heterogeneous, privacy
+from tff_pfl.computations import aggregators, heterogeneous, privacy
 from tff_pfl.program import reports
 
 
@@ -49,6 +49,10 @@ class Algorithm:
         and noises in this algorithm's uploads; None: it takes no DP.
       no_privacy: why not, when `private_uploads` is None (completes
         "<algorithm> ...").
+      local_dp: the noise is added on each client before its upload (local
+        DP: the server sees each client's noised value), so the accountant
+        counts every round a client takes part in, with no amplification by
+        sampling.
     """
 
     title: str
@@ -62,6 +66,7 @@ class Algorithm:
     check: Callable | None = None
     private_uploads: str | None = None
     no_privacy: str = 'does not take user-level DP yet (docs/privacy.md lists the algorithms that do)'
+    local_dp: bool = False
 
     @property
     def own_architectures(self) -> bool:
@@ -272,6 +277,19 @@ def _ktpfl_sampling(config):
     return None
 
 
+def _local_dp_checks(config):
+    """The KT-pFL family's DP is local: a fixed clip, and no secure aggregation (it would hide nothing)."""
+    if config.secure_aggregation:
+        return ktpfl.LOCAL_DP_SECURE
+    if config.dp_noise_multiplier is not None and config.dp_clip is None and config.dp_target_quantile is not None:
+        return ktpfl.LOCAL_DP_ADAPTIVE
+    return None
+
+
+def _ktpfl_checks(config):
+    return _ktpfl_sampling(config) or _local_dp_checks(config)
+
+
 def _architecture_column(state):
     return {'architecture_id': int(state['architecture'])}
 
@@ -287,6 +305,15 @@ def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
         _serverless_run,
         not_one_aggregation=_KDPDFL_LIMIT,
     )
+
+
+def _selffl_privacy(config):
+    """Self-FL's DP needs a fixed clip, and its secure aggregation needs DP (their bounded record)."""
+    if config.dp_noise_multiplier is not None and config.dp_clip is None and config.dp_target_quantile is not None:
+        return aggregators.SELFFL_ADAPTIVE
+    if config.secure_aggregation and config.dp_noise_multiplier is None:
+        return aggregators.SELFFL_SECURE
+    return None
 
 
 def _upload_aggregator(config, spec):
@@ -341,24 +368,44 @@ _ALGORITHMS = {
         'Self-FL (Chen et al., 2022): uncertainty-driven starting points, local steps and aggregation',
         selffl.SelfFLSettings,
         lambda s, spec, model_fn, config: selffl.build_selffl_process(
-            spec, model_fn, s, activity_rate=config.client_fraction, seed=config.seed
+            spec,
+            model_fn,
+            s,
+            activity_rate=config.client_fraction,
+            dp=config.privacy(spec.num_clients),
+            secure=config.secure_aggregation,
+            seed=config.seed,
         ),
         _selffl_columns,
         _selffl_plots,
+        check=_selffl_privacy,
+        private_uploads=(
+            'the sums of updates, precision weights and variance statistics, as one record per client '
+            '(personal models stay on the clients)'
+        ),
     ),
     'ktpfl': Algorithm(
         'KT-pFL (Zhang et al., 2021): soft predictions on public data mixed by a learned coefficient matrix',
         ktpfl.KTpFLSettings,
-        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_process(spec, s, seed=config.seed),
+        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_process(
+            spec, s, dp=config.privacy(spec.num_clients), seed=config.seed
+        ),
         _architecture_column,
         _ktpfl_plots,
-        check=_ktpfl_sampling,
+        check=_ktpfl_checks,
+        private_uploads="each client's soft predictions, clipped and noised on the client (local DP)",
+        local_dp=True,
     ),
     'ktpfl_homo': Algorithm(
         'KT-pFL, homogeneous variant (Zhang et al., 2021): parameters mixed by the coefficient matrix',
         ktpfl.KTpFLHomoSettings,
-        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, s, seed=config.seed),
+        lambda s, spec, model_fn, config: ktpfl.build_ktpfl_homogeneous_process(
+            spec, model_fn, s, dp=config.privacy(spec.num_clients), seed=config.seed
+        ),
         plots=_ktpfl_plots,
+        check=_local_dp_checks,
+        private_uploads="each client's parameters, clipped and noised on the client (local DP)",
+        local_dp=True,
     ),
     'feddf': Algorithm(
         'FedDF (Lin et al., 2020): per-architecture averaging, then ensemble distillation on public data',

@@ -123,7 +123,8 @@ class ExperimentConfig(settings_lib.Settings):
     dp_noise_multiplier: float | None = _setting(
         None,
         'User-level DP: Gaussian noise stddev over the clipping norm, added at the server to the sum of clipped '
-        'uploads (default: no DP). Needs --dp_clip or --dp_target_quantile.',
+        'uploads (the KT-pFL family: on each client, local DP) (default: no DP). Needs --dp_clip or '
+        '--dp_target_quantile.',
     )
     dp_clip: float | None = _setting(None, "DP: fixed L2 clipping norm of each client's upload.")
     dp_target_quantile: float | None = _setting(
@@ -328,6 +329,17 @@ class ExperimentConfig(settings_lib.Settings):
             initial_clip=privacy_lib.DEFAULT_INITIAL_CLIP if self.dp_initial_clip is None else self.dp_initial_clip,
         )
 
+    def dp_sampling_probability(self) -> float:
+        """Each client's chance to take part in a round, as the accountant counts it.
+
+        Returns:
+          `client_fraction` for central DP; 1 for an algorithm whose noise is
+          added on the clients (local DP: the server knows who sent each
+          value, so sampling does not amplify; a client that takes part in
+          every round is accounted).
+        """
+        return 1.0 if algorithms.get(self.algorithm).local_dp else self.client_fraction
+
     def dp_delta_for(self, num_clients: int) -> float:
         """The delta epsilon is reported at.
 
@@ -371,7 +383,7 @@ class ExperimentConfig(settings_lib.Settings):
                 f'--dp_target_epsilon with {self.dataset}: give --dp_delta (the population is known only once read)'
             )
         delta = self.dp_delta_for(self.num_clients)
-        reached = privacy_lib.epsilon(dp, self.client_fraction, self.rounds, delta)
+        reached = privacy_lib.epsilon(dp, self.dp_sampling_probability(), self.rounds, delta)
         if reached > self.dp_target_epsilon:
             raise ConfigError(
                 f'--dp_target_epsilon {self.dp_target_epsilon:g}: {self.rounds} rounds at noise multiplier '
@@ -627,7 +639,7 @@ def _epsilon_column(dp: privacy_lib.DPConfig, config: ExperimentConfig, num_clie
     delta = config.dp_delta_for(num_clients)
 
     def columns(round_num: int) -> dict:
-        return {'dp_epsilon': privacy_lib.epsilon(dp, config.client_fraction, round_num, delta)}
+        return {'dp_epsilon': privacy_lib.epsilon(dp, config.dp_sampling_probability(), round_num, delta)}
 
     return columns
 
@@ -896,12 +908,18 @@ def privacy_lines(config: ExperimentConfig, num_clients: int, rounds) -> list[st
         else 'every client in every round'
     )
     spent = rounds[-1].get('dp_epsilon', float('nan')) if rounds else float('nan')
+    entry = algorithms.get(config.algorithm)
+    where = (
+        f'each upload gets noise of stddev 2 x {dp.noise_multiplier:g} x {dp.clip:g} on its client; epsilon of a '
+        'client that took part in every round (no amplification by sampling)'
+        if entry.local_dp
+        else f'the noised sum is divided by {dp.clients_per_round:g} expected clients'
+    )
     return [
         '',
-        f'User-level DP ({algorithms.get(config.algorithm).private_uploads}): noise multiplier '
-        f'{dp.noise_multiplier:g}, {clipping}, {sampling}; the noised sum is divided by {dp.clients_per_round:g} '
-        f'expected clients. epsilon = {spent:.4g} at delta = {config.dp_delta_for(num_clients):.3g} after '
-        f'{len(rounds)} rounds (RDP accountant; docs/privacy.md).',
+        f'User-level DP ({entry.private_uploads}): noise multiplier '
+        f'{dp.noise_multiplier:g}, {clipping}, {sampling}; {where}. epsilon = {spent:.4g} at delta = '
+        f'{config.dp_delta_for(num_clients):.3g} after {len(rounds)} rounds (RDP accountant; docs/privacy.md).',
     ]
 
 
