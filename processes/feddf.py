@@ -37,7 +37,15 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, device_state, distillation, heterogeneous, local_training, template
+from tff_pfl.computations import (
+    building_blocks,
+    device_state,
+    distillation,
+    heterogeneous,
+    local_training,
+    privacy,
+    template,
+)
 from tff_pfl.data import client_data
 
 _setting = settings_lib.setting
@@ -107,10 +115,19 @@ def average_prototypes(previous: tf.Tensor, weighted_sums: tf.Tensor, weights: t
     return tf.where(has_clients, weighted_sums / tf.maximum(weights[:, tf.newaxis], 1e-12), previous)
 
 
+# FedDF's secure aggregation comes with DP, whose clipped updates give the secure sums their range.
+SECURE_NEEDS_DP = (
+    "--secure_aggregation: FedDF's plain round averages raw parameters and logits, whose range is unbounded; "
+    'use it with --dp_noise_multiplier (clipped updates)'
+)
+
+
 def build_feddf_process(
     spec: client_data.ClientDataSpec,
     settings: FedDFSettings = FedDFSettings(),
     *,
+    dp: privacy.DPConfig | None = None,
+    secure: bool = False,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedDF (and, with `PFedDFSettings`, pFedDF's evaluation) over heterogeneous clients.
@@ -123,6 +140,15 @@ def build_feddf_process(
         empty: chosen from the data), P, T, the server's distillation passes
         (`feddf_distill_epochs`; 0: per-architecture FedAvg), batch size and
         learning rate, and pFedDF's fine-tuning epochs.
+      dp: user-level DP (docs/privacy.md, "FedDF"): each client uploads
+        only its update (trained minus received prototype) in its
+        architecture's slot, clipped, summed and noised at SERVER by
+        `dp.factory`; each prototype moves by its slot's noised sum over
+        the expected clients of its architecture per round; the ensemble
+        the prototypes are distilled towards is that of the noised
+        prototypes themselves (post-processing), not the clients' logits.
+        None: none.
+      secure: with `dp`, sum the clipped updates through secure sums.
       seed: run seed.
 
     Returns:
@@ -136,8 +162,10 @@ def build_feddf_process(
       settings.SettingsError: a setting out of range (one line).
       TypeError: `settings` is not a `FedDFSettings`.
       ValueError: one line, if an architecture cannot take the data or the
-        partition has too little public data.
+        partition has too little public data, or `secure` without `dp`.
     """
+    if secure and dp is None:
+        raise ValueError(SECURE_NEEDS_DP)
     if not isinstance(settings, FedDFSettings):
         raise TypeError(f'build_feddf_process takes FedDFSettings or PFedDFSettings, got {type(settings).__name__}')
     settings.validate()
@@ -164,7 +192,27 @@ def build_feddf_process(
     def server_init():
         return collections.OrderedDict(prototypes=archs.initial_packed(seed), round_num=tf.constant(0, tf.int32))
 
-    initialize = building_blocks.server_initialize(server_init)
+    if dp is None:
+        initialize = building_blocks.server_initialize(server_init)
+    else:
+        upload = dp.factory(secure=secure).create(prototypes_type)
+        # Each architecture's slot is divided by its own expected clients per round (q N_a), and the
+        # padding of the smaller architectures' rows stays zero.
+        share = np.bincount(arch_ids, minlength=num_archs).astype(np.float32) / len(arch_ids)
+        rescale = np.where(share > 0, 1.0 / np.maximum(share, 1e-12), 0.0).astype(np.float32)
+        valid = np.zeros((num_archs, archs.max_size), np.float32)
+        for index, size in enumerate(archs.sizes):
+            valid[index, :size] = 1.0
+
+        @tff.tensorflow.computation(server_init.type_signature.result, upload.initialize.type_signature.result.member)
+        def with_aggregator(state, aggregator_state):
+            return collections.OrderedDict(**state, aggregator_state=aggregator_state)
+
+        @tff.federated_computation
+        def initialize():
+            made = tff.federated_eval(server_init, tff.SERVER)
+            return tff.federated_map(with_aggregator, (made, upload.initialize()))
+
     server_state_type = initialize.type_signature.result
 
     @tff.tensorflow.computation(prototypes_type, np.int32, client_state_type)
@@ -181,8 +229,14 @@ def build_feddf_process(
             seed=local_training.client_seed(seed, round_num, client_id),
             outputs=lambda model: model(x_public, training=False),
         )
-        weight = tf.cast(private.num_examples, tf.float32)
         slot = tf.one_hot(architecture, num_archs)
+        if dp is not None:  # the update alone, in its architecture's slot (clipped by the aggregator)
+            return collections.OrderedDict(
+                update=slot[:, tf.newaxis] * (params - tf.gather(prototypes, architecture))[tf.newaxis],
+                metric_sums=building_blocks.training_metric_sums(stats),
+                client_state=building_blocks.participated(state, round_num),
+            )
+        weight = tf.cast(private.num_examples, tf.float32)
         return collections.OrderedDict(
             weighted_params=slot[:, tf.newaxis] * (weight * params)[tf.newaxis],
             weights=slot * weight,
@@ -191,18 +245,21 @@ def build_feddf_process(
             client_state=building_blocks.participated(state, round_num),
         )
 
-    @tff.tensorflow.computation(
-        server_state_type.member, prototypes_type, tff.TensorType(np.float32, (num_archs,)), logits_type
-    )
-    def server_update(state, weighted_sums, weights, mean_logits):
-        averaged = average_prototypes(state['prototypes'], weighted_sums, weights)
+    def distilled(state, averaged, mean_logits=None):
+        """Each prototype distilled towards the ensemble; `mean_logits` None: the prototypes' own (TF code)."""
         x_public = client_data.read_public_batch(spec, public_batch, seed, state['round_num'])
-        teacher = tf.nn.softmax(mean_logits / temperature, axis=-1)
-        rows, kls = [], []
+        models, loads = [], []
         for index, model_fn in enumerate(archs.model_fns):
             model = model_fn()
-            loads = [v.assign(w) for v, w in zip(model.trainable_weights, archs.unpack(index, averaged[index]))]
-            with tf.control_dependencies(loads):
+            models.append(model)
+            loads.append([v.assign(w) for v, w in zip(model.trainable_weights, archs.unpack(index, averaged[index]))])
+        if mean_logits is None:  # the ensemble of the (noised) prototypes: post-processing of the DP sums
+            with tf.control_dependencies([op for load in loads for op in load]):
+                mean_logits = tf.add_n([model(x_public, training=False) for model in models]) / float(num_archs)
+        teacher = tf.nn.softmax(mean_logits / temperature, axis=-1)
+        rows, kls = [], []
+        for index, model in enumerate(models):
+            with tf.control_dependencies(loads[index] + [teacher]):
                 kl = distillation.distill_towards(
                     model,
                     x_public,
@@ -216,13 +273,53 @@ def build_feddf_process(
             with tf.control_dependencies([kl]):
                 rows.append(archs.pack(model.trainable_weights))
             kls.append(kl)
-        new_state = collections.OrderedDict(prototypes=tf.stack(rows), round_num=state['round_num'] + 1)
+        new_state = collections.OrderedDict(state)
+        new_state.update(prototypes=tf.stack(rows), round_num=state['round_num'] + 1)
         return new_state, collections.OrderedDict(server_distill_kl=tf.reduce_mean(tf.stack(kls)))
+
+    @tff.tensorflow.computation(
+        server_state_type.member, prototypes_type, tff.TensorType(np.float32, (num_archs,)), logits_type
+    )
+    def server_update(state, weighted_sums, weights, mean_logits):
+        return distilled(state, average_prototypes(state['prototypes'], weighted_sums, weights), mean_logits)
+
+    if dp is not None:
+
+        @tff.tensorflow.computation(server_state_type.member)
+        def aggregator_state_of(state):
+            return state['aggregator_state']
+
+        aggregated_type = upload.next.type_signature.result
+
+        @tff.tensorflow.computation(
+            server_state_type.member,
+            prototypes_type,
+            aggregated_type.state.member,
+            aggregated_type.measurements.member,
+        )
+        def private_update(state, mean_update, aggregator_state, measurements):
+            # mean_update = noised sum / (q N); slot a's mean over its expected clients is that x N / N_a.
+            moved = state['prototypes'] + valid * mean_update * rescale[:, np.newaxis]
+            new_state, metrics = distilled(state, moved)
+            new_state['aggregator_state'] = aggregator_state
+            metrics['aggregator'] = measurements
+            return new_state, metrics
+
+    def finish_private(state, local):
+        """DP aggregation of the updates and the server step (federated code)."""
+        aggregated = upload.next(tff.federated_map(aggregator_state_of, state), local.update)
+        updated = tff.federated_map(
+            private_update, (state, aggregated.result, aggregated.state, aggregated.measurements)
+        )
+        metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
+        return updated[0], building_blocks.with_server_metrics(metrics, updated[1])
 
     client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
 
     def finish(state, local):
         """Aggregation and server step (federated code)."""
+        if dp is not None:
+            return finish_private(state, local)
         weighted_sums = tff.federated_sum(local.weighted_params)
         weights = tff.federated_sum(local.weights)
         mean_logits = tff.federated_mean(local.public_logits)  # the ensemble's logits

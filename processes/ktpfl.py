@@ -337,6 +337,26 @@ def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sh
     return tf.nn.softmax(sharpness * stepped, axis=1)
 
 
+def noised_to_distributions(predictions: tf.Tensor, present: tf.Tensor) -> tf.Tensor:
+    """Noised soft predictions made distributions again: negatives to 0, rows renormalised (TF code).
+
+    A row whose entries are all <= 0 becomes uniform; absent clients' rows
+    stay 0.
+
+    Args:
+      predictions: `[N, P, C]`, the clients' noised soft predictions.
+      present: `[N]` presence vector.
+
+    Returns:
+      `[N, P, C]`.
+    """
+    positive = tf.maximum(predictions, 0.0)
+    total = tf.reduce_sum(positive, axis=-1, keepdims=True)
+    num_classes = tf.cast(tf.shape(predictions)[-1], tf.float32)
+    rows = tf.where(total > 0.0, positive / tf.where(total > 0.0, total, 1.0), 1.0 / num_classes)
+    return rows * present[:, tf.newaxis, tf.newaxis]
+
+
 def similarity_coefficients(predictions: tf.Tensor, top_k=None) -> tf.Tensor:
     """Sim-pFL's / TopK-pFL's c from this round's soft predictions.
 
@@ -484,12 +504,18 @@ def build_ktpfl_process(
 
     vector_type = tff.TensorType(np.float32, (num_clients,))
 
+    def received(predictions, present):
+        # Under local DP the noised rows are no distributions: the server projects them back (post-processing).
+        return predictions if dp is None else noised_to_distributions(predictions, present)
+
     @tff.tensorflow.computation(server_state_type, predictions_type, vector_type)
     def targets_for(state, predictions, present):
+        predictions = received(predictions, present)
         return mix(coefficients_for(state, predictions), predictions, present)
 
     @tff.tensorflow.computation(server_state_type, predictions_type, vector_type, vector_type)
     def update_coefficients(state, predictions, sizes, present):
+        predictions = received(predictions, present)
         if c_update == 'paper':
             # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
             coefficients = paper_update(

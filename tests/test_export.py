@@ -55,6 +55,19 @@ def exports(tmp_path_factory):
     config = _config(root / 'fedavg_secure', 'fedavg', secure_aggregation=True)
     export.export(config, log=lambda line: None)
     done['fedavg_secure'] = (str(root / 'fedavg_secure'), config)
+    # DP records through secure sums (noise multiplier 0, so that both rounds can be compared bit for bit).
+    private = {'dp_noise_multiplier': 0.0, 'dp_clip': 10.0, 'secure_aggregation': True}
+    for name, algorithm, extra in [
+        ('selffl_dp_secure', 'selffl', {}),
+        (
+            'feddf_dp_secure',
+            'feddf',
+            {'partition': 'iid', 'public_examples': 40, 'architectures': ('logistic', 'mnist_dnn')},
+        ),
+    ]:
+        config = _config(root / name, algorithm, **private, **extra)
+        export.export(config, log=lambda line: None)
+        done[name] = (str(root / name), config)
     return done
 
 
@@ -94,6 +107,8 @@ def _assert_equal(a, b):
         ('fedavg', 'distribute_aggregate'),
         ('fedavg_secure', 'map_reduce'),
         ('fedavg_secure', 'distribute_aggregate'),
+        ('selffl_dp_secure', 'map_reduce'),
+        ('feddf_dp_secure', 'distribute_aggregate'),
         ('persfl', 'map_reduce'),
         ('persfl', 'distribute_aggregate'),
         ('local', 'map_reduce'),

@@ -225,6 +225,21 @@ def test_local_gaussian_clips_and_adds_fresh_noise_of_stddev_twice_z_clip(tff_ru
     assert np.max(np.abs(correlations)) < 0.05
 
 
+def test_noised_predictions_are_projected_back_to_distributions():
+    from processes import ktpfl
+
+    noised = np.array(
+        [[[0.5, -0.2, 1.5], [-1.0, -0.1, 0.0]], [[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]], [[9.0, 9.0, 9.0]] * 2],
+        np.float32,
+    )
+    present = np.array([1.0, 1.0, 0.0], np.float32)
+    got = np.asarray(ktpfl.noised_to_distributions(noised, present))
+    want = np.array(
+        [[[0.25, 0.0, 0.75], [1 / 3, 1 / 3, 1 / 3]], [[0.2, 0.2, 0.6], [0.3, 0.3, 0.4]], [[0.0] * 3] * 2], np.float32
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize('name', ['ktpfl', 'ktpfl_homo'])
 def test_ktpfl_family_noises_on_the_clients_and_without_noise_is_the_plain_round(name, tmp_path, tff_runtime):
     spec = make_linear_problem(tmp_path / 'data', sizes=(30, 30, 30), public_examples=12)
@@ -251,6 +266,29 @@ def test_ktpfl_family_noises_on_the_clients_and_without_noise_is_the_plain_round
     local = _config(algorithm=name, dp_noise_multiplier=1.0, dp_clip=1.0, client_fraction=0.5, **extra)
     assert local.dp_sampling_probability() == 1.0
     assert _config(dp_noise_multiplier=1.0, dp_clip=1.0, client_fraction=0.5).dp_sampling_probability() == 0.5
+
+
+@pytest.mark.parametrize('secure', [False, True])
+def test_feddf_dp_round_without_noise_and_a_loose_clip_is_the_plain_round(secure, tmp_path, tff_runtime):
+    # Equal client sizes and no server distillation: FedDF is per-architecture FedAvg, and the DP round's
+    # unweighted mean of the updates over the expected clients is the plain example-weighted mean.
+    spec = make_linear_problem(tmp_path / 'data', sizes=(30, 30, 30), public_examples=12)
+    model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
+    common = {'architectures': ('logistic', 'mnist_dnn'), 'local_epochs': 1, 'batch_size': 8}
+    trained = {}
+    for label, extra in [
+        ('plain', {}),
+        ('loose', {'dp_noise_multiplier': 0.0, 'dp_clip': 1e3, 'secure_aggregation': secure}),
+    ]:
+        config = experiment.make_config(
+            output_dir='', algorithm='feddf', num_clients=3, feddf_distill_epochs=0, **common, **extra
+        )
+        config.validate()
+        process = algorithms.build('feddf', config.settings, spec, model_fn, config)
+        trained[label] = _train(process, spec, 2)[0]['prototypes']
+    # Architecture 0 (clients 0 and 2) averages two clients, architecture 1 keeps client 1's model.
+    atol = 1e-5 if secure else 1e-6
+    np.testing.assert_allclose(trained['loose'], trained['plain'], rtol=1e-4, atol=atol)
 
 
 def _config(**fields):
@@ -285,8 +323,12 @@ def _config(**fields):
             '--dp_noise_multiplier: local uploads nothing but training metrics',
         ),
         (
-            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'feddf'},
-            '--dp_noise_multiplier: feddf does not take user-level DP yet',
+            {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'algorithm': 'kdpdfl'},
+            '--dp_noise_multiplier: kdpdfl does not take user-level DP yet',
+        ),
+        (
+            {'secure_aggregation': True, 'algorithm': 'pfeddf'},
+            "--secure_aggregation: FedDF's plain round averages raw parameters and logits",
         ),
         (
             {'dp_noise_multiplier': 1.0, 'dp_target_quantile': 0.5, 'algorithm': 'ktpfl'},
@@ -398,6 +440,34 @@ def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path
             assert uploads == {'federated_secure_sum_bitwidth'}, uploads
         dp_state = 'l2_norm_clip' in str(process.next.type_signature.parameter[0])
         assert dp_state == (label != 'plain' and not local)
+
+
+def test_what_stays_on_the_clients_under_dp_never_crosses(tmp_path):
+    """PersFL's stage 2, FedPer's head, Ditto's v and APFL's v and alpha need no noise: they never cross."""
+    spec = make_linear_problem(tmp_path / 'data')
+    dp = {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0}
+    built = {}
+    for name, model_name in [
+        ('persfl', 'logistic'),
+        ('fedper', 'mnist_dnn'),
+        ('ditto', 'logistic'),
+        ('apfl', 'logistic'),
+    ]:
+        model_fn = functools.partial(models.get(model_name), spec.feature_shape, spec.num_classes)
+        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, model=model_name, **dp)
+        config.validate()
+        built[name] = algorithms.build(name, config.settings, spec, model_fn, config)
+    uploads = {
+        name: ' '.join(str(t) for _, t in audit.clients_to_server_values(process.next))
+        for name, process in built.items()
+    }
+    # PersFL: stage 2 (teacher, grid, student) sends nothing; stage 1 sends one model's update.
+    assert audit.clients_to_server_intrinsics(built['persfl'].personalize) == set()
+    # FedPer: the base ([4, 100], [100]) crosses, the head ([100, 3], [3]) does not.
+    assert 'float32[4,100]' in uploads['fedper'] and 'float32[100,3]' not in uploads['fedper']
+    # Ditto and APFL: one model's worth (the global model's update), never the personal v (nor alpha).
+    for name in ('ditto', 'apfl', 'persfl'):
+        assert uploads[name].count('float32[4,3]') == 1 and 'alpha' not in uploads[name], name
 
 
 def test_noise_multiplier_for_a_target_epsilon_reaches_it():

@@ -290,6 +290,19 @@ def _ktpfl_checks(config):
     return _ktpfl_sampling(config) or _local_dp_checks(config)
 
 
+_FEDDF_UPLOADS = (
+    "each client's parameter update in its architecture's slot (the ensemble is the noised prototypes', "
+    "not the clients' logits)"
+)
+
+
+def _feddf_secure(config):
+    """FedDF's secure aggregation needs DP (the clipped updates bound the secure sums)."""
+    if config.secure_aggregation and config.dp_noise_multiplier is None:
+        return feddf.SECURE_NEEDS_DP
+    return None
+
+
 def _architecture_column(state):
     return {'architecture_id': int(state['architecture'])}
 
@@ -410,16 +423,24 @@ _ALGORITHMS = {
     'feddf': Algorithm(
         'FedDF (Lin et al., 2020): per-architecture averaging, then ensemble distillation on public data',
         feddf.FedDFSettings,
-        lambda s, spec, model_fn, config: feddf.build_feddf_process(spec, s, seed=config.seed),
+        lambda s, spec, model_fn, config: feddf.build_feddf_process(
+            spec, s, dp=config.privacy(spec.num_clients), secure=config.secure_aggregation, seed=config.seed
+        ),
         _architecture_column,
         _communication_plots,
+        check=_feddf_secure,
+        private_uploads=_FEDDF_UPLOADS,
     ),
     'pfeddf': Algorithm(
         'pFedDF: FedDF with local fine-tuning of the prototype',
         feddf.PFedDFSettings,
-        lambda s, spec, model_fn, config: feddf.build_feddf_process(spec, s, seed=config.seed),
+        lambda s, spec, model_fn, config: feddf.build_feddf_process(
+            spec, s, dp=config.privacy(spec.num_clients), secure=config.secure_aggregation, seed=config.seed
+        ),
         _architecture_column,
         _communication_plots,
+        check=_feddf_secure,
+        private_uploads=_FEDDF_UPLOADS,
     ),
     'local': Algorithm(
         'Local-only training',
