@@ -152,3 +152,43 @@ def test_grid_equals_sequential(soft):
     # Training moved the students, differently per candidate.
     assert not np.allclose(grid.weights[0][0].numpy(), teacher[0].numpy())
     assert not np.allclose(grid.weights[0][1].numpy(), grid.weights[0][-1].numpy())
+
+
+def test_halving_keeps_the_best_third_per_rung_and_ends_with_the_grid_of_its_survivors():
+    # Full-batch steps (batch >= n): the rungs at 1/9, 1/3 and all of 9 steps are grids of 1, 3 and 9 epochs.
+    train, val, _, _ = _problem(seed=4, n=60, dim=8, classes=4)
+    model = models.mnist_dnn((8,), 4)
+    teacher = [tf.constant(w) for w in model.get_weights()]
+    temperatures, imitations = distillation.candidate_arrays(
+        distillation.grid_candidates([1, 2, 4, 9], [0, 0.25, 0.5, 0.75, 1])
+    )
+    assert distillation.halving_survivors(len(temperatures)) == [14, 5, 2]
+    layers = stacked.plan(model)
+
+    def run(search, epochs):
+        config = local_training.TrainingConfig(epochs=epochs, batch_size=1000, learning_rate=0.5)
+        kwargs = dict(temperatures=tf.constant(temperatures), imitations=tf.constant(imitations), config=config)
+        return tf.function(lambda: search(layers, teacher, train, val, seed=tf.constant([5, 7], tf.int64), **kwargs))()
+
+    halving = run(distillation.distill_halving, 9)
+    grids = {epochs: run(distillation.distill_grid, epochs) for epochs in (1, 3, 9)}
+    # The reference: numpy's ranking of the grids' accuracies, the best third of each rung (earlier on ties).
+    alive, expected_accuracy = np.arange(14), np.zeros(14)
+    for epochs, keep in ((1, 5), (3, 2), (9, None)):
+        accuracy = grids[epochs].val_accuracy.numpy()[alive]
+        expected_accuracy[alive] = accuracy
+        if keep is None:
+            best = alive[np.argmax(accuracy)]
+        else:
+            alive = np.sort(alive[np.argsort(-accuracy, kind='stable')[:keep]])
+            if epochs == 1:
+                cut_first = np.setdiff1d(np.arange(14), alive)
+    np.testing.assert_allclose(halving.val_accuracy.numpy(), expected_accuracy, atol=1e-6)
+    assert int(halving.best) == best
+    for got, want in zip(halving.weights, grids[9].weights):
+        np.testing.assert_allclose(got.numpy()[alive], want.numpy()[alive], atol=1e-5)
+    # The candidates were not all alike, and some were cut (their weights are those of an earlier rung).
+    assert len(set(np.round(grids[1].val_accuracy.numpy(), 6))) > 1
+    assert len(cut_first) == 9
+    for got, want in zip(halving.weights, grids[1].weights):
+        np.testing.assert_allclose(got.numpy()[cut_first], want.numpy()[cut_first], atol=1e-5)

@@ -153,6 +153,7 @@ def test_local_steps_are_exact_and_the_grid_is_declared(problem, tff_runtime, so
         (dict(temperatures=(1.0, 0.0)), 'temperatures must be positive numbers, got [1.0, 0.0]'),
         (dict(imitations=(0.5, 1.5)), 'imitations must be numbers in [0, 1], got [0.5, 1.5]'),
         (dict(teacher='best'), "teacher must be 'optimal' or 'final', got 'best'"),
+        (dict(distill_search='random'), "distill_search must be 'grid' or 'halving', got 'random'"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(problem, changes, message):
@@ -163,6 +164,29 @@ def test_bad_settings_are_refused_in_one_line(problem, changes, message):
     with pytest.raises(settings_lib.SettingsError) as error:
         _build(problem, **changes)
     assert str(error.value) == message
+
+
+def test_halving_personalizes_with_a_grid_student(problem, tff_runtime):
+    """Stage 2 by successive halving: the chosen student is the grid's student of the same candidate."""
+    spec, _ = problem
+    chosen = {}
+    for search in ('grid', 'halving'):
+        process = _build(problem, distill_search=search, temperatures=(1.0, 2.0, 5.0), imitations=(0.0, 0.25, 0.5))
+        state = process.initialize()
+        states = [process.initial_client_state(c) for c in spec.client_ids]
+        state, states, _ = process.next(state, states)
+        chosen[search] = process.personalize(state, states)
+    candidates = distillation.grid_candidates((1.0, 2.0, 5.0), (0.0, 0.25, 0.5))
+    agree = 0
+    for grid, halving in zip(chosen['grid'], chosen['halving']):
+        # Seven candidates, rungs of 7 -> 3 -> 1: the survivor is trained exactly like the grid's candidate.
+        pick = candidates.index((float(halving['temperature']), float(halving['imitation'])))
+        assert float(halving['personalized_val_accuracy']) == pytest.approx(float(grid['grid_val_accuracy'][pick]))
+        if pick == candidates.index((float(grid['temperature']), float(grid['imitation']))):
+            agree += 1
+            for a, b in zip(halving['personalized'], grid['personalized']):
+                np.testing.assert_allclose(a, b, atol=1e-6)
+    assert agree >= 1
 
 
 def test_bad_arguments(problem):
