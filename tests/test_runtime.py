@@ -147,3 +147,32 @@ def test_the_local_worker_runs_with_few_malloc_arenas_unless_the_user_says_other
     monkeypatch.delenv('MALLOC_ARENA_MAX')
     monkeypatch.setattr(runtime, 'WORKER_MALLOC_ARENAS', None)
     assert 'MALLOC_ARENA_MAX' not in runtime._worker_env()
+
+
+class _FakeExecutor:
+    def __init__(self, cardinalities):
+        self.cardinalities, self.closed = cardinalities, False
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_executor_cache_closes_what_it_evicts():
+    """Every round of Poisson sampling has its own number of clients: evicted executors must be freed."""
+    made = []
+
+    def executor_fn(cardinalities):
+        made.append(_FakeExecutor(cardinalities))
+        return made[-1]
+
+    factory = runtime.ClosingExecutorFactory(executor_fn, size=3)
+    first = factory.create_executor({'clients': 90})
+    assert factory.create_executor({'clients': 90}) is first  # cached
+    for n in (91, 92):
+        factory.create_executor({'clients': n})
+    factory.create_executor({'clients': 90})  # used again: now the most recent
+    factory.create_executor({'clients': 93})  # evicts 91, the least recently used
+    assert [e.closed for e in made] == [False, True, False, False]
+    factory.clean_up_executor({'clients': 92})
+    assert made[2].closed and factory.create_executor({'clients': 92}) is not made[2]
+    assert not any(e.closed for e in (made[0], made[3]))
