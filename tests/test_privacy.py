@@ -400,6 +400,40 @@ def test_a_dp_run_reports_epsilon_after_every_round(tmp_path, tff_runtime):
     assert f'epsilon = {result.rounds[-1]["dp_epsilon"]:.4g} at delta = 0.001 after 3 rounds' in report
 
 
+def test_an_interrupted_dp_run_resumes_from_its_checkpoint_with_its_aggregator_state(tmp_path, monkeypatch):
+    # No noise, so that the resumed run can be compared with an uninterrupted one number for number.
+    fields = dict(
+        algorithm='fedavg',
+        num_clients=12,
+        rounds=4,
+        client_fraction=0.5,
+        checkpoint_every=2,
+        dp_noise_multiplier=0.0,
+        dp_target_quantile=0.5,
+    )
+    whole = experiment.run_experiment(experiment.make_config(output_dir=str(tmp_path / 'whole'), **fields))
+    calls = []
+    sample = training_loop.sample_clients
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return sample(*args, **kwargs)
+
+    config = experiment.make_config(output_dir=str(tmp_path / 'cut'), **fields)
+    monkeypatch.setattr(training_loop, 'sample_clients', interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        experiment.run_experiment(config)
+    monkeypatch.undo()
+    resumed = experiment.run_experiment(config)  # from the round-2 checkpoint, DP query state included
+    clip = 'aggregator_dp_query_metrics_clip'
+    assert [r[clip] for r in resumed.rounds] == pytest.approx([r[clip] for r in whole.rounds], rel=1e-6)
+    assert [r['dp_epsilon'] for r in resumed.rounds] == [r['dp_epsilon'] for r in whole.rounds]
+    for got, want in zip(resumed.state['model'], whole.state['model']):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
     spec = make_linear_problem(tmp_path / 'data')
     model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)

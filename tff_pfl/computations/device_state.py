@@ -73,7 +73,8 @@ def fill(template, leaves):
     """`template`'s containers (Python) with the next values of the iterator `leaves`; inverse of `flatten`.
 
     Args:
-      template: a nest of mappings, lists and tuples, or a single leaf.
+      template: a nest of mappings, lists, tuples and namedtuples, or a
+        single leaf.
       leaves: an iterator over the new leaves, consumed in `flatten` order.
 
     Returns:
@@ -81,6 +82,8 @@ def fill(template, leaves):
     """
     if isinstance(template, Mapping):
         return collections.OrderedDict((k, fill(v, leaves)) for k, v in template.items())
+    if isinstance(template, tuple) and hasattr(template, '_fields'):  # a namedtuple (e.g. DP aggregator states)
+        return type(template)(*(fill(v, leaves) for v in template))
     if isinstance(template, (list, tuple)):
         return type(template)(fill(v, leaves) for v in template)
     return next(leaves)
