@@ -132,13 +132,7 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
             return self._create_private(value_type, weight_type)
         num_clients, fixed, ddof = self._num_clients, self._fixed, self._ddof
 
-        @tff.tensorflow.computation
-        def init_state():
-            return collections.OrderedDict(
-                sigma0_sq=tf.constant(fixed if fixed is not None else -1.0, tf.float32),
-                total_precision=tf.constant(0.0),
-                mean_sigma_m_sq=tf.constant(0.0),
-            )
+        init_state = _initial_state(fixed)
 
         state_type = init_state.type_signature.result
 
@@ -236,13 +230,7 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         records = tff.aggregators.SecureSumFactory(clip) if self._secure else None
         dp_process = tff.aggregators.DifferentiallyPrivateFactory(query, records).create(record_type)
 
-        @tff.tensorflow.computation
-        def init_own():
-            return collections.OrderedDict(
-                sigma0_sq=tf.constant(fixed if fixed is not None else -1.0, tf.float32),
-                total_precision=tf.constant(0.0),
-                mean_sigma_m_sq=tf.constant(0.0),
-            )
+        init_own = _initial_state(fixed)
 
         dp_state_type = dp_process.initialize.type_signature.result.member
 
@@ -329,6 +317,20 @@ SELFFL_SECURE = (
     "--secure_aggregation: Self-FL's sums need a bounded range, which its DP record gives: "
     'use it with --dp_noise_multiplier and --dp_clip'
 )
+
+
+def _initial_state(fixed_sigma0_sq):
+    """The state before any round: sigma0_sq unknown (-1) unless fixed, no precision, no typical sigma_m^2."""
+
+    @tff.tensorflow.computation
+    def init_state():
+        return collections.OrderedDict(
+            sigma0_sq=tf.constant(fixed_sigma0_sq if fixed_sigma0_sq is not None else -1.0, tf.float32),
+            total_precision=tf.constant(0.0),
+            mean_sigma_m_sq=tf.constant(0.0),
+        )
+
+    return init_state
 
 
 def _select_sigma0(state_type):
