@@ -47,13 +47,13 @@ def test_a_spilled_store_keeps_what_the_heap_store_keeps_and_leaves_no_file(tmp_
     ids = [f'client_{i}' for i in range(7)]
     heap = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path))
     spilled = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
-    assert not heap.spilled and spilled.spilled
-    assert all(isinstance(leaf, np.memmap) for leaf in spilled.stacked()[1:])
-    assert os.listdir(tmp_path) == []  # mapped files are unlinked at once
-    assert spilled.nbytes == heap.nbytes == 7 * (4 + 6 * 4 + 2 * 4 + 4)
     for step, chosen in enumerate([ids[1:4], ids[::3], ids], start=1):
         for store in (heap, spilled):
             store.put(chosen, [_trained(s, step) for s in store.get(chosen)])
+    assert not heap.spilled and spilled.spilled
+    assert all(isinstance(leaf, np.memmap) for leaf in spilled.changes(everything=True).leaves[1:])
+    assert os.listdir(tmp_path) == []  # mapped files are unlinked at once
+    assert spilled.nbytes == heap.nbytes == 7 * (4 + 6 * 4 + 2 * 4 + 4)
     expected = collections.OrderedDict((c, _Process.initial_client_state(c)) for c in ids)
     for step, chosen in enumerate([ids[1:4], ids[::3], ids], start=1):
         for c in chosen:
@@ -63,23 +63,117 @@ def test_a_spilled_store_keeps_what_the_heap_store_keeps_and_leaves_no_file(tmp_
     assert isinstance(spilled.states()['client_2']['loss'], np.float32)
     with pytest.raises(KeyError):
         spilled.states()['nobody']
+    with pytest.raises(KeyError):
+        spilled.put(['nobody'], spilled.get(['client_0']))
     with pytest.raises(RuntimeError, match="client state of 'client_0' returned in the slot of 'client_1'"):
         spilled.put(['client_1'], spilled.get(['client_0']))
 
 
-def test_a_checkpoint_is_read_back_into_a_spilled_store_piece_by_piece(tmp_path, monkeypatch):
+class _CountingProcess(_Process):
+    """`_Process`, counting the clients whose initial state it made (one by one, or batched)."""
+
+    made = []
+
+    @classmethod
+    def initial_client_states(cls, client_ids):
+        cls.made.append(list(client_ids))
+        return [cls.initial_client_state(c) for c in client_ids]
+
+
+def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path):
+    """The store grows with the clients that took part; the others' initial states come in one call per read."""
+    _CountingProcess.made = []
+    ids = [f'c{i}' for i in range(1000)]
+    store = training_loop.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path), spill_bytes=20 * 40)
+    assert store.num_stored == 0 and store.nbytes == 0 and _CountingProcess.made == []
+    first = store.get(['c5', 'c7', 'c9'])
+    assert _CountingProcess.made == [['c5', 'c7', 'c9']] and store.num_stored == 0
+    store.put(['c5', 'c9'], [_trained(s, 1) for s in (first[0], first[2])])
+    assert store.stored_ids() == ['c5', 'c9'] and store.nbytes == 2 * 40 and not store.spilled
+    again = store.get(['c9', 'c3', 'c5'])
+    assert _CountingProcess.made[-1] == ['c3']  # stored states are read, not made again
+    assert again[0]['num_participations'] == 1 and again[1]['num_participations'] == 0
+    for i in range(0, 30, 3):  # grows past the spill size: the rows move to a mapped file, kept
+        store.put(ids[i : i + 3], [_trained(s, 2) for s in store.get(ids[i : i + 3])])
+    assert store.spilled and store.num_stored == 30
+    expected = collections.OrderedDict((c, _Process.initial_client_state(c)) for c in ids)
+    for c in ['c5', 'c9']:
+        expected[c] = _trained(expected[c], 1)
+    for c in ids[:30]:
+        expected[c] = _trained(expected[c], 2)
+    _assert_same(store.states(), expected)
+
+
+def _segment_ids(directory):
+    runs = checkpoints.RunCheckpoints(str(directory))
+    return [segment.ids() for segment in runs.load_latest({'round_num': np.int32(0)}).segments()]
+
+
+def test_checkpoints_write_the_changed_clients_and_restore_the_same_states(tmp_path, monkeypatch):
+    """First checkpoint: every stored client; then only the changes; a long chain is compacted; old files go."""
     ids = [f'c{i}' for i in range(11)]
     store = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
-    store.put(ids[::2], [_trained(s, 3) for s in store.get(ids[::2])])
     runs = checkpoints.RunCheckpoints(str(tmp_path / 'checkpoints'))
-    runs.save(4, {'round_num': np.int32(4)}, store.ids(), store.stacked(), {'s': 1}, [])
-    monkeypatch.setattr(checkpoints, '_READ_BYTES', 2 * 24)  # 2 rows of the (3, 2) leaf per piece
+    rng = np.random.default_rng(0)
+
+    def round_of(round_num, chosen):
+        store.put(chosen, [_trained(s, round_num) for s in store.get(chosen)])
+        training_loop.save_checkpoint(runs, round_num, {'round_num': np.int32(round_num)}, store, rng, [])
+
+    round_of(1, ['c1', 'c2', 'c3'])
+    assert _segment_ids(runs.directory) == [['c1', 'c2', 'c3']]
+    round_of(2, ['c3', 'c4'])
+    assert _segment_ids(runs.directory) == [['c1', 'c2', 'c3'], ['c3', 'c4']]
+    round_of(3, ids[1:5])  # chain 3 + 2 + 4 rows > 2 x 4 stored: a full segment
+    assert _segment_ids(runs.directory) == [['c1', 'c2', 'c3', 'c4']]
+    round_of(4, ['c0'])
+    assert sorted(os.listdir(runs.directory)) == ['clients_3.npz', 'clients_4.npz', 'round_3.npz', 'round_4.npz']
+    monkeypatch.setattr(checkpoints, 'PIECE_BYTES', 2 * 24)  # 2 rows of the (3, 2) leaf per piece
     restored_into = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
     restored_into.restore(runs.load_latest({'round_num': np.int32(0)}))
+    assert restored_into.stored_ids() == ['c1', 'c2', 'c3', 'c4', 'c0']
     _assert_same(restored_into.states(), store.states())
-    smaller = training_loop.ClientStateStore(_Process, ids[:5])
-    with pytest.raises(ValueError, match=r'client leaf 1 is int32\[11\], the run needs int32\[5\]'):
-        smaller.restore(runs.load_latest({'round_num': np.int32(0)}))
+    # A resumed run's next checkpoint builds on the restored chain.
+    resumed = checkpoints.RunCheckpoints(runs.directory)
+    restored_into.restore(resumed.load_latest({'round_num': np.int32(0)}))
+    restored_into.put(['c5'], [_trained(s, 5) for s in restored_into.get(['c5'])])
+    training_loop.save_checkpoint(resumed, 5, {'round_num': np.int32(5)}, restored_into, rng, [])
+    assert _segment_ids(runs.directory) == [['c1', 'c2', 'c3', 'c4'], ['c0'], ['c5']]
+    other = training_loop.ClientStateStore(_Process, ['c0', 'c1'])
+    with pytest.raises(ValueError, match=r"clients_3.npz: client 'c2' is not a client of this run"):
+        other.restore(runs.load_latest({'round_num': np.int32(0)}))
+
+
+def test_a_checkpoint_of_the_earlier_format_loads_as_one_full_segment(tmp_path):
+    """Manifests that held every client's state (before segments) still resume; the next save writes everything."""
+    ids = ['a', 'b', 'c']
+    states = collections.OrderedDict((c, _trained(_Process.initial_client_state(c), 1)) for c in ids)
+    stacked_ids, leaves = checkpoints.stack_states(states)
+    flat = collections.OrderedDict(
+        round_num=np.int64(2),
+        client_ids=np.array([c.encode() for c in stacked_ids]),
+        rng_state=np.array('{"s": 1}'),
+        rows=np.array('[]'),
+        server_0000=np.int32(2),
+    )
+    flat.update((f'client_{i:04d}', leaf) for i, leaf in enumerate(leaves))
+    os.makedirs(tmp_path / 'old')
+    np.savez(tmp_path / 'old' / 'round_2.npz', **flat)
+    runs = checkpoints.RunCheckpoints(str(tmp_path / 'old'))
+    store = training_loop.ClientStateStore(_Process, ids)
+    store.restore(runs.load_latest({'round_num': np.int32(0)}))
+    _assert_same(store.states(), states)
+    assert runs.wants_everything(0, store.nbytes)
+
+
+def test_a_checkpoint_with_a_missing_segment_is_refused_in_one_line(tmp_path):
+    store = training_loop.ClientStateStore(_Process, ['a', 'b'])
+    store.put(['a'], store.get(['a']))
+    runs = checkpoints.RunCheckpoints(str(tmp_path))
+    training_loop.save_checkpoint(runs, 1, {'round_num': np.int32(1)}, store, np.random.default_rng(0), [])
+    os.remove(tmp_path / 'clients_1.npz')
+    with pytest.raises(ValueError, match=r'round_1.npz names a missing client-state segment .*clients_1.npz$'):
+        checkpoints.RunCheckpoints(str(tmp_path)).load_latest({'round_num': np.int32(0)})
 
 
 def _rows(path):
@@ -149,7 +243,12 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
     label = 'round 5/' if algorithm == 'persfl' else 'interval 5/'
     with pytest.raises(KeyboardInterrupt):
         experiment.run_experiment(config(crashed), log=_crash_at(label))
-    assert sorted(os.listdir(crashed / 'checkpoints')) == ['round_2.npz', 'round_4.npz']
+    assert sorted(os.listdir(crashed / 'checkpoints')) == [
+        'clients_2.npz',
+        'clients_4.npz',
+        'round_2.npz',
+        'round_4.npz',
+    ]
     lines = []
     experiment.run_experiment(config(crashed), log=lines.append)
     assert lines[1].startswith(f'resuming after {label.split()[0]} 4'), lines[:3]

@@ -1,6 +1,7 @@
 """Checkpoints: a run killed with SIGKILL and run again ends with an uninterrupted run's numbers."""
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -56,6 +57,11 @@ def _rows(path):
         return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
 
 
+def _segment_paths(runs, round_num):
+    with np.load(os.path.join(runs.directory, f'round_{round_num}.npz')) as archive:
+        return [name for name, _ in json.loads(str(archive['segments']))]
+
+
 def _data_rows(path):
     try:
         with open(path) as f:
@@ -92,7 +98,13 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_numbers(tiny_npz, uninterrup
     assert f'resuming after round {last}' in stdout or f'resuming after round {last - 2}' in stdout, stdout[:2000]
     for name in ('metrics.csv', 'clients.csv'):
         assert _rows(out / name) == _rows(uninterrupted / name), name
-    assert sorted(os.listdir(out / 'checkpoints')) == ['round_26.npz', 'round_28.npz']  # the newest two are kept
+    # The newest two manifests are kept, with the client-state segments they build on and no other file.
+    kept = sorted(os.listdir(out / 'checkpoints'))
+    assert [name for name in kept if name.startswith('round_')] == ['round_26.npz', 'round_28.npz']
+    runs = checkpoints.RunCheckpoints(str(out / 'checkpoints'))
+    named = {os.path.basename(p) for r in (26, 28) for p in _segment_paths(runs, r)}
+    assert [name for name in kept if not name.startswith('round_')] == sorted(named)
+    assert 'clients_28.npz' in named
 
 
 def test_changing_the_configuration_of_a_run_is_refused(tiny_npz, uninterrupted, tmp_path):
@@ -121,17 +133,26 @@ def test_a_crash_while_writing_keeps_the_last_good_checkpoint(tmp_path, monkeypa
         'a': {'client_id': b'a', 'w': np.zeros(3, np.float32)},
         'b': {'client_id': b'b', 'w': np.ones(3, np.float32)},
     }
-    store.save(2, server, *checkpoints.stack_states(clients), {'state': 1}, [{'round': 1}, {'round': 2}])
+    store.save(
+        2,
+        server,
+        list(clients),
+        checkpoints.ClientRows.from_states(clients),
+        {'state': 1},
+        [{'round': 1}, {'round': 2}],
+    )
 
-    def crash(file, **arrays):
-        file.write(b'half a checkpoint')
+    def crash(archive, name, array):
+        with archive.open(f'{name}.npy', 'w') as f:
+            f.write(b'half a checkpoint')
         raise OSError('disk gone')
 
-    monkeypatch.setattr(np, 'savez', crash)
+    monkeypatch.setattr(checkpoints, '_write_array', crash)
     with pytest.raises(OSError, match='disk gone'):
-        store.save(4, server, *checkpoints.stack_states(clients), {'state': 2}, [])
+        store.save(4, server, list(clients), checkpoints.ClientRows.from_states(clients), {'state': 2}, [])
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == ['round_2.npz', 'round_4.npz.tmp']  # the torn write is not a checkpoint
+    # the torn write is not a checkpoint
+    assert sorted(os.listdir(tmp_path)) == ['clients_2.npz', 'clients_4.npz.tmp', 'round_2.npz']
     restored = checkpoints.RunCheckpoints(str(tmp_path)).load_latest(server)
     assert restored.round_num == 2 and restored.rng_state == {'state': 1}
     assert restored.client_ids == ['a', 'b']

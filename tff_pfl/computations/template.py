@@ -21,6 +21,7 @@ states into `next` and writes the returned ones back.
 import collections
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -112,6 +113,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
                 f'next takes {states_in} and returns {states_out}'
             )
         self._initial_client_state = initial_client_state
+        self._initial_client_states = None
         self._evaluate = evaluate
         self._personalize = personalize
         self._device = device
@@ -129,6 +131,30 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
     def initial_client_state(self) -> tff.Computation:
         """The `tf.string -> C` computation of a client's first state."""
         return self._initial_client_state
+
+    def initial_client_states(self, client_ids: Sequence[str]) -> list:
+        """The first states of `client_ids`, made in one TFF call.
+
+        Equal to `initial_client_state` called per client: the call maps it
+        over `{tf.string}@CLIENTS` (built at the first use), so a run that
+        creates the states of a round's new clients pays one call per round,
+        not one per client.
+
+        Args:
+          client_ids: the clients, at least one.
+
+        Returns:
+          One client state per id, in `client_ids` order.
+        """
+        if self._initial_client_states is None:
+            initial = self._initial_client_state
+
+            @tff.federated_computation(tff.FederatedType(np.str_, tff.CLIENTS))
+            def initial_client_states(ids):
+                return tff.federated_map(initial, ids)
+
+            self._initial_client_states = initial_client_states
+        return list(self._initial_client_states(list(client_ids)))
 
     @property
     def evaluate(self) -> tff.Computation:

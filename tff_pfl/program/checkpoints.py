@@ -1,26 +1,43 @@
-"""Checkpoints of a run: one `.npz` file per checkpointed round, written atomically.
+"""Checkpoints of a run: a small manifest per checkpointed round plus client-state segments, written atomically.
 
 A checkpoint holds everything the run loop needs to continue as if it had
-never stopped: the round number, the server state, every client's state, the
-client-sampling generator's state, and the metrics rows so far. Training
+never stopped: the round number, the server state, the stored client states,
+the client-sampling generator's state, and the metrics rows so far. Training
 randomness needs nothing more: every client's batch order and every seeded
 draw inside the computations derive from (run seed, round number, client id).
 
-Each checkpoint is written to a temporary file, flushed to disk and renamed
-into place (`os.replace`), so a crash while writing leaves the last good
-checkpoint intact; the newest two are kept. (`tff.program`'s
+Client states are written as segments (`clients_<round>.npz`: the ids of the
+clients it holds and their states stacked leaf by leaf). A checkpoint writes
+one segment with the clients whose state changed since the previous
+checkpoint, and its manifest (`round_<round>.npz`: round, server state,
+sampling state, rows, every client id of the run, and the names of the
+segments to apply in order) names the earlier segments it builds on. So the
+cost of a checkpoint follows the clients that took part since the last one,
+not the population. When the chain of segments would hold more than
+`COMPACT_RATIO` times the bytes of the stored states, a full segment of every
+stored client starts a new chain. A client that is in no segment has no stored
+state (it has not taken part).
+
+Every file is written to a temporary name, flushed to disk and renamed into
+place (`os.replace`), segments before the manifest that names them, so a crash
+while writing leaves the last good checkpoint intact; the newest two manifests
+are kept, with the segments they name. (`tff.program`'s
 FileProgramStateManager does the same with SavedModel directories, but each
 save made the driver's memory grow: benchmarks/results/memory_rounds.md.)
 
 Nested values are flattened in TFF's structure order into one flat
 `OrderedDict` of arrays (no empty containers, which SavedModel does not keep),
-and the client states are stacked leaf by leaf over clients, so the number of
-saved tensors does not grow with the number of clients. Loading rebuilds the
-structures from templates: the process's initial server state and a client's
-initial state.
+and client states are stacked leaf by leaf over clients, so the number of
+saved tensors does not grow with the number of clients; numeric leaves are
+written and read in pieces of at most `PIECE_BYTES`, so a memory-mapped store
+is never copied whole. Loading rebuilds the structures from templates: the
+process's initial server state and a client's initial state. A checkpoint of
+an earlier version (every client's state inside the manifest) loads as a
+manifest with one full segment, itself.
 """
 
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -32,18 +49,20 @@ import numpy as np
 from tff_pfl.computations import device_state
 
 KEEP = 2
+# A new full segment once the chain would exceed this many times the stored states' bytes.
+COMPACT_RATIO = 2.0
 _NAME = re.compile(r'^round_(\d+)\.npz$')
+_SEGMENT = re.compile(r'^clients_(\d+)\.npz$')
+
+# Numeric client leaves are written and read in pieces of at most this many
+# bytes, from and into the store's arrays (which may be memory-mapped).
+PIECE_BYTES = 16 * 2**20
 
 
 def _scalar(value):
     """0-d arrays as numpy scalars (dtype kept), others as they are."""
     value = np.asarray(value)
     return value[()] if value.ndim == 0 else value
-
-
-# Client leaves are read back in pieces of at most this many bytes, straight
-# into the store's arrays (which may be memory-mapped).
-_READ_BYTES = 16 * 2**20
 
 
 def stack_states(client_states: Mapping) -> tuple:
@@ -63,21 +82,102 @@ def stack_states(client_states: Mapping) -> tuple:
     return ids, leaves
 
 
-class Checkpoint(
-    collections.namedtuple('Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state', 'rows', 'path'])
-):
-    """A loaded checkpoint; the client states stay in its file until read.
+@dataclasses.dataclass(frozen=True)
+class ClientRows:
+    """Client states for a checkpoint to write: rows of stacked leaves.
 
     Attributes:
-      round_num: the last round it includes.
-      server_state: the server state after that round.
-      client_ids: every client id, in the order of the stacked leaves.
-      rng_state: the sampling generator's `bit_generator.state`.
-      rows: the metrics rows of rounds 1..round_num.
-      path: the checkpoint's file.
+      ids: the clients, in segment order.
+      rows: each client's row in `leaves`.
+      leaves: one array (or list, for strings) per leaf of the client-state
+        structure, `[capacity, ...]`; only `rows` are read.
+      complete: True if these clients are every stored client (a full
+        segment), False if they are the changes since the previous checkpoint.
+      row_bytes: bytes of one client's numeric leaves.
     """
 
-    def client_leaf(self, index: int) -> np.ndarray:
+    ids: Sequence[str]
+    rows: np.ndarray
+    leaves: Sequence
+    complete: bool
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of these clients' numeric leaves."""
+        return self.row_bytes * len(self.ids)
+
+    @classmethod
+    def from_states(cls, client_states: Mapping) -> 'ClientRows':
+        """Every client of `client_states`, as one full segment.
+
+        Args:
+          client_states: client id -> client state, at least one.
+
+        Returns:
+          A complete `ClientRows` of `stack_states(client_states)`.
+        """
+        ids, leaves = stack_states(client_states)
+        row_bytes = sum(leaf[0].nbytes for leaf in leaves if leaf.dtype.kind not in 'SUO')
+        return cls(ids=ids, rows=np.arange(len(ids)), leaves=leaves, complete=True, row_bytes=row_bytes)
+
+
+def _write_array(archive: zipfile.ZipFile, name: str, array) -> None:
+    with archive.open(f'{name}.npy', 'w', force_zip64=True) as f:
+        np.lib.format.write_array(f, np.asarray(array), allow_pickle=False)
+
+
+def _write_rows(archive: zipfile.ZipFile, name: str, leaf, rows: np.ndarray, row_bytes: int) -> None:
+    """Writes `leaf[rows]` as `name.npy`, gathering at most `PIECE_BYTES` at a time."""
+    if isinstance(leaf, list):
+        _write_array(archive, name, np.array([leaf[r] for r in rows]))
+        return
+    header = {
+        'descr': np.lib.format.dtype_to_descr(leaf.dtype),
+        'fortran_order': False,
+        'shape': (len(rows), *leaf.shape[1:]),
+    }
+    step = max(1, PIECE_BYTES // max(1, leaf[0].nbytes if len(leaf) else row_bytes))
+    with archive.open(f'{name}.npy', 'w', force_zip64=True) as f:
+        np.lib.format.write_array_header_2_0(f, header)
+        for start in range(0, len(rows), step):
+            f.write(np.ascontiguousarray(leaf[rows[start : start + step]]).tobytes())
+
+
+def _write_npz(path: str, arrays: Mapping, clients: ClientRows | None = None) -> None:
+    """Writes an `.npz` (readable by `np.load`) atomically: temporary file, fsync, rename."""
+    temporary = f'{path}.tmp'
+    with open(temporary, 'wb') as f:
+        with zipfile.ZipFile(f, 'w', zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, array in arrays.items():
+                _write_array(archive, name, array)
+            if clients is not None:
+                for i, leaf in enumerate(clients.leaves):
+                    _write_rows(archive, f'client_{i:04d}', leaf, clients.rows, clients.row_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+class Segment(collections.namedtuple('Segment', ['path', 'ids_key'])):
+    """One file of client states: the ids it holds (under `ids_key`) and `client_XXXX` leaves.
+
+    Attributes:
+      path: the file.
+      ids_key: the archive key of its client ids (`ids`; `client_ids` in a
+        checkpoint of an earlier version, whose manifest held every client).
+    """
+
+    def ids(self) -> list[str]:
+        """The clients whose states the segment holds, in its row order.
+
+        Returns:
+          A list of client ids.
+        """
+        with np.load(self.path, allow_pickle=False) as archive:
+            return [c.decode() if isinstance(c, bytes) else str(c) for c in archive[self.ids_key].tolist()]
+
+    def leaf(self, index: int) -> np.ndarray:
         """Client leaf `index`, `[num_clients, ...]`, read whole.
 
         Args:
@@ -85,21 +185,23 @@ class Checkpoint(
             structure.
 
         Returns:
-          The leaf of every client, stacked in `client_ids` order.
+          The leaf of every client of the segment, in its row order.
         """
         with np.load(self.path, allow_pickle=False) as archive:
             return archive[f'client_{index:04d}']
 
-    def read_client_leaf(self, index: int, out: np.ndarray) -> None:
-        """Reads client leaf `index` into `out` (same shape and dtype) piece by piece.
+    def read_leaf(self, index: int, out, rows: np.ndarray) -> None:
+        """Reads client leaf `index` into `out[rows]`, piece by piece.
 
         Args:
           index: the leaf's position in the client state's flattened
             structure.
-          out: the `[num_clients, ...]` array to fill (may be memory-mapped).
+          out: the `[capacity, ...]` array to fill (may be memory-mapped).
+          rows: the row of `out` for each of the segment's clients.
 
         Raises:
-          ValueError: if the stored leaf's shape or dtype differs from `out`'s.
+          ValueError: if the stored leaf's shape or dtype differs from what
+            `out` and `rows` need.
         """
         with zipfile.ZipFile(self.path) as archive, archive.open(f'client_{index:04d}.npy') as f:
             version = np.lib.format.read_magic(f)
@@ -107,35 +209,62 @@ class Checkpoint(
                 np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
             )
             shape, fortran_order, dtype = read_header(f)
-            if tuple(shape) != out.shape or dtype != out.dtype or fortran_order:
+            needed = (len(rows), *out.shape[1:])
+            if tuple(shape) != needed or dtype != out.dtype or fortran_order:
                 raise ValueError(
-                    f'{self.path}: client leaf {index} is {dtype}{list(shape)}, '
-                    f'the run needs {out.dtype}{list(out.shape)}'
+                    f'{self.path}: client leaf {index} is {dtype}{list(shape)}, the run needs {out.dtype}{list(needed)}'
                 )
-            row_bytes = max(1, out[0].nbytes if len(out) else 1)
-            step = max(1, _READ_BYTES // row_bytes)
+            row_bytes = max(1, out[0].nbytes)
+            step = max(1, PIECE_BYTES // row_bytes)
             for start in range(0, shape[0], step):
                 count = min(step, shape[0] - start)
                 data = f.read(count * row_bytes)
-                out[start : start + count] = np.frombuffer(data, dtype).reshape((count, *shape[1:]))
+                out[rows[start : start + count]] = np.frombuffer(data, dtype).reshape((count, *shape[1:]))
+
+
+class Checkpoint(
+    collections.namedtuple(
+        'Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state', 'rows', 'path', 'segment_paths']
+    )
+):
+    """A loaded checkpoint; the client states stay in their segments until read.
+
+    Attributes:
+      round_num: the last round it includes.
+      server_state: the server state after that round.
+      client_ids: every client id of the run.
+      rng_state: the sampling generator's `bit_generator.state`.
+      rows: the metrics rows of rounds 1..round_num.
+      path: the manifest's file.
+      segment_paths: the client-state segments, in the order they apply
+        (a later one's state of a client replaces an earlier one's).
+    """
+
+    def segments(self) -> list[Segment]:
+        """The client-state segments, in the order they apply.
+
+        Returns:
+          A list of `Segment`s.
+        """
+        return [Segment(p, 'client_ids' if p == self.path else 'ids') for p in self.segment_paths]
 
     def client_states(self, client_template) -> collections.OrderedDict:
-        """Client id -> client state, every client (read whole; for small stores).
+        """Client id -> client state, every stored client (read whole; for small stores).
 
         Args:
           client_template: one client state of the run's process.
 
         Returns:
-          Client id -> client state of `client_template`'s structure, in
-          `client_ids` order.
+          Client id -> client state of `client_template`'s structure, for the
+          clients the segments hold, in the order they first appear.
         """
         num_client = len(device_state.flatten(client_template))
-        with np.load(self.path, allow_pickle=False) as archive:
-            stacked = [archive[f'client_{i:04d}'] for i in range(num_client)]
-        return collections.OrderedDict(
-            (c, device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked])))
-            for j, c in enumerate(self.client_ids)
-        )
+        states = collections.OrderedDict()
+        for segment in self.segments():
+            stacked = [segment.leaf(i) for i in range(num_client)]
+            for j, c in enumerate(segment.ids()):
+                states[c] = device_state.fill(client_template, iter([_scalar(leaf[j]) for leaf in stacked]))
+        return states
 
 
 class RunCheckpoints:
@@ -143,6 +272,7 @@ class RunCheckpoints:
 
     def __init__(self, directory: str):
         self.directory = directory
+        self._chain = None  # [(segment name, bytes of its states)] of the newest manifest, once known
 
     def _path(self, round_num: int) -> str:
         return os.path.join(self.directory, f'round_{round_num}.npz')
@@ -157,12 +287,29 @@ class RunCheckpoints:
             return []
         return sorted(int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m)
 
+    def wants_everything(self, changed_bytes: int, stored_bytes: int) -> bool:
+        """Whether the next checkpoint should write every stored client (start a new chain).
+
+        Args:
+          changed_bytes: bytes of the clients changed since the last
+            checkpoint.
+          stored_bytes: bytes of every stored client.
+
+        Returns:
+          True if no chain is known (no checkpoint saved or loaded by this
+          object) or the chain with the changes would exceed `COMPACT_RATIO`
+          times `stored_bytes`.
+        """
+        if self._chain is None:
+            return True
+        return sum(size for _, size in self._chain) + changed_bytes > COMPACT_RATIO * max(stored_bytes, 1)
+
     def save(
         self,
         round_num: int,
         server_state,
         client_ids: Sequence[str],
-        client_leaves: Sequence[np.ndarray],
+        clients: ClientRows,
         rng_state: Mapping,
         rows: Sequence[Mapping],
     ) -> None:
@@ -171,38 +318,66 @@ class RunCheckpoints:
         Args:
           round_num: the round just finished.
           server_state: the server state after it.
-          client_ids: every client id.
-          client_leaves: every client's state stacked leaf by leaf, one
-            `[num_clients, ...]` array per leaf (`stack_states`, or a store's
-            own arrays, which are written piece by piece).
+          client_ids: every client id of the run.
+          clients: the client states to write: every stored client
+            (`complete`), or those changed since the previous checkpoint
+            saved or loaded by this object.
           rng_state: the sampling generator's `bit_generator.state`.
           rows: the metrics rows so far (JSON-serializable values).
+
+        Raises:
+          ValueError: if `clients` is not complete and no earlier checkpoint
+            is known to build on.
         """
+        if not clients.complete and self._chain is None:
+            raise ValueError('a checkpoint of changed clients needs the previous checkpoint to build on')
+        os.makedirs(self.directory, exist_ok=True)
+        chain = [] if clients.complete else list(self._chain)
+        if clients.ids or clients.complete:
+            name = f'clients_{int(round_num)}.npz'
+            path = os.path.join(self.directory, name)
+            _write_npz(path, {'ids': np.array([c.encode() for c in clients.ids], dtype=bytes)}, clients)
+            chain.append((name, clients.nbytes))
         flat = collections.OrderedDict(
             round_num=np.int64(round_num),
             client_ids=np.array([c.encode() for c in client_ids]),
             rng_state=np.array(json.dumps(rng_state)),
             rows=np.array(json.dumps(list(rows))),
+            segments=np.array(json.dumps(chain)),
         )
         for i, leaf in enumerate(device_state.flatten(server_state)):
             flat[f'server_{i:04d}'] = np.asarray(leaf)
-        for i, leaf in enumerate(client_leaves):
-            flat[f'client_{i:04d}'] = leaf
-        os.makedirs(self.directory, exist_ok=True)
-        final = self._path(int(round_num))
-        temporary = f'{final}.tmp'
-        with open(temporary, 'wb') as f:
-            np.savez(f, **flat)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, final)
+        _write_npz(self._path(int(round_num)), flat)
         directory = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
-        for old in self.rounds()[:-KEEP]:
+        self._chain = chain
+        self._drop_old()
+
+    def _manifest_segments(self, round_num: int) -> list[tuple[str, int]]:
+        """`(name, bytes of its states)` of each segment the manifest of `round_num` applies.
+
+        An earlier version's manifest is its own only segment, with bytes -1.
+        """
+        path = self._path(round_num)
+        with np.load(path, allow_pickle=False) as archive:
+            if 'segments' not in archive.files:
+                return [(os.path.basename(path), -1)]
+            return [(name, int(size)) for name, size in json.loads(_text(archive['segments']))]
+
+    def _drop_old(self) -> None:
+        """Removes manifests beyond the newest `KEEP`, and segments and temporary files no manifest needs."""
+        rounds = self.rounds()
+        for old in rounds[:-KEEP]:
             os.remove(self._path(old))
+        needed = set()
+        for round_num in rounds[-KEEP:]:
+            needed.update(name for name, _ in self._manifest_segments(round_num))
+        for name in os.listdir(self.directory):
+            if (_SEGMENT.match(name) and name not in needed) or name.endswith('.npz.tmp'):
+                os.remove(os.path.join(self.directory, name))
 
     def latest_round(self) -> int | None:
         """The newest round that has a complete checkpoint, or None if none has.
@@ -214,13 +389,18 @@ class RunCheckpoints:
         return rounds[-1] if rounds else None
 
     def load_latest(self, server_template) -> Checkpoint | None:
-        """The newest checkpoint, or None if there is none; its client states stay in the file.
+        """The newest checkpoint, or None if there is none; its client states stay in their segments.
+
+        Later checkpoints saved by this object build on it.
 
         Args:
           server_template: a server state of the run's process (for its structure).
 
         Returns:
           The newest `Checkpoint`, or None.
+
+        Raises:
+          ValueError: if a segment the checkpoint names is missing.
         """
         round_num = self.latest_round()
         if round_num is None:
@@ -236,6 +416,13 @@ class RunCheckpoints:
         server_state = device_state.fill(
             server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)])
         )
+        chain = self._manifest_segments(round_num)
+        segment_paths = [os.path.join(self.directory, name) for name, _ in chain]
+        missing = [p for p in segment_paths if not os.path.exists(p)]
+        if missing:
+            raise ValueError(f'checkpoint {path} names a missing client-state segment {missing[0]}')
+        # An earlier version's checkpoint (bytes -1): the next checkpoint writes every client.
+        self._chain = None if chain[0][1] < 0 else chain
         return Checkpoint(
             round_num=int(flat['round_num']),
             server_state=server_state,
@@ -243,6 +430,7 @@ class RunCheckpoints:
             rng_state=json.loads(_text(flat['rng_state'])),
             rows=json.loads(_text(flat['rows'])),
             path=path,
+            segment_paths=segment_paths,
         )
 
 

@@ -129,7 +129,7 @@ def run(
         if on_round is not None:
             on_round(row)
         if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and interval < intervals:
-            checkpoints.save(interval, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
+            training_loop.save_checkpoint(checkpoints, interval, state, store, rng, rows)
         log(
             training_loop.progress_line(
                 f'interval {interval}/{intervals} (slot {row["slot"]})',

@@ -76,16 +76,27 @@ CLIENTS_PER_CALL = 100
 
 
 class ClientStateStore:
-    """Every client's state, kept by the driver; pass-in/pass-out around `next`.
+    """The states of the clients that have taken part, kept by the driver; pass-in/pass-out around `next`.
 
-    States are held stacked leaf by leaf: one array of shape
-    `[num_clients, *leaf_shape]` per tensor of the client-state structure, so
-    the store costs its tensors' bytes and nothing per client, and the rows of
-    a round's clients are gathered and scattered by index. Once the numeric
+    The store is sparse: a client that has never taken part has no stored
+    state. Its initial state is made when it is first read (the new clients of
+    a call in one batched TFF call, `PersonalizedProcess.initial_client_states`)
+    and stored when its first new state is put, so setup makes one TFF call
+    and the store's memory grows with the clients that have taken part, not
+    with the population.
+
+    Stored states are held stacked leaf by leaf: one array of shape
+    `[capacity, *leaf_shape]` per tensor of the client-state structure, a row
+    per stored client in the order clients joined, grown by doubling; so the
+    store costs its tensors' bytes and nothing per client, and the rows of a
+    round's clients are gathered and scattered by index. Once the numeric
     leaves exceed `spill_bytes`, they live in memory-mapped files in
     `spill_dir` (unlinked at once: the mapping keeps them, and nothing is left
     behind if the process dies); the OS pages them in and out, so the driver's
     resident memory does not grow with the number of clients.
+
+    The store remembers which clients changed since the last checkpoint
+    (`changes`), so a checkpoint writes those and not every client.
     """
 
     def __init__(
@@ -97,7 +108,7 @@ class ClientStateStore:
         spill_bytes: int | None = None,
         clients_per_call: int | None = None,
     ):
-        """Builds every client's initial state.
+        """Makes an empty store (one TFF call, for the state's structure).
 
         Args:
           process: the algorithm.
@@ -108,37 +119,84 @@ class ClientStateStore:
             (default `SPILL_BYTES`).
           clients_per_call: clients per `evaluate`/`personalize` call
             (default `CLIENTS_PER_CALL`).
+
+        Raises:
+          ValueError: if `clients_per_call` < 1 or `client_ids` is empty or
+            has duplicates.
         """
         spill_bytes = SPILL_BYTES if spill_bytes is None else spill_bytes
         clients_per_call = CLIENTS_PER_CALL if clients_per_call is None else clients_per_call
         if clients_per_call < 1:
             raise ValueError(f'clients_per_call must be >= 1, got {clients_per_call}')
         self._clients_per_call = clients_per_call
+        self._process = process
         self._ids = list(client_ids)
-        self._rows = {c: i for i, c in enumerate(self._ids)}
+        if not self._ids or len(set(self._ids)) != len(self._ids):
+            raise ValueError('a client-state store needs at least one client id and no duplicates')
+        self._known = frozenset(self._ids)
         self._template = process.initial_client_state(self._ids[0])
-        count = len(self._ids)
-        like = [np.asarray(leaf) for leaf in device_state.flatten(self._template)]
-        numeric_bytes = sum(leaf.nbytes * count for leaf in like if leaf.dtype.kind not in 'SUO')
-        self.spilled = spill_dir is not None and numeric_bytes > spill_bytes
-        self._leaves = []
-        if self.spilled:
-            os.makedirs(spill_dir, exist_ok=True)
-        for leaf in like:
+        self._like = [np.asarray(leaf) for leaf in device_state.flatten(self._template)]
+        self._row_bytes = sum(leaf.nbytes for leaf in self._like if leaf.dtype.kind not in 'SUO')
+        self._spill_dir, self._spill_bytes = spill_dir, spill_bytes
+        self.spilled = False
+        self._rows = {}  # client id -> row, for stored clients, in the order they joined
+        self._changed = set()  # ids changed since the last `saved`
+        self._complete = False  # True after a checkpoint or a restore: `_changed` is all that changed
+        self._capacity = 0
+        self._leaves = self._allocate(0)
+
+    def _allocate(self, capacity: int) -> list:
+        """Empty leaves for `capacity` rows, memory-mapped once they are large."""
+        if self._spill_dir is not None and self._row_bytes * capacity > self._spill_bytes:
+            self.spilled = True
+        leaves = []
+        for leaf in self._like:
             if leaf.dtype.kind in 'SUO':
-                self._leaves.append([None] * count)  # client ids and other strings: small
+                leaves.append([None] * capacity)  # client ids and other strings: small
             elif self.spilled:
-                with tempfile.NamedTemporaryFile(dir=spill_dir, prefix='client_store_', suffix='.bin') as f:
-                    self._leaves.append(np.memmap(f.name, dtype=leaf.dtype, mode='w+', shape=(count, *leaf.shape)))
+                os.makedirs(self._spill_dir, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=self._spill_dir, prefix='client_store_', suffix='.bin') as f:
+                    shape = (max(capacity, 1), *leaf.shape)  # a memory map cannot be empty
+                    leaves.append(np.memmap(f.name, dtype=leaf.dtype, mode='w+', shape=shape))
             else:
-                self._leaves.append(np.empty((count, *leaf.shape), leaf.dtype))
-        for client_id in self._ids:
-            self._write(self._rows[client_id], process.initial_client_state(client_id))
+                leaves.append(np.empty((capacity, *leaf.shape), leaf.dtype))
+        return leaves
+
+    def _reserve(self, count: int) -> None:
+        """Room for `count` stored rows: doubles the capacity as needed, copying the rows in pieces."""
+        capacity = self._capacity
+        if count <= capacity:
+            return
+        while capacity < count:
+            capacity = max(2 * capacity, 16)
+        grown = self._allocate(capacity)
+        used = len(self._rows)
+        step = max(1, checkpoints_lib.PIECE_BYTES // max(self._row_bytes, 1))
+        for old, new in zip(self._leaves, grown):
+            if isinstance(old, list):
+                new[:used] = old[:used]
+                continue
+            for start in range(0, used, step):
+                new[start : min(used, start + step)] = old[start : min(used, start + step)]
+        self._leaves, self._capacity = grown, capacity
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the numeric leaves (on the heap, or mapped)."""
-        return sum(leaf.nbytes for leaf in self._leaves if isinstance(leaf, np.ndarray))
+        """Bytes of the stored clients' numeric leaves."""
+        return self._row_bytes * len(self._rows)
+
+    @property
+    def num_stored(self) -> int:
+        """How many clients have a stored state."""
+        return len(self._rows)
+
+    def stored_ids(self) -> list[str]:
+        """The clients with a stored state, in the order they were first stored.
+
+        Returns:
+          A new list of the ids.
+        """
+        return list(self._rows)
 
     def _write(self, row: int, state) -> None:
         for leaf, value in zip(self._leaves, device_state.flatten(state)):
@@ -148,17 +206,34 @@ class ClientStateStore:
         values = (leaf[row] if isinstance(leaf, list) else _value(leaf[row]) for leaf in self._leaves)
         return device_state.fill(self._template, values)
 
+    def _row_for(self, client_id: str) -> int:
+        """The stored row of `client_id`, added (empty) if it has none."""
+        row = self._rows.get(client_id)
+        if row is None:
+            row = len(self._rows)
+            self._reserve(row + 1)
+            self._rows[client_id] = row
+        return row
+
     def get(self, client_ids: Sequence[str]) -> list:
-        """The states of `client_ids`, read from the store.
+        """The states of `client_ids`: stored ones read, the others' initial states made in one call.
 
         Args:
           client_ids: ids of clients of the store.
 
         Returns:
           One client state per id, in `client_ids` order (numeric leaves
-          copied out of the store).
+          copied out of the store). Nothing is stored.
+
+        Raises:
+          KeyError: if an id is not a client of the store.
         """
-        return [self._read(self._rows[c]) for c in client_ids]
+        unknown = [c for c in client_ids if c not in self._known]
+        if unknown:
+            raise KeyError(unknown[0])
+        new = [c for c in client_ids if c not in self._rows]
+        initial = dict(zip(new, _initial_states(self._process, new))) if new else {}
+        return [initial[c] if c in initial else self._read(self._rows[c]) for c in client_ids]
 
     def put(self, client_ids: Sequence[str], states: Sequence) -> None:
         """Stores `states` as the new states of `client_ids`.
@@ -168,18 +243,22 @@ class ClientStateStore:
           states: one client state per id, in `client_ids` order.
 
         Raises:
+          KeyError: if an id is not a client of the store.
           RuntimeError: if a state's `client_id` is not the id of its slot.
         """
         for client_id, state in zip(client_ids, states):
+            if client_id not in self._known:
+                raise KeyError(client_id)
             returned_id = state['client_id']
             if isinstance(returned_id, bytes):
                 returned_id = returned_id.decode()
             if returned_id != client_id:
                 raise RuntimeError(f'client state of {returned_id!r} returned in the slot of {client_id!r}')
-            self._write(self._rows[client_id], state)
+            self._write(self._row_for(client_id), state)
+            self._changed.add(client_id)
 
     def all(self) -> list:
-        """The state of every client, in the store's client order.
+        """The state of every client, in the store's client order (initial states where none is stored).
 
         Returns:
           One client state per client.
@@ -202,32 +281,62 @@ class ClientStateStore:
         """
         return StateView(self._ids, self.get)
 
-    def stacked(self) -> list:
-        """The leaves, one `[num_clients, ...]` array each (for checkpoints).
-
-        Returns:
-          One array per leaf in TFF's structure order: the store's own
-          (possibly memory-mapped) arrays for numeric leaves, new arrays for
-          string leaves.
-        """
-        return [np.array(leaf) if isinstance(leaf, list) else leaf for leaf in self._leaves]
-
-    def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
-        """Puts back every client's state from a checkpoint, leaf by leaf.
+    def changes(self, everything: bool) -> checkpoints_lib.ClientRows:
+        """The stored clients a checkpoint must write.
 
         Args:
-          checkpoint: a checkpoint of this run, with the store's clients in
-            the same order.
+          everything: every stored client (a full checkpoint), else the
+            clients changed since the last checkpoint or restore.
+
+        Returns:
+          A `checkpoints.ClientRows` over the store's own arrays, read piece
+          by piece as it is written; `complete` says whether the rows alone
+          (without the checkpoints before) hold every stored state.
+        """
+        if everything or not self._complete:
+            ids = list(self._rows)
+        else:
+            ids = [c for c in self._rows if c in self._changed]
+        return checkpoints_lib.ClientRows(
+            ids=ids,
+            rows=np.array([self._rows[c] for c in ids], np.int64),
+            leaves=self._leaves,
+            complete=everything or not self._complete,
+            row_bytes=self._row_bytes,
+        )
+
+    def saved(self) -> None:
+        """Marks every stored state as written by a checkpoint."""
+        self._changed.clear()
+        self._complete = True
+
+    def restore(self, checkpoint: checkpoints_lib.Checkpoint) -> None:
+        """Puts back the stored clients' states from a checkpoint (its segments in order), leaf by leaf.
+
+        Clients the checkpoint holds no state of go back to having none.
+
+        Args:
+          checkpoint: a checkpoint of this run.
 
         Raises:
           ValueError: if a stored numeric leaf's shape or dtype differs from
-            the store's.
+            the store's, or a stored client is not a client of the run.
         """
-        for i, leaf in enumerate(self._leaves):
-            if isinstance(leaf, list):
-                leaf[:] = checkpoint.client_leaf(i).tolist()
-            else:
-                checkpoint.read_client_leaf(i, leaf)
+        self._rows, self._changed = {}, set()
+        self._capacity, self._leaves = 0, self._allocate(0)
+        for segment in checkpoint.segments():
+            ids = segment.ids()
+            unknown = [c for c in ids if c not in self._known]
+            if unknown:
+                raise ValueError(f'{segment.path}: client {unknown[0]!r} is not a client of this run')
+            rows = np.array([self._row_for(c) for c in ids], np.int64)
+            for i, leaf in enumerate(self._leaves):
+                if isinstance(leaf, list):
+                    for row, value in zip(rows, segment.leaf(i).tolist()):
+                        leaf[row] = value
+                else:
+                    segment.read_leaf(i, leaf, rows)
+        self._complete = True
 
     def initialize(self, process: template.PersonalizedProcess):
         """The initial server state of `process`.
@@ -255,9 +364,18 @@ class ClientStateStore:
         self.put(client_ids, output.client_states)
         return output.state, output.metrics
 
-    def _chunks(self) -> list:
+    def chunks(self, client_ids: Sequence[str] | None = None) -> list:
+        """`client_ids` (default: every client) in pieces of `clients_per_call`.
+
+        Args:
+          client_ids: the clients to cut; None: every client.
+
+        Returns:
+          A list of lists of ids.
+        """
+        ids = self._ids if client_ids is None else list(client_ids)
         step = self._clients_per_call
-        return [self._ids[i : i + step] for i in range(0, len(self._ids), step)]
+        return [ids[i : i + step] for i in range(0, len(ids), step)]
 
     def personalize(self, process: template.PersonalizedProcess, state) -> None:
         """Runs `process.personalize` on every client and stores the new states.
@@ -268,23 +386,32 @@ class ClientStateStore:
           process: the algorithm; it has a `personalize` stage.
           state: the server state.
         """
-        for chunk in self._chunks():
+        for chunk in self.chunks():
             self.put(chunk, process.personalize(state, self.get(chunk)))
 
-    def evaluate(self, process: template.PersonalizedProcess, state) -> list:
-        """Runs `process.evaluate` on every client, `clients_per_call` per call.
+    def evaluate(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str] | None = None) -> list:
+        """Runs `process.evaluate` on `client_ids` (default every client), `clients_per_call` per call.
 
         Args:
           process: the algorithm.
           state: the server state.
+          client_ids: the clients to evaluate; None: every client.
 
         Returns:
-          One evaluation result per client, in the store's client order.
+          One evaluation result per client, in `client_ids` order.
         """
         results = []
-        for chunk in self._chunks():
+        for chunk in self.chunks(client_ids):
             results.extend(process.evaluate(state, self.get(chunk)))
         return results
+
+
+def _initial_states(process, client_ids: Sequence[str]) -> list:
+    """`process`'s initial states of `client_ids`: one batched call where the process has it."""
+    batched = getattr(process, 'initial_client_states', None)
+    if batched is not None:
+        return batched(client_ids)
+    return [process.initial_client_state(c) for c in client_ids]
 
 
 def _value(leaf):
@@ -355,13 +482,25 @@ class DeviceStateStore:
         for client_id, state in checkpoint.client_states(self._process.initial_client_state(self.ids()[0])).items():
             device_state.save(self._inputs[client_id]['state_file'], state)
 
-    def stacked(self) -> list:
-        """The states read from the files, stacked leaf by leaf (for checkpoints).
+    @property
+    def nbytes(self) -> int:
+        """0: the states are on the devices, and every checkpoint writes all of them."""
+        return 0
+
+    def changes(self, everything: bool) -> checkpoints_lib.ClientRows:
+        """Every client's state, read from the files (a checkpoint writes all of them).
+
+        Args:
+          everything: ignored; the device files do not say what changed.
 
         Returns:
-          One `[num_clients, ...]` array per leaf, in TFF's structure order.
+          A complete `checkpoints.ClientRows` of every client's state.
         """
-        return checkpoints_lib.stack_states(self.states())[1]
+        del everything
+        return checkpoints_lib.ClientRows.from_states(self.states())
+
+    def saved(self) -> None:
+        """Nothing to remember: every checkpoint writes every client."""
 
     def all(self) -> list:
         """The device input of every client, in the store's client order.
@@ -539,6 +678,30 @@ def _format_eta(seconds: float) -> str:
     return f'{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}'
 
 
+def save_checkpoint(
+    checkpoints: checkpoints_lib.RunCheckpoints, round_num: int, state, store, rng: np.random.Generator, rows: list
+) -> None:
+    """Writes the checkpoint of `round_num`: the clients changed since the last one, or every stored client.
+
+    Every stored client is written when the store asks for it (its first
+    checkpoint) or when the chain of segments grows past
+    `checkpoints.COMPACT_RATIO` times the stored states.
+
+    Args:
+      checkpoints: the run's checkpoints.
+      round_num: the round (or interval) just finished.
+      state: the server state after it.
+      store: the run's `ClientStateStore` or `DeviceStateStore`.
+      rng: the run's sampling generator.
+      rows: the metrics rows so far.
+    """
+    clients = store.changes(everything=False)
+    if not clients.complete and checkpoints.wants_everything(clients.nbytes, store.nbytes):
+        clients = store.changes(everything=True)
+    checkpoints.save(round_num, state, store.ids(), clients, rng.bit_generator.state, rows)
+    store.saved()
+
+
 def resume(
     checkpoints: checkpoints_lib.RunCheckpoints | None,
     state,
@@ -670,7 +833,7 @@ def run(
         if on_round is not None:
             on_round(row)
         if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and round_num < rounds:
-            checkpoints.save(round_num, state, store.ids(), store.stacked(), rng.bit_generator.state, rows)
+            save_checkpoint(checkpoints, round_num, state, store, rng, rows)
         log(
             progress_line(
                 f'round {round_num}/{rounds}',
