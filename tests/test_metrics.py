@@ -186,3 +186,13 @@ def test_top_by_weight_mean_tiny_fraction_keeps_one_client():
 def test_top_by_weight_mean_errors(values, weights, fraction, match):
     with pytest.raises(ValueError, match=match):
         metrics.top_by_weight_mean(values, weights, fraction=fraction)
+
+
+def test_sample_mean_interval_closed_form_and_edges():
+    values = [0.5, 0.7, 0.9, 0.6]
+    # s = std(ddof=1) = 0.1708, n = 4, N = 20: 1.96 * s / 2 * sqrt(0.8).
+    assert metrics.sample_mean_interval(values, 20) == pytest.approx(1.959964 * 0.170783 / 2 * 0.894427, rel=1e-5)
+    assert metrics.sample_mean_interval(values, 4) == 0.0  # the whole population: no sampling error
+    assert metrics.sample_mean_interval([0.3], 100) == 0.0
+    with pytest.raises(ValueError, match=r'population \(3\) is smaller than the sample \(4\)'):
+        metrics.sample_mean_interval(values, 3)

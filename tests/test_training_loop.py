@@ -84,3 +84,34 @@ def test_store_rejects_a_state_in_the_wrong_slot(process, tff_runtime):
     states = store.get(spec.client_ids[:2])
     with pytest.raises(RuntimeError, match='slot'):
         store.put(spec.client_ids[:2], states[::-1])
+
+
+def test_sampled_evaluations_score_a_seeded_sample_and_change_no_training_number(tmp_path, tff_runtime):
+    """Intermediate evaluations of 3 of 8 clients: the same clients' numbers as a full evaluation, and an interval."""
+    spec = make_linear_problem(tmp_path / 'data', num_clients=8, sizes=(37, 50, 23, 30, 41, 28, 33, 45))
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
+    proc = fedavg.build_fedavg_process(spec, model_fn, settings, seed=1)
+    full, _ = _run(proc, spec, rounds=4, client_fraction=0.5, seed=5, eval_every=2)
+    sampled, _ = _run(proc, spec, rounds=4, client_fraction=0.5, seed=5, eval_every=2, eval_clients=3)
+    assert [r['train_loss'] for r in sampled.rounds] == [r['train_loss'] for r in full.rounds]
+    assert [r.get('eval_clients') for r in sampled.rounds] == [None, 3, None, 8]
+    assert 'test_global_model_accuracy_mean_ci95' not in sampled.rounds[3]
+    assert sampled.clients == full.clients  # the last round scores every client
+    chosen = training_loop.evaluation_sample(5, 2, 8, 3)
+    np.testing.assert_array_equal(chosen, training_loop.evaluation_sample(5, 2, 8, 3))
+    assert len(set(chosen.tolist())) == 3 and list(chosen) == sorted(chosen)
+    assert training_loop.evaluation_sample(5, 2, 8, 8) is None and training_loop.evaluation_sample(5, 2, 8, 0) is None
+    # Round 2's sample against a full evaluation of the same clients at round 2.
+    store = training_loop.ClientStateStore(proc, spec.client_ids)
+    rng = np.random.default_rng([5, 0x5A3D])
+    state = proc.initialize()
+    for _ in range(2):
+        state, _ = store.run_round(proc, state, training_loop.sample_clients(rng, spec.client_ids, 0.5))
+    everyone = store.evaluate(proc, state)
+    accuracies = np.array([float(everyone[i]['global_model']['accuracy']) for i in chosen])
+    row = sampled.rounds[1]
+    assert row['test_global_model_accuracy_mean'] == pytest.approx(accuracies.mean())
+    # Independent closed form: 1.96 s / sqrt(n) * sqrt(1 - n / N).
+    expected = 1.959964 * accuracies.std(ddof=1) / np.sqrt(3) * np.sqrt(1 - 3 / 8)
+    assert row['test_global_model_accuracy_mean_ci95'] == pytest.approx(expected, rel=1e-6)

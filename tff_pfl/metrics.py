@@ -185,3 +185,38 @@ def top_by_weight_mean(values: ArrayLike, weights: ArrayLike, fraction: float = 
     # The largest weight is positive (not all weights are zero), so the kept
     # weights never sum to zero.
     return _weighted_mean(array[order], weight_array[order])
+
+
+# Two-sided 95 % quantile of the standard normal distribution.
+_Z_95 = 1.959963984540054
+
+
+def sample_mean_interval(values: ArrayLike, population: int) -> float:
+    """Half-width of the 95 % confidence interval of the population's mean from a simple random sample.
+
+    The sample is `n` clients drawn without replacement from `population`;
+    the standard error is `s / sqrt(n) * sqrt(1 - n / population)` (sample
+    standard deviation `s`, `ddof=1`, with the finite-population correction),
+    and the interval is the mean +- 1.96 standard errors (normal
+    approximation). A sample of the whole population has width 0.
+
+    Args:
+      values: One value per sampled client.
+      population: The number of clients the sample was drawn from.
+
+    Returns:
+      The half-width, a Python float (0 for one value, as no spread can be
+      estimated from it).
+
+    Raises:
+      ValueError: If `values` is empty or contains NaN, or `population` is
+        smaller than the sample.
+    """
+    array = _as_vector(values, 'values')
+    n = array.size
+    if population < n:
+        raise ValueError(f'population ({population}) is smaller than the sample ({n})')
+    if n < 2:
+        return 0.0
+    standard_error = float(np.std(array, ddof=1)) / math.sqrt(n) * math.sqrt(1.0 - n / population)
+    return _Z_95 * standard_error

@@ -36,6 +36,7 @@ def run(
     mean_reachable: float | None = None,
     finetune_from: int | None = None,
     eval_every: int = 0,
+    eval_clients: int = 0,
     on_round: Callable[[Mapping], None] | None = None,
     log: Callable[[str], None] = print,
     checkpoints: checkpoints_lib.RunCheckpoints | None = None,
@@ -59,6 +60,9 @@ def run(
         locally (FedAvg+); None: never.
       eval_every: evaluate every client every this many intervals (0: only at
         the end); the last interval is always evaluated.
+      eval_clients: evaluations before the last interval score a seeded
+        sample of this many clients (`training_loop.evaluation_sample`);
+        0: every client.
       on_round: called with each interval's metrics row.
       log: receives one progress line per interval.
       checkpoints: as in `training_loop.run`, counting intervals; the
@@ -124,7 +128,10 @@ def run(
         row['round_seconds'] = time.monotonic() - interval_start
         evaluate_now = interval == intervals or (eval_every and interval % eval_every == 0)
         if evaluate_now:
-            client_rows, summaries = training_loop.evaluate_all(process, state, store, row)
+            sample = None
+            if interval < intervals:
+                sample = training_loop.evaluation_sample(seed, interval, num_clients, eval_clients)
+            client_rows, summaries = training_loop.evaluate_all(process, state, store, row, sample)
         rows.append(row)
         if on_round is not None:
             on_round(row)

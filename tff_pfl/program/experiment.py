@@ -113,6 +113,11 @@ class ExperimentConfig(settings_lib.Settings):
     rounds: int = _setting(100, 'Training rounds (serverless algorithms: exchange intervals).')
     client_fraction: float = _setting(1.0, 'Clients sampled per round, in (0, 1].')
     eval_every: int = _setting(10, 'Evaluate every client every N rounds (0: at the end only).')
+    eval_clients: int = _setting(
+        0,
+        'Evaluations before the last round score a seeded sample of this many clients, with a 95% confidence '
+        'interval of the mean (0: every client); the last round scores every client.',
+    )
     checkpoint_every: int = _setting(
         10,
         'Write a checkpoint every this many rounds (0: never); rerun the same command in the same --output_dir to '
@@ -272,6 +277,7 @@ class ExperimentConfig(settings_lib.Settings):
             (0.0 < self.client_fraction <= 1.0, f'client_fraction must be in (0, 1], got {self.client_fraction}'),
             (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
             (self.eval_every >= 0, f'eval_every must be >= 0, got {self.eval_every}'),
+            (self.eval_clients >= 0, f'eval_clients must be >= 0, got {self.eval_clients}'),
             (self.checkpoint_every >= 0, f'checkpoint_every must be >= 0, got {self.checkpoint_every}'),
             *[(value >= 1, f'{name} must be >= 1, got {value}') for name, value in optional_positive],
             (
@@ -754,6 +760,7 @@ def run_experiment(
                 log=log,
                 checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
                 checkpoint_every=config.checkpoint_every,
+                eval_clients=config.eval_clients,
                 on_resume=on_resume,
                 # A large store is memory-mapped here (unlinked files).
                 spill_dir=out,

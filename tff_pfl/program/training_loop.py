@@ -567,21 +567,23 @@ class DeviceStateStore:
         """
         process.device.personalize(state, self.all())
 
-    def evaluate(self, process: template.PersonalizedProcess, state) -> list:
-        """Runs `process.device.evaluate` on every client.
+    def evaluate(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str] | None = None) -> list:
+        """Runs `process.device.evaluate` on `client_ids` (default every client).
 
         Args:
           process: the algorithm; it has a `device` form.
           state: the server state.
+          client_ids: the clients to evaluate; None: every client.
 
         Returns:
-          One evaluation result per client, in the store's client order.
+          One evaluation result per client, in `client_ids` order.
 
         Raises:
           RuntimeError: if the devices' results do not name exactly the
-            store's clients.
+            evaluated clients.
         """
-        return device_state.in_client_order(process.device.evaluate(state, self.all()), self.ids())
+        ids = self.ids() if client_ids is None else list(client_ids)
+        return device_state.in_client_order(process.device.evaluate(state, self.get(ids)), ids)
 
 
 @dataclasses.dataclass
@@ -630,23 +632,62 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
     return rows, summaries
 
 
-def evaluate_all(process, state, store, row: dict):
-    """Evaluates every client; adds the across-client summaries to `row`.
+def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
+    """The clients an intermediate evaluation scores: a seeded sample, or None for every client.
+
+    The draw depends only on (seed, round), not on the run's sampling
+    generator, so sampled evaluation changes no training number, and a resumed
+    run scores the same clients.
+
+    Args:
+      seed: the run's seed.
+      round_num: the round (or interval) evaluated.
+      num_clients: the population.
+      eval_clients: the sample size; 0 or at least `num_clients`: every client.
+
+    Returns:
+      Sorted client indices without repetition, or None.
+    """
+    if not 0 < eval_clients < num_clients:
+        return None
+    rng = np.random.default_rng([seed, 0xE7A1, round_num])
+    return np.sort(rng.choice(num_clients, size=eval_clients, replace=False))
+
+
+def evaluate_all(process, state, store, row: dict, sample: np.ndarray | None = None):
+    """Evaluates every client (or a sample of them); adds the across-client summaries to `row`.
 
     Args:
       process: the algorithm.
       state: the server state.
       store: the run's `ClientStateStore` or `DeviceStateStore`.
       row: the current metrics row; gets a
-        `test_<model>_accuracy_<statistic>` entry per model and statistic.
+        `test_<model>_accuracy_<statistic>` entry per model and statistic,
+        and `eval_clients`, the number of clients scored. A sample also adds
+        `test_<model>_accuracy_mean_ci95`, the half-width of the 95 %
+        confidence interval of the population's mean
+        (`metrics.sample_mean_interval`).
+      sample: indices (into `store.ids()`) of the clients to score; None:
+        every client.
 
     Returns:
-      `summarize_evaluation`'s `(client rows, summaries)`.
+      `summarize_evaluation`'s `(client rows, summaries)` of the scored
+      clients.
     """
-    client_rows, summaries = summarize_evaluation(store.ids(), store.evaluate(process, state))
+    ids = store.ids()
+    if sample is not None:
+        ids = [ids[i] for i in sample]
+    evaluations = store.evaluate(process, state, None if sample is None else ids)
+    client_rows, summaries = summarize_evaluation(ids, evaluations)
+    row['eval_clients'] = len(ids)
     for model_name, summary in summaries.items():
         for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
             row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
+        if sample is not None:
+            accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
+            row[f'test_{model_name}_accuracy_mean_ci95'] = metrics_lib.sample_mean_interval(
+                accuracies, len(store.ids())
+            )
     return client_rows, summaries
 
 
@@ -765,6 +806,7 @@ def run(
     spill_dir: str | None = None,
     poisson_sampling: bool = False,
     privacy: Callable[[int], Mapping] | None = None,
+    eval_clients: int = 0,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -798,6 +840,10 @@ def run(
         (`num_clients` 0 in its row).
       privacy: `round -> columns` added to each round's row (the privacy
         spent after that round, `dp_epsilon`).
+      eval_clients: evaluations before the last round score a seeded sample
+        of this many clients (`evaluation_sample`), with a confidence
+        interval of the mean; 0: every client. The last round always scores
+        every client.
 
     Returns:
       A `RunResult`.
@@ -828,7 +874,8 @@ def run(
             store.personalize(process, state)
             row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
-            client_rows, summaries = evaluate_all(process, state, store, row)
+            sample = None if round_num == rounds else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
+            client_rows, summaries = evaluate_all(process, state, store, row, sample)
         rows.append(row)
         if on_round is not None:
             on_round(row)
