@@ -786,9 +786,12 @@ def run_experiment(
                     privacy=None if dp is None else _epsilon_column(dp, config, spec.num_clients),
                     **loop,
                 )
+            on_round.close()
+            # Inside the runtime: reading the state of a client that never took
+            # part makes its initial state with a TFF call.
+            _write_results(out, config, spec, result, process)
     finally:
         on_round.close()
-    _write_results(out, config, spec, result, process)
     return result
 
 

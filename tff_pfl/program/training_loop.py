@@ -593,7 +593,9 @@ class RunResult:
     Attributes:
       state: final server state.
       client_states: client id -> final client state (a read-only
-        mapping; a `StateView` reads each state from the store on lookup).
+        mapping; a `StateView` reads each state from the store on lookup;
+        a client that never took part reads as its initial state, made by
+        a TFF call, so look it up while the run's TFF runtime is up).
       rounds: one metrics dict per round.
       clients: one dict per client: its final evaluation, flattened.
       summary: model name -> metric summary of per-client test accuracy.
