@@ -205,6 +205,14 @@ def test_format_table():
     )
 
 
+def test_format_table_stops_after_max_rows_and_says_how_many_are_left():
+    rows = [{'client': f'c{i}', 'acc': 0.5} for i in range(5)]
+    assert reports.format_table(rows, ['client', 'acc'], max_rows=2, more='clients in clients.csv') == (
+        'client     acc\n------  ------\nc0      0.5000\nc1      0.5000\n... and 3 more clients in clients.csv'
+    )
+    assert reports.format_table(rows, ['client', 'acc'], max_rows=5) == reports.format_table(rows, ['client', 'acc'])
+
+
 def test_format_table_header_wider_than_values():
     rows = [{'accuracy': 0.5, 'name': 'x'}]
     assert reports.format_table(rows, ['name', 'accuracy']) == ('name  accuracy\n----  --------\nx       0.5000')

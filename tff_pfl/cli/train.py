@@ -56,6 +56,10 @@ def config_from_flags() -> experiment.ExperimentConfig:
     return config_flags.config_from_flags()
 
 
+# The per-client table on stdout stops after this many clients.
+PRINTED_CLIENTS = 50
+
+
 def main(argv) -> None:
     """Validates the flags, then runs the experiment and prints its tables.
 
@@ -92,7 +96,8 @@ def main(argv) -> None:
         sys.exit(130)
     rows, columns = experiment.client_table(result)
     print()
-    print(reports.format_table(rows, columns))
+    # A large population's every client is in clients.csv, not on the terminal.
+    print(reports.format_table(rows, columns, max_rows=PRINTED_CLIENTS, more='clients in clients.csv'))
     print()
     rows, columns = experiment.summary_table(result)
     print(reports.format_table(rows, columns))

@@ -501,7 +501,9 @@ def _plain_cell(value: Any) -> str:
     return str(value)
 
 
-def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -> str:
+def format_table(
+    rows: Sequence[Mapping[str, object]], columns: Sequence[str], max_rows: int | None = None, more: str = 'rows'
+) -> str:
     """Formats rows as a fixed-width plain-text table for a terminal.
 
     A column whose present values are all numbers is right-aligned (its
@@ -511,11 +513,16 @@ def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -
     Args:
       rows: One mapping per table row.
       columns: The columns to show, in order.
+      max_rows: show at most this many rows, then a line
+        `... and <k> more <more>`; None: every row.
+      more: what the rows are, for that line.
 
     Returns:
       The header line, a line of dashes and one line per row, joined by
       newlines, without trailing spaces or a trailing newline.
     """
+    hidden = 0 if max_rows is None else max(0, len(rows) - max_rows)
+    rows = rows[: len(rows) - hidden]
     cells = [[_plain_cell(row.get(c)) for c in columns] for row in rows]
     numeric = []
     for c in columns:
@@ -533,6 +540,8 @@ def format_table(rows: Sequence[Mapping[str, object]], columns: Sequence[str]) -
     lines = [_line([str(c) for c in columns])]
     lines.append('  '.join('-' * width for width in widths))
     lines.extend(_line(line) for line in cells)
+    if hidden:
+        lines.append(f'... and {hidden} more {more}')
     return '\n'.join(lines)
 
 
