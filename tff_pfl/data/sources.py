@@ -13,6 +13,8 @@ import zipfile
 import numpy as np
 import tensorflow_datasets as tfds
 
+from tff_pfl.data import client_data
+
 _TFDS_NAMES = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'emnist')
 _NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 _SYNTHETIC_MAX_CLIENT_SIZE = 5000
@@ -23,8 +25,9 @@ _SOURCE_FORMS = (
 )
 
 
-class DataError(ValueError):
-    """Raised when a data source is missing, unreadable or malformed."""
+# Raised when a data source is missing, unreadable or malformed; client data
+# that cannot be read raise it too (defined beside them, without TFDS).
+DataError = client_data.DataError
 
 
 @dataclasses.dataclass(frozen=True)
