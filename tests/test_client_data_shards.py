@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_pfl.data import client_data, sources
+from tff_pfl.data import client_data, partition, pipeline, sources
 
 
 def _partition(rng, x, sizes):
@@ -189,3 +189,29 @@ def test_old_layout_from_an_earlier_version_is_read(tmp_path):
     (tmp_path / 'd' / 'manifest.json').write_text(json.dumps({**manifest, 'layout': 'columnar'}))
     with pytest.raises(sources.DataError, match="unknown layout 'columnar'"):
         client_data.load_client_data_spec(str(tmp_path / 'd'))
+
+
+def test_streamed_synthetic_is_the_pooled_partition_byte_for_byte(tmp_path):
+    prepared = pipeline.prepare(
+        str(tmp_path / 'streamed'), dataset='synthetic:0.5,1', partition_name='natural', num_clients=6, seed=2
+    )
+    # The pooled path, as prepare() took it before streaming.
+    pool = sources.synthetic_fedprox(0.5, 1.0, num_clients=6, seed=2)
+    splits = [
+        partition.split_client(c, pool.y, (0.6, 0.2, 0.2), seed=2 + k) for k, c in enumerate(pool.natural_partition)
+    ]
+    pooled = client_data.write_client_data(str(tmp_path / 'pooled'), pool.x, pool.y, 10, splits)
+    assert dataclasses_equal_but_root(prepared.spec, pooled)
+    for name in sorted(os.listdir(tmp_path / 'pooled')):
+        assert (tmp_path / 'streamed' / name).read_bytes() == (tmp_path / 'pooled' / name).read_bytes(), name
+    np.testing.assert_array_equal(
+        prepared.class_histogram, partition.class_histogram(pool.natural_partition, pool.y, 10)
+    )
+    assert prepared.source_name == pool.name == 'synthetic(0.5,1)'
+
+
+def dataclasses_equal_but_root(a, b):
+    """Two specs equal in everything but their root."""
+    import dataclasses
+
+    return dataclasses.replace(a, root='') == dataclasses.replace(b, root='')
