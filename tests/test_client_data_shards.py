@@ -140,6 +140,26 @@ def test_interrupted_write_leaves_no_complete_looking_directory(tmp_path):
     assert spec.split_sizes['train'] == (2,) and (root / 'train_x.bin').stat().st_size == 2 * 3 * 4
 
 
+def test_a_failed_shard_write_is_raised_and_leaves_nothing(tmp_path):
+    class FullDisk:
+        def write(self, data):
+            raise OSError(28, 'No space left on device')
+
+        def close(self):
+            pass
+
+    good = {s: (np.zeros((2, 3), np.float32), np.zeros(2, np.int32)) for s in client_data.SPLITS}
+    with (
+        pytest.raises(OSError, match='No space left'),
+        client_data.ClientDataWriter(str(tmp_path / 'data'), feature_shape=(3,)) as writer,
+    ):
+        writer._shards['val', 'y'] = FullDisk()  # the writes happen on the writer's own thread
+        for _ in range(100):
+            writer.add_client(good)
+        writer.finish(2)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _tiny(root):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(30, 4)).astype(np.float32)

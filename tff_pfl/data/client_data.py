@@ -50,11 +50,14 @@ dataset is never held in memory whole. Either way one client's arrays are
 in memory at a time besides the pool.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -229,6 +232,48 @@ def _shard_name(split: str, part: str) -> str:
     return f'{split}_x.bin' if part == 'x' else f'{split}_y.i32'
 
 
+class _ShardAppender:
+    """Appends arrays to open files on one thread, in the order given.
+
+    The caller (generating, splitting, encoding the next client) and the
+    disk then work at the same time: writes block once the kernel's dirty
+    page limit is reached, which would otherwise stall the caller. At most
+    `depth` writes wait in the queue.
+    """
+
+    def __init__(self, depth: int = 64):
+        self._queue = queue.Queue(maxsize=depth)
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name='client-data-shards', daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                f, array = item
+                try:
+                    f.write(array.data)
+                except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+                    self._error = e
+
+    def check(self) -> None:
+        """Re-raises, in the caller's thread, an error of an earlier write."""
+        if self._error is not None:
+            raise self._error
+
+    def append(self, f, array: np.ndarray) -> None:
+        """Queues `array`'s bytes for `f` (the array must not change afterwards)."""
+        self.check()
+        self._queue.put((f, array))
+
+    def close(self) -> None:
+        """Waits for the queued writes; raises the first error."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self.check()
+
+
 class ClientDataWriter:
     """Writes a partition client by client; the directory appears only when complete.
 
@@ -239,7 +284,8 @@ class ClientDataWriter:
     crash leaves only a hidden `.client_data.*` staging directory, never
     `root`. Only one client's arrays are in memory at a time: with the
     `SHARDED` layout each client's splits are appended to the six shard
-    files, which stay open until `finish`.
+    files, which stay open until `finish`, by a background thread (at most
+    64 writes queued), so the caller prepares the next client meanwhile.
     """
 
     def __init__(
@@ -283,8 +329,9 @@ class ClientDataWriter:
         parent = os.path.dirname(os.path.abspath(root))
         os.makedirs(parent, exist_ok=True)
         self._staging = tempfile.mkdtemp(prefix='.client_data.', dir=parent)
-        self._shards = {}
+        self._shards, self._appender = {}, None
         if layout == SHARDED:
+            self._appender = _ShardAppender()
             for split in SPLITS:
                 for part in ('x', 'y'):
                     self._shards[split, part] = open(os.path.join(self._staging, _shard_name(split, part)), 'wb')
@@ -293,12 +340,18 @@ class ClientDataWriter:
         return self
 
     def _close_shards(self) -> None:
-        for f in self._shards.values():
-            f.close()
-        self._shards = {}
+        try:
+            if self._appender is not None:
+                appender, self._appender = self._appender, None
+                appender.close()
+        finally:
+            for f in self._shards.values():
+                f.close()
+            self._shards = {}
 
     def __exit__(self, *exc) -> None:
-        self._close_shards()
+        with contextlib.suppress(Exception):  # the files are removed anyway
+            self._close_shards()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
@@ -343,8 +396,10 @@ class ClientDataWriter:
             arrays[split] = (x, y)
         if self._layout == SHARDED:
             for split, (x, y) in arrays.items():
-                self._shards[split, 'x'].write(x.data)
-                self._shards[split, 'y'].write(y.data)
+                for part, array, given in (('x', x, splits[split][0]), ('y', y, splits[split][1])):
+                    if np.may_share_memory(array, given):  # the caller's own array: it may change it later
+                        array = array.copy()
+                    self._appender.append(self._shards[split, part], array)
         else:
             client_dir = os.path.join(self._staging, client_id)
             os.mkdir(client_dir)
