@@ -209,6 +209,8 @@ class Export:
                     feature_shape=expected['feature_shape'],
                     encoding=expected['feature_encoding'],
                     label_shape=expected.get('label_shape', ()),
+                    # an export made by an earlier version reads the per-client layout
+                    layout=expected.get('layout', client_data.PER_CLIENT),
                 ) as writer:
                     for source_id in expected['source_ids']:
                         splits = pipeline.natural_client_splits(
@@ -352,7 +354,30 @@ class _SecureSum:
 
 
 def _compare_client_data(staged: str, root: str, expected: dict, clients_dir: str) -> None:
-    """Raises ExportError where `root`'s per-client files differ from `staged`'s."""
+    """Raises ExportError where `root`'s client files differ from `staged`'s (either layout), naming the client."""
+    if expected.get('layout', client_data.PER_CLIENT) == client_data.SHARDED:
+        index = client_data.client_index_table(expected['split_sizes'])
+        for row, split in enumerate(client_data.SPLITS):
+            for suffix in ('x.bin', 'y.i32'):
+                name = f'{split}_{suffix}'
+                here, there = os.path.join(staged, name), os.path.join(root, name)
+                if os.path.exists(there) and filecmp.cmp(here, there, shallow=False):
+                    continue
+                if not os.path.exists(there) or os.path.getsize(there) != os.path.getsize(here):
+                    raise ExportError(
+                        f'--clients_dir: the clients of {clients_dir} differ from the data the export was made '
+                        f'with ({there})'
+                    )
+                a, b = np.fromfile(here, np.uint8), np.fromfile(there, np.uint8)
+                width = a.size // max(int(index[row, -1]), 1)  # bytes of one example
+                for k, source_id in enumerate(expected['source_ids']):
+                    start, stop = int(index[row, k]) * width, int(index[row, k + 1]) * width
+                    if not np.array_equal(a[start:stop], b[start:stop]):
+                        raise ExportError(
+                            f'--clients_dir: client {source_id!r} of {clients_dir} differs from the data the '
+                            f'export was made with ({there})'
+                        )
+        return
     for client_id, source_id in zip(expected['client_ids'], expected['source_ids']):
         for split in client_data.SPLITS:
             for suffix in ('x.bin', 'y.i32'):

@@ -53,7 +53,7 @@ def test_round_trip_is_exact(tmp_path, make_x, encoding):
 def test_uint8_storage_is_a_quarter(tmp_path):
     x = np.random.default_rng(1).integers(0, 256, (40, 10)).astype(np.float32) / np.float32(255.0)
     spec, _, _ = _write(tmp_path / 'data', x, num_clients=1)
-    size = (tmp_path / 'data' / spec.client_ids[0] / 'train_x.bin').stat().st_size
+    size = (tmp_path / 'data' / 'train_x.bin').stat().st_size  # the train shard of the one client
     assert size == 20 * 10  # 20 training examples x 10 features x 1 byte
 
 

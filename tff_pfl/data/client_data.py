@@ -1,18 +1,33 @@
 """Per-client splits on disk, read by client id inside the TFF worker.
 
-A partition is written once: every client gets a directory holding one raw
-feature file and one raw int32 label file per split. The client
-computation receives only the client id (a `tf.string`) and reads its own
-arrays with `tf.io.read_file` + `tf.io.decode_raw` inside the worker, so no
-dataset is shipped into a round and raw data never leave the client
-computation. (Measured on the project's machines: faster than passing
-datasets into rounds, and worker memory stays flat; see docs/architecture.md.)
+A partition is written once, in one streaming pass: every split's features
+and labels go to one shard file each, clients one after another in
+partition order, and a small index says where each client's examples
+start. The client computation receives only the client id (a `tf.string`)
+and reads its own examples inside the worker: the index and the shards are
+memory-mapped by a graph op (`ImmutableConst`) and sliced, so only the
+pages of this client's bytes are read. No dataset is shipped into a round
+and raw data never leave the client computation. (Measured on the
+project's machines: faster than passing datasets into rounds, and worker
+memory stays flat; see docs/architecture.md and docs/data.md.)
 
-Layout of `root`:
+Layout of `root` (`SHARDED`, what this version writes):
 
-    manifest.json                 ClientDataSpec as JSON
-    <client_id>/<split>_x.bin     features, C order, shape [n, *feature_shape]
-    <client_id>/<split>_y.i32     int32 labels, shape [n, *label_shape]
+    manifest.json           ClientDataSpec as JSON, with "layout": "sharded"
+    index.i64               int64 [len(SPLITS), num_clients + 1]: row s holds
+                            the cumulative example counts of split s, so
+                            client k's examples are rows
+                            index[s, k] : index[s, k + 1] of the shards
+    <split>_x.bin           features of every client, C order,
+                            shape [total, *feature_shape]
+    <split>_y.i32           int32 labels of every client, [total, *label_shape]
+
+A client's byte offset in a shard is `index[s, k]` times the bytes of one
+example. The per-client layout of earlier versions (`PER_CLIENT`: a
+manifest without "layout", and `<client_id>/<split>_x.bin`,
+`<client_id>/<split>_y.i32`) is still read, so runs and exports made with
+it keep working, and is written only on request (`layout=PER_CLIENT`: an
+export made with it, benchmarks, tests).
 
 Features are stored as float32, or, when every value is exactly k/255 for an
 integer k (images scaled from 8 bits, e.g. MNIST), losslessly as uint8 codes:
@@ -29,16 +44,20 @@ accuracies are means over them (`tff_pfl.computations.local_training`).
 
 Clients are numbered `client_00000`, ... in partition order; a naturally
 federated source keeps its own ids beside them (`source_ids`). Partitions of
-a pooled dataset are written at once (`write_client_data`); natural sources
-stream client by client through a `ClientDataWriter`, so a large dataset is
-never held in memory whole.
+a pooled dataset are written from the pool (`write_client_data`); natural
+sources stream client by client through a `ClientDataWriter`, so a large
+dataset is never held in memory whole. Either way one client's arrays are
+in memory at a time besides the pool.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -51,7 +70,20 @@ UINT8_OVER_255 = 'uint8/255'
 INT32 = 'int32'
 ENCODINGS = (FLOAT32, UINT8_OVER_255, INT32)
 IGNORED_LABEL = -1
+SHARDED = 'sharded'
+PER_CLIENT = 'per_client'
+LAYOUTS = (SHARDED, PER_CLIENT)
+INDEX = 'index.i64'
 _STORED_DTYPES = {FLOAT32: np.float32, UINT8_OVER_255: np.uint8, INT32: np.int32}
+
+
+class DataError(ValueError):
+    """Raised when a data source is missing, unreadable or malformed.
+
+    `sources.DataError` is this class: client data that cannot be read
+    (a missing or truncated shard, an index that disagrees with the
+    manifest) are reported like a bad source, in one line.
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +105,8 @@ class ClientDataSpec:
         one label per position of a sequence.
       source_ids: a naturally federated source's own id of each client, in
         `client_ids` order; None for a partition made by the project.
+      layout: `SHARDED` (shard files and an index) or `PER_CLIENT` (one
+        directory per client, written by earlier versions).
     """
 
     root: str
@@ -84,6 +118,7 @@ class ClientDataSpec:
     public_size: int = 0
     label_shape: tuple[int, ...] = ()
     source_ids: tuple[str, ...] | None = None
+    layout: str = SHARDED
 
     @property
     def num_clients(self) -> int:
@@ -100,6 +135,17 @@ class ClientDataSpec:
           A dict from client id to the client's number of examples in `split`.
         """
         return dict(zip(self.client_ids, self.split_sizes[split]))
+
+    def split_total(self, split: str) -> int:
+        """The number of examples of `split` over all clients (the rows of its shards).
+
+        Args:
+          split: one of `SPLITS`.
+
+        Returns:
+          The sum of the clients' sizes of `split`.
+        """
+        return int(sum(self.split_sizes[split]))
 
 
 def client_id_for(index: int) -> str:
@@ -142,8 +188,10 @@ def write_client_data(
     num_classes: int,
     client_splits: Sequence[Mapping[str, np.ndarray]],
     public_indices: np.ndarray | None = None,
+    *,
+    layout: str = SHARDED,
 ) -> ClientDataSpec:
-    """Writes every client's splits under `root`, atomically.
+    """Writes every client's splits under `root`, atomically, client by client.
 
     Args:
       root: target directory; must not exist yet.
@@ -154,6 +202,7 @@ def write_client_data(
         every split of `SPLITS` must be present.
       public_indices: optional indices of the public dataset every client may
         read (features only: it is unlabeled for the algorithms).
+      layout: `SHARDED` (the default) or `PER_CLIENT` (earlier versions').
 
     Returns:
       The `ClientDataSpec` of what was written.
@@ -165,7 +214,9 @@ def write_client_data(
     y = np.asarray(y, dtype=np.int32)
     encoding = _encoding_for(x)
     stored = np.round(x * 255.0).astype(np.uint8) if encoding == UINT8_OVER_255 else x
-    with ClientDataWriter(root, feature_shape=x.shape[1:], encoding=encoding, label_shape=y.shape[1:]) as writer:
+    with ClientDataWriter(
+        root, feature_shape=x.shape[1:], encoding=encoding, label_shape=y.shape[1:], layout=layout
+    ) as writer:
         for splits in client_splits:
             arrays = {}
             for split in SPLITS:
@@ -176,13 +227,65 @@ def write_client_data(
         return writer.finish(num_classes, public=public, stored=True)
 
 
+def _shard_name(split: str, part: str) -> str:
+    """`train_x.bin` / `train_y.i32`: a split's shard (or, per client, file) name."""
+    return f'{split}_x.bin' if part == 'x' else f'{split}_y.i32'
+
+
+class _ShardAppender:
+    """Appends arrays to open files on one thread, in the order given.
+
+    The caller (generating, splitting, encoding the next client) and the
+    disk then work at the same time: writes block once the kernel's dirty
+    page limit is reached, which would otherwise stall the caller. At most
+    `depth` writes wait in the queue.
+    """
+
+    def __init__(self, depth: int = 64):
+        self._queue = queue.Queue(maxsize=depth)
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name='client-data-shards', daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                f, array = item
+                try:
+                    f.write(array.data)
+                except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+                    self._error = e
+
+    def check(self) -> None:
+        """Re-raises, in the caller's thread, an error of an earlier write."""
+        if self._error is not None:
+            raise self._error
+
+    def append(self, f, array: np.ndarray) -> None:
+        """Queues `array`'s bytes for `f` (the array must not change afterwards)."""
+        self.check()
+        self._queue.put((f, array))
+
+    def close(self) -> None:
+        """Waits for the queued writes; raises the first error."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        self.check()
+
+
 class ClientDataWriter:
     """Writes a partition client by client; the directory appears only when complete.
 
     Use as a context manager: `add_client` once per client, in order, then
     `finish`. Files go to a staging directory beside `root`, renamed to
-    `root` by `finish`; leaving the block without `finish` (an error)
-    removes them. Only one client's arrays are in memory at a time.
+    `root` by `finish` after the index and the manifest are written;
+    leaving the block without `finish` (an error) removes them, and a
+    crash leaves only a hidden `.client_data.*` staging directory, never
+    `root`. Only one client's arrays are in memory at a time: with the
+    `SHARDED` layout each client's splits are appended to the six shard
+    files, which stay open until `finish`, by a background thread (at most
+    64 writes queued), so the caller prepares the next client meanwhile.
     """
 
     def __init__(
@@ -192,6 +295,7 @@ class ClientDataWriter:
         feature_shape: Sequence[int],
         encoding: str = FLOAT32,
         label_shape: Sequence[int] = (),
+        layout: str = SHARDED,
     ):
         """Creates the staging directory.
 
@@ -202,29 +306,52 @@ class ClientDataWriter:
             takes them decoded (float32 in [0, 1] for `UINT8_OVER_255`) unless
             told they are stored already.
           label_shape: shape of one example's labels (() for a class).
+          layout: `SHARDED` (the default) or `PER_CLIENT` (one directory per
+            client, as earlier versions wrote).
 
         Raises:
           FileExistsError: if `root` already exists.
-          ValueError: an unknown encoding.
+          ValueError: an unknown encoding or layout.
         """
         if encoding not in ENCODINGS:
             raise ValueError(f'feature encoding must be one of {ENCODINGS}, got {encoding!r}')
+        if layout not in LAYOUTS:
+            raise ValueError(f'client data layout must be one of {LAYOUTS}, got {layout!r}')
         if os.path.exists(root):
             raise FileExistsError(f'client data directory already exists: {root}')
         self._root = root
         self._feature_shape = tuple(int(d) for d in feature_shape)
         self._label_shape = tuple(int(d) for d in label_shape)
         self._encoding = encoding
+        self._layout = layout
         self._client_ids, self._source_ids = [], []
         self._split_sizes = {split: [] for split in SPLITS}
         parent = os.path.dirname(os.path.abspath(root))
         os.makedirs(parent, exist_ok=True)
         self._staging = tempfile.mkdtemp(prefix='.client_data.', dir=parent)
+        self._shards, self._appender = {}, None
+        if layout == SHARDED:
+            self._appender = _ShardAppender()
+            for split in SPLITS:
+                for part in ('x', 'y'):
+                    self._shards[split, part] = open(os.path.join(self._staging, _shard_name(split, part)), 'wb')
 
     def __enter__(self) -> 'ClientDataWriter':
         return self
 
+    def _close_shards(self) -> None:
+        try:
+            if self._appender is not None:
+                appender, self._appender = self._appender, None
+                appender.close()
+        finally:
+            for f in self._shards.values():
+                f.close()
+            self._shards = {}
+
     def __exit__(self, *exc) -> None:
+        with contextlib.suppress(Exception):  # the files are removed anyway
+            self._close_shards()
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
@@ -255,9 +382,8 @@ class ClientDataWriter:
           ValueError: a missing split, or arrays of the wrong shape.
         """
         client_id = client_id_for(len(self._client_ids))
-        client_dir = os.path.join(self._staging, client_id)
-        os.mkdir(client_dir)
-        for split in SPLITS:
+        arrays = {}
+        for split in SPLITS:  # every split is checked before anything is written
             if split not in splits:
                 raise ValueError(f'{client_id}: split {split!r} is missing')
             x, y = splits[split]
@@ -267,15 +393,30 @@ class ClientDataWriter:
                 raise ValueError(
                     f'{client_id} {split}: labels of shape {y.shape}, expected {(len(x),) + self._label_shape}'
                 )
-            x.tofile(os.path.join(client_dir, f'{split}_x.bin'))
-            y.tofile(os.path.join(client_dir, f'{split}_y.i32'))
+            arrays[split] = (x, y)
+        if self._layout == SHARDED:
+            for split, (x, y) in arrays.items():
+                for part, array, given in (('x', x, splits[split][0]), ('y', y, splits[split][1])):
+                    if np.may_share_memory(array, given):  # the caller's own array: it may change it later
+                        array = array.copy()
+                    self._appender.append(self._shards[split, part], array)
+        else:
+            client_dir = os.path.join(self._staging, client_id)
+            os.mkdir(client_dir)
+            for split, (x, y) in arrays.items():
+                x.tofile(os.path.join(client_dir, _shard_name(split, 'x')))
+                y.tofile(os.path.join(client_dir, _shard_name(split, 'y')))
+        for split, (x, _) in arrays.items():
             self._split_sizes[split].append(int(len(x)))
         self._client_ids.append(client_id)
         self._source_ids.append(source_id)
         return client_id
 
     def finish(self, num_classes: int, *, public: np.ndarray | None = None, stored: bool = False) -> ClientDataSpec:
-        """Writes the manifest (and the public examples) and moves the partition to `root`.
+        """Writes the index, the manifest (and the public examples) and moves the partition to `root`.
+
+        The manifest is written last and the directory renamed into place
+        after it: `root` exists only complete.
 
         Args:
           num_classes: number of label classes.
@@ -286,6 +427,10 @@ class ClientDataWriter:
         Returns:
           The `ClientDataSpec` of what was written.
         """
+        self._close_shards()
+        if self._layout == SHARDED:
+            index = client_index_table({split: self._split_sizes[split] for split in SPLITS})
+            index.astype('<i8').tofile(os.path.join(self._staging, INDEX))
         public_size = 0
         if public is not None:
             os.mkdir(os.path.join(self._staging, 'public'))
@@ -302,6 +447,7 @@ class ClientDataWriter:
             public_size=public_size,
             label_shape=self._label_shape,
             source_ids=tuple(str(s) for s in self._source_ids) if natural else None,
+            layout=self._layout,
         )
         manifest = {
             'client_ids': list(spec.client_ids),
@@ -315,11 +461,29 @@ class ClientDataWriter:
             manifest['label_shape'] = list(spec.label_shape)
         if spec.source_ids is not None:
             manifest['source_ids'] = list(spec.source_ids)
+        if spec.layout == SHARDED:  # absent: the per-client layout of earlier versions
+            manifest['layout'] = SHARDED
         with open(os.path.join(self._staging, MANIFEST), 'w') as f:
             json.dump(manifest, f, indent=1)
         os.rename(self._staging, self._root)
         self._staging = None
         return spec
+
+
+def client_index_table(split_sizes: Mapping[str, Sequence[int]]) -> np.ndarray:
+    """The index of a sharded partition: where each client's examples start.
+
+    Args:
+      split_sizes: split name -> every client's number of examples, in
+        partition order, for every split of `SPLITS`.
+
+    Returns:
+      int64 `[len(SPLITS), num_clients + 1]`: row `s` is 0 followed by the
+      cumulative sums of split `SPLITS[s]`'s sizes, so client `k`'s examples
+      are rows `index[s, k]` to `index[s, k + 1]` of the split's shards.
+    """
+    rows = [np.concatenate([[0], np.cumsum(np.asarray(split_sizes[split], np.int64))]) for split in SPLITS]
+    return np.stack(rows).astype(np.int64)
 
 
 def load_client_data_manifest(root: str) -> dict:
@@ -335,17 +499,76 @@ def load_client_data_manifest(root: str) -> dict:
         return json.load(f)
 
 
+def _example_bytes(spec: ClientDataSpec, part: str) -> int:
+    """Bytes of one example's features (`x`) or labels (`y`) as stored."""
+    if part == 'x':
+        itemsize = np.dtype(_STORED_DTYPES[spec.feature_encoding]).itemsize
+        return int(np.prod(spec.feature_shape, dtype=np.int64)) * itemsize
+    return int(np.prod(spec.label_shape, dtype=np.int64)) * 4
+
+
+def check_client_data(spec: ClientDataSpec) -> None:
+    """Checks that a sharded partition's index and shards are whole and agree with the manifest.
+
+    Reads the index (a few MB for 100,000 clients) and the shards' sizes,
+    not the shards.
+
+    Args:
+      spec: the partition on disk.
+
+    Raises:
+      DataError: a missing or truncated shard or index, or an index that
+        disagrees with the manifest's split sizes, in one line.
+    """
+    if spec.layout != SHARDED:
+        return
+    where = f'client data {spec.root}'
+    expected = client_index_table(spec.split_sizes)
+    path = os.path.join(spec.root, INDEX)
+    if not os.path.isfile(path):
+        raise DataError(f'{where}: the index {INDEX} is missing; delete the directory to have it rewritten')
+    index = np.fromfile(path, dtype='<i8')
+    if index.shape != (expected.size,) or not np.array_equal(index.reshape(expected.shape), expected):
+        raise DataError(
+            f"{where}: the index {INDEX} disagrees with the manifest's split sizes (corrupt); "
+            'delete the directory to have it rewritten'
+        )
+    for split in SPLITS:
+        for part in ('x', 'y'):
+            name = _shard_name(split, part)
+            path = os.path.join(spec.root, name)
+            want = spec.split_total(split) * _example_bytes(spec, part)
+            if not os.path.isfile(path):
+                raise DataError(f'{where}: the shard {name} is missing; delete the directory to have it rewritten')
+            have = os.path.getsize(path)
+            if have != want:
+                raise DataError(
+                    f'{where}: the shard {name} has {have} bytes, the index says {want} (truncated or corrupt); '
+                    'delete the directory to have it rewritten'
+                )
+
+
 def load_client_data_spec(root: str) -> ClientDataSpec:
-    """Reads the manifest written by `write_client_data`.
+    """Reads the manifest written by `write_client_data` and checks the files.
+
+    Both layouts are read: `SHARDED`, and `PER_CLIENT` for a manifest of an
+    earlier version (no "layout" key). A sharded partition's index and shard
+    sizes are checked against the manifest (`check_client_data`).
 
     Args:
       root: the directory given to `write_client_data`.
 
     Returns:
       The `ClientDataSpec`.
+
+    Raises:
+      DataError: an unknown layout, or a missing or truncated shard or index.
     """
     manifest = load_client_data_manifest(root)
-    return ClientDataSpec(
+    layout = manifest.get('layout', PER_CLIENT)
+    if layout not in LAYOUTS:
+        raise DataError(f'client data {root}: unknown layout {layout!r} (written by a newer version?)')
+    spec = ClientDataSpec(
         root=os.path.abspath(root),
         client_ids=tuple(manifest['client_ids']),
         feature_shape=tuple(manifest['feature_shape']),
@@ -355,7 +578,10 @@ def load_client_data_spec(root: str) -> ClientDataSpec:
         public_size=int(manifest.get('public_size', 0)),
         label_shape=tuple(manifest.get('label_shape', ())),
         source_ids=tuple(manifest['source_ids']) if 'source_ids' in manifest else None,
+        layout=layout,
     )
+    check_client_data(spec)
+    return spec
 
 
 def read_split_numpy(spec: ClientDataSpec, client_id: str, split: str):
@@ -370,11 +596,28 @@ def read_split_numpy(spec: ClientDataSpec, client_id: str, split: str):
       A tuple `(x, y)`: features (decoded: float32, or int32 token ids) and
       int32 labels `[n, *label_shape]`.
     """
-    client_dir = os.path.join(spec.root, client_id)
-    x = np.fromfile(os.path.join(client_dir, f'{split}_x.bin'), dtype=_STORED_DTYPES[spec.feature_encoding])
+    stored_dtype = _STORED_DTYPES[spec.feature_encoding]
+    if spec.layout == SHARDED:
+        s, k = SPLITS.index(split), int(client_id.rsplit('_', 1)[-1])
+        if not 0 <= k < spec.num_clients or spec.client_ids[k] != client_id:
+            raise KeyError(f'no client {client_id!r} in {spec.root}')
+        index = np.memmap(os.path.join(spec.root, INDEX), dtype='<i8', mode='r').reshape(len(SPLITS), -1)
+        start, stop = int(index[s, k]), int(index[s, k + 1])
+        del index
+
+        def rows(part, dtype):
+            width = _example_bytes(spec, part) // np.dtype(dtype).itemsize
+            with open(os.path.join(spec.root, _shard_name(split, part)), 'rb') as f:
+                f.seek(start * width * np.dtype(dtype).itemsize)
+                return np.fromfile(f, dtype=dtype, count=(stop - start) * width)
+
+        x, y = rows('x', stored_dtype), rows('y', np.int32)
+    else:
+        client_dir = os.path.join(spec.root, client_id)
+        x = np.fromfile(os.path.join(client_dir, _shard_name(split, 'x')), dtype=stored_dtype)
+        y = np.fromfile(os.path.join(client_dir, _shard_name(split, 'y')), dtype=np.int32)
     if spec.feature_encoding == UINT8_OVER_255:
         x = x.astype(np.float32) / np.float32(255.0)
-    y = np.fromfile(os.path.join(client_dir, f'{split}_y.i32'), dtype=np.int32)
     return x.reshape((-1,) + tuple(spec.feature_shape)), y.reshape((-1,) + tuple(spec.label_shape))
 
 
@@ -461,22 +704,52 @@ class ClientSplit:
         return ClientSplit(features, labels, self.encoding)
 
 
+def _mapped(path: str, dtype: tf.DType, shape: Sequence[int]) -> tf.Tensor:
+    """A whole file as a tensor, memory-mapped (TF graph code): pages are read only when touched.
+
+    `ImmutableConst` maps the file when the op runs (the path and shape are
+    attributes of the graph); slicing the result copies, and so reads, only
+    the rows asked for.
+    """
+    if int(np.prod(shape, dtype=np.int64)) == 0:  # nothing to map (an empty file cannot be mapped)
+        return tf.zeros(shape, dtype)
+    # Named after the file, so an error (a shard cut short since it was checked) names it.
+    name = 'client_data_' + os.path.basename(path)
+    return tf.raw_ops.ImmutableConst(dtype=dtype, shape=list(shape), memory_region_name=path, name=name)
+
+
 def read_split(spec: ClientDataSpec, client_id: tf.Tensor, split: str) -> ClientSplit:
     """Reads one client's split as whole tensors; TF graph code.
 
     Meant to run inside a client's `tff.tensorflow.computation`: the client id
-    is the only input, and the arrays are read from the client's own files.
+    is the only input, and the arrays are read from the partition's files.
+    In the `SHARDED` layout the client's position (`client_index` of its id)
+    selects its two rows of the memory-mapped index, and those bound the
+    rows taken from the memory-mapped shards: only this client's bytes (and
+    16 bytes of the index) are read, whatever the number of clients. In the
+    `PER_CLIENT` layout of earlier versions, the client's two files are
+    read whole.
 
     Args:
-      spec: the partition on disk (its root is baked into the graph).
+      spec: the partition on disk (its root, the number of clients and the
+        split's total size are baked into the graph).
       client_id: scalar `tf.string`.
       split: one of `SPLITS`.
 
     Returns:
       A `ClientSplit`.
     """
-    prefix = tf.strings.join([spec.root, client_id, split], separator='/')
     stored_dtype = tf.as_dtype(_STORED_DTYPES[spec.feature_encoding])
+    if spec.layout == SHARDED:
+        index = _mapped(os.path.join(spec.root, INDEX), tf.int64, [len(SPLITS), spec.num_clients + 1])
+        row = index[SPLITS.index(split)]
+        k = client_index(client_id)
+        start, stop = row[k], row[k + 1]
+        total = spec.split_total(split)
+        x = _mapped(os.path.join(spec.root, _shard_name(split, 'x')), stored_dtype, (total,) + spec.feature_shape)
+        y = _mapped(os.path.join(spec.root, _shard_name(split, 'y')), tf.int32, (total,) + spec.label_shape)
+        return ClientSplit(x[start:stop], y[start:stop], spec.feature_encoding)
+    prefix = tf.strings.join([spec.root, client_id, split], separator='/')
     x = tf.io.decode_raw(tf.io.read_file(prefix + '_x.bin'), stored_dtype)
     y = tf.io.decode_raw(tf.io.read_file(prefix + '_y.i32'), tf.int32)
     x = tf.reshape(x, (-1,) + tuple(spec.feature_shape))

@@ -40,6 +40,7 @@ def prepare(
     download: bool = False,
     public_examples: int = 0,
     public_dataset: str | None = None,
+    layout: str = client_data.SHARDED,
 ) -> PreparedData:
     """Loads a dataset, partitions it, splits every client, writes the files.
 
@@ -68,6 +69,9 @@ def prepare(
         (KT-pFL's Fashion-MNIST clients use MNIST as public data); its
         examples must have the clients' shape, and the clients keep every
         example of `dataset`.
+      layout: how the client files are laid out (`client_data.LAYOUTS`):
+        shards and an index (the default), or one directory per client as
+        earlier versions wrote (for comparisons and older exports).
 
     Returns:
       A `PreparedData`.
@@ -88,7 +92,11 @@ def prepare(
             download=download,
             public_examples=public_examples,
             public_dataset=public_dataset,
+            layout=layout,
         )
+    synthetic = sources.synthetic_params(dataset)
+    if synthetic is not None and partition_name == 'natural' and not public_examples:
+        return _prepare_synthetic(root, synthetic, num_clients, seed, split_fractions, layout)
     pool = sources.load_source(dataset, data_dir=data_dir, download=download, seed=seed, num_clients=num_clients)
     public = None
     labels = pool.y
@@ -134,9 +142,38 @@ def prepare(
             splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
         except partition.PartitionError as e:
             raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
-    spec = client_data.write_client_data(root, x, y, pool.num_classes, splits, public_indices=public)
+    spec = client_data.write_client_data(root, x, y, pool.num_classes, splits, public_indices=public, layout=layout)
     histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
     return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)
+
+
+def _prepare_synthetic(root, alpha_beta, num_clients, seed, split_fractions, layout) -> PreparedData:
+    """Synthetic(alpha, beta), natural partition, streamed: one client in memory at a time.
+
+    Writes what the pooled path (`sources.synthetic_fedprox`, then
+    `partition.split_client` with seed `seed + k` and `write_client_data`)
+    writes, byte for byte: the generator draws in the same order, and a
+    client's split of its own positions is its split of the pool's indices
+    shifted by its offset. Features are stored as float32 (Gaussian
+    features are never all exact k/255 in [0, 1]), as the pooled path
+    decides for them.
+    """
+    num_classes, histogram = 10, []
+    clients = sources.synthetic_fedprox_clients(
+        *alpha_beta, num_clients=num_clients, num_classes=num_classes, seed=seed
+    )
+    with client_data.ClientDataWriter(root, feature_shape=(60,), encoding=client_data.FLOAT32, layout=layout) as writer:
+        for index, (x, y) in enumerate(clients):
+            try:
+                parts = partition.split_client(np.arange(len(y)), y, split_fractions, seed=seed + index)
+            except partition.PartitionError as e:
+                raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
+            writer.add_client({split: (x[indices], y[indices]) for split, indices in parts.items()})
+            histogram.append(np.bincount(y, minlength=num_classes))
+        spec = writer.finish(num_classes)
+    return PreparedData(
+        spec=spec, class_histogram=np.asarray(histogram, np.int64), source_name=sources.synthetic_name(*alpha_beta)
+    )
 
 
 def _public_from(
@@ -171,8 +208,9 @@ def prepare_natural(
     download: bool = False,
     public_examples: int = 0,
     public_dataset: str | None = None,
+    layout: str = client_data.SHARDED,
 ) -> PreparedData:
-    """Streams a naturally federated source's clients into per-client files.
+    """Streams a naturally federated source's clients into the client files.
 
     The partition is the source's own: `num_clients` of its eligible
     clients (`natural.NaturalSource`), drawn without replacement with the
@@ -200,6 +238,7 @@ def prepare_natural(
         from `public_dataset` (a pooled source of the clients' feature
         shape): a natural source keeps all its clients' examples.
       public_dataset: the public examples' source.
+      layout: how the client files are laid out (`client_data.LAYOUTS`).
 
     Returns:
       A `PreparedData`, with a note on the clients left out.
@@ -238,7 +277,11 @@ def prepare_natural(
     chosen = np.sort(rng.choice(available, size=num_clients, replace=False))
     histogram = []
     with client_data.ClientDataWriter(
-        root, feature_shape=source.feature_shape, encoding=source.encoding, label_shape=source.label_shape
+        root,
+        feature_shape=source.feature_shape,
+        encoding=source.encoding,
+        label_shape=source.label_shape,
+        layout=layout,
     ) as writer:
         for position in chosen:
             source_id = source.client_ids[position]

@@ -13,6 +13,8 @@ import zipfile
 import numpy as np
 import tensorflow_datasets as tfds
 
+from tff_pfl.data import client_data
+
 _TFDS_NAMES = ('mnist', 'fashion_mnist', 'cifar10', 'cifar100', 'emnist')
 _NPZ_KEYS = ('x_train', 'y_train', 'x_test', 'y_test')
 _SYNTHETIC_MAX_CLIENT_SIZE = 5000
@@ -23,8 +25,9 @@ _SOURCE_FORMS = (
 )
 
 
-class DataError(ValueError):
-    """Raised when a data source is missing, unreadable or malformed."""
+# Raised when a data source is missing, unreadable or malformed; client data
+# that cannot be read raise it too (defined beside them, without TFDS).
+DataError = client_data.DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,6 +338,63 @@ def synthetic_fedprox(
       DataError: If `alpha` or `beta` is negative, or `num_clients`, `dim`
         or `num_classes` is too small.
     """
+    xs, ys = [], []
+    for x, y in synthetic_fedprox_clients(alpha, beta, num_clients, dim, num_classes, seed):
+        xs.append(x)
+        ys.append(y)
+    bounds = np.concatenate([[0], np.cumsum([len(y) for y in ys])])
+    return Pool(
+        x=np.concatenate(xs),
+        y=np.concatenate(ys),
+        num_classes=num_classes,
+        name=synthetic_name(alpha, beta),
+        natural_partition=tuple(np.arange(start, end, dtype=np.int64) for start, end in zip(bounds[:-1], bounds[1:])),
+    )
+
+
+def synthetic_name(alpha: float, beta: float) -> str:
+    """The name of a Synthetic(alpha, beta) pool, e.g. `synthetic(1,1)`.
+
+    Args:
+      alpha: variance of the model means.
+      beta: variance of the feature means.
+
+    Returns:
+      The pool's name.
+    """
+    return f'synthetic({alpha:g},{beta:g})'
+
+
+def synthetic_fedprox_clients(
+    alpha: float,
+    beta: float,
+    num_clients: int = 30,
+    dim: int = 60,
+    num_classes: int = 10,
+    seed: int = 0,
+):
+    """Generates the clients of `synthetic_fedprox` one at a time.
+
+    The same draws in the same order as `synthetic_fedprox`, which
+    concatenates what this yields: one client's examples are in memory at a
+    time, so 100,000 clients (35 M examples, 8.4 GB as float32) can be
+    written without holding the pool.
+
+    Args:
+      alpha: Variance of the model means (>= 0).
+      beta: Variance of the feature means (>= 0).
+      num_clients: Number of clients.
+      dim: Feature dimension.
+      num_classes: Number of classes.
+      seed: Random seed.
+
+    Yields:
+      `(x, y)` of each client in turn: float32 `[n_k, dim]`, int32 `[n_k]`.
+
+    Raises:
+      DataError: If `alpha` or `beta` is negative, or `num_clients`, `dim`
+        or `num_classes` is too small.
+    """
     if alpha < 0 or beta < 0:
         raise DataError(f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
     if num_clients < 1 or dim < 1 or num_classes < 2:
@@ -349,22 +409,36 @@ def synthetic_fedprox(
     model_means = rng.normal(0.0, np.sqrt(alpha), size=num_clients)
     feature_means = rng.normal(0.0, np.sqrt(beta), size=num_clients)
     feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6
-    xs, ys = [], []
     for k in range(num_clients):
         v = rng.normal(feature_means[k], 1.0, size=dim)
         w = rng.normal(model_means[k], 1.0, size=(dim, num_classes))
         b = rng.normal(model_means[k], 1.0, size=num_classes)
         x = v + rng.standard_normal((sizes[k], dim)) * feature_std
-        xs.append(x)
-        ys.append(np.argmax(x @ w + b, axis=1))
-    bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return Pool(
-        x=np.concatenate(xs).astype(np.float32),
-        y=np.concatenate(ys).astype(np.int32),
-        num_classes=num_classes,
-        name=f'synthetic({alpha:g},{beta:g})',
-        natural_partition=tuple(np.arange(start, end, dtype=np.int64) for start, end in zip(bounds[:-1], bounds[1:])),
-    )
+        yield x.astype(np.float32), np.argmax(x @ w + b, axis=1).astype(np.int32)
+
+
+def synthetic_params(spec: str) -> tuple[float, float] | None:
+    """`(alpha, beta)` of a `synthetic` or `synthetic:<alpha>,<beta>` source spec.
+
+    Args:
+      spec: a source spec.
+
+    Returns:
+      `(alpha, beta)`, or None when `spec` names another source.
+
+    Raises:
+      DataError: a malformed `synthetic:` spec.
+    """
+    if spec == 'synthetic':
+        return 1.0, 1.0
+    kind, _, arg = spec.partition(':')
+    if kind != 'synthetic':
+        return None
+    try:
+        alpha, beta = (float(v) for v in arg.split(','))
+    except ValueError as e:
+        raise DataError(f'bad synthetic spec {spec!r}; expected synthetic:<alpha>,<beta>') from e
+    return alpha, beta
 
 
 def load_source(
@@ -401,14 +475,9 @@ def load_source(
         return load_tfds(arg, data_dir=data_dir, download=download)
     if kind == 'folder':
         return load_image_folder(arg)
-    if spec == 'synthetic':
-        return synthetic_fedprox(1.0, 1.0, num_clients=num_clients, seed=seed)
-    if kind == 'synthetic':
-        try:
-            alpha, beta = (float(v) for v in arg.split(','))
-        except ValueError as e:
-            raise DataError(f'bad synthetic spec {spec!r}; expected synthetic:<alpha>,<beta>') from e
-        return synthetic_fedprox(alpha, beta, num_clients=num_clients, seed=seed)
+    synthetic = synthetic_params(spec)
+    if synthetic is not None:
+        return synthetic_fedprox(*synthetic, num_clients=num_clients, seed=seed)
     if spec.endswith('.npz'):
         return load_npz(spec)
     raise DataError(f'unknown data source {spec!r}; accepted: {_SOURCE_FORMS}')
