@@ -48,6 +48,7 @@ _EVAL_CLIENTS = flags.DEFINE_integer('eval_clients', 500, 'Clients of a sampled 
 _FINAL_CLIENTS = flags.DEFINE_integer('final_clients', 0, 'Clients of the final stage (0: every client).')
 _JOB = flags.DEFINE_integer('job', -1, 'Internal: run only this job and write its record into --workdir.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where runs go (default: a temporary directory here).')
+_APPEND = flags.DEFINE_bool('append', False, 'Add the records to those already in --out.json.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/scale_population', 'Result path prefix (.json, .md).')
 
 COMMON = dict(dataset='synthetic', model='logistic', batch_size=10, client_learning_rate=0.03)
@@ -204,7 +205,10 @@ def _report(records):
     lines = [
         '# Cross-device scale: setup, seconds per round, memory and checkpoints against the population',
         '',
-        f'`uv run python benchmarks/scale_population.py {" ".join(_flag_args())}`',
+        '`uv run python benchmarks/scale_population.py '
+        + ' '.join(_flag_args())
+        + '`'
+        + ('; these rows added to the earlier ones (--append)' if _APPEND.value else ''),
         '',
         f'Synthetic(1,1), logistic regression, {_ACTIVE.value} clients per round, {_ROUNDS.value} rounds, batch 10, '
         'eta 0.03, 20 local steps (Self-FL: adaptive, at most 40); PersFL stage 2 with one candidate (T 1, lambda '
@@ -269,6 +273,9 @@ def main(argv):
             json.dump(record, f)
         return
     records = []
+    if _APPEND.value and os.path.exists(_OUT.value + '.json'):
+        with open(_OUT.value + '.json') as f:
+            records = json.load(f)['records']
     with tempfile.TemporaryDirectory(dir=_WORKDIR.value or '.') as workdir:
         for index in range(len(_jobs())):
             subprocess.run(

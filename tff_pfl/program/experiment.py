@@ -798,12 +798,13 @@ def run_experiment(
 def _write_partition_summary(out, spec, histogram) -> None:
     rows = []
     source_ids = spec.source_ids or (None,) * spec.num_clients
-    for client_id, source_id, counts in zip(spec.client_ids, source_ids, histogram):
+    splits = ('train', 'val', 'test')
+    for i, (client_id, source_id, counts) in enumerate(zip(spec.client_ids, source_ids, histogram)):
         row = collections.OrderedDict(client_id=client_id)
         if source_id is not None:
             row['source_id'] = source_id  # the client's own id in a naturally federated source
-        for split in ('train', 'val', 'test'):
-            row[f'{split}_examples'] = spec.sizes(split)[client_id]
+        for split in splits:
+            row[f'{split}_examples'] = int(spec.split_sizes[split][i])
         row.update((f'class_{c}', int(n)) for c, n in enumerate(counts))
         rows.append(row)
     reports.write_csv(os.path.join(out, 'partition.csv'), rows)
