@@ -80,7 +80,7 @@ class _CountingProcess(_Process):
         return [cls.initial_client_state(c) for c in client_ids]
 
 
-def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path):
+def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path, monkeypatch):
     """The store grows with the clients that took part; the others' initial states come in one call per read."""
     _CountingProcess.made = []
     ids = [f'c{i}' for i in range(1000)]
@@ -102,6 +102,14 @@ def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path):
     for c in ids[:30]:
         expected[c] = _trained(expected[c], 2)
     _assert_same(store.states(), expected)
+    # Iterating every state reads the clients without one in batches, not one call per client.
+    _CountingProcess.made = []
+    monkeypatch.setattr(training_loop, 'CLIENTS_PER_CALL', 400)
+    states = list(store.states().values())
+    assert [len(batch) for batch in _CountingProcess.made] == [400 - 30, 400, 200]  # 30 of the first 400 are stored
+    assert dict(zip(ids, states)).keys() == dict(store.states().items()).keys()
+    for (c, state), expected_state in zip(store.states().items(), expected.values()):
+        assert state['client_id'] == c.encode() and state['num_participations'] == expected_state['num_participations']
 
 
 def _segment_ids(directory):

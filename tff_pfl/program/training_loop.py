@@ -438,6 +438,29 @@ class StateView(Mapping):
     def __len__(self):
         return len(self._ids)
 
+    def _batches(self):
+        # Every client's state, read `CLIENTS_PER_CALL` at a time: clients
+        # without a stored state get their initial states in one call per batch.
+        for start in range(0, len(self._ids), CLIENTS_PER_CALL):
+            ids = self._ids[start : start + CLIENTS_PER_CALL]
+            yield from zip(ids, self._get(ids))
+
+    def values(self):
+        """Every client's state, in client order, read in batches.
+
+        Returns:
+          An iterator over the states.
+        """
+        return (state for _, state in self._batches())
+
+    def items(self):
+        """`(client id, state)` of every client, in client order, read in batches.
+
+        Returns:
+          An iterator over the pairs.
+        """
+        return self._batches()
+
 
 class DeviceStateStore:
     """Client states kept by the devices, as files in `state_dir`.
