@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 
-import psutil
+import process_memory  # benchmarks/, the script's own directory
 from absl import app, flags
 
 from tff_pfl import runtime
@@ -69,19 +69,6 @@ PERSFL = dict(
 )
 
 
-def _memory_mb():
-    """(driver RssAnon, driver RssFile, worker RSS) in MB."""
-    fields = {}
-    with open('/proc/self/status') as f:
-        for line in f:
-            name, _, value = line.partition(':')
-            if name in ('RssAnon', 'RssFile'):
-                fields[name] = int(value.split()[0]) / 1024
-    workers = [c for c in psutil.Process().children(recursive=True) if 'worker_binary' in ' '.join(c.cmdline())]
-    worker = sum(w.memory_info().rss for w in workers) / 2**20 if workers else float('nan')
-    return fields['RssAnon'], fields['RssFile'], worker
-
-
 class _RecordingStore(training_loop.ClientStateStore):
     """The run's store, kept for its size."""
 
@@ -98,9 +85,9 @@ def _run(name, num_clients, settings, workdir, rounds):
     def log(line):
         match = re.match(r'round (\d+)/(\d+)', line)
         if match and (int(match.group(1)) % 5 == 0 or int(match.group(1)) in (1, int(match.group(2)) - 1)):
-            samples[int(match.group(1))] = _memory_mb()
+            samples[int(match.group(1))] = process_memory.driver_and_worker_mb()
         if match and match.group(1) == match.group(2):
-            samples['after_last_round'] = _memory_mb()
+            samples['after_last_round'] = process_memory.driver_and_worker_mb()
         if match:
             print(f'{name} N={num_clients}: {line}', flush=True)
 

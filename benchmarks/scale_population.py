@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-import psutil
+import process_memory  # benchmarks/, the script's own directory
 from absl import app, flags
 
 from tff_pfl.program import checkpoints, experiment, training_loop
@@ -57,19 +57,6 @@ ALGORITHMS = {
     'selffl': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20),
     'persfl': dict(algorithm='persfl', local_steps=20, temperatures=(1.0,), imitations=(0.5,), distill_epochs=1),
 }
-
-
-def _memory_mb():
-    """(driver RssAnon, driver RssFile, worker RSS) in MB."""
-    fields = {}
-    with open('/proc/self/status') as f:
-        for line in f:
-            name, _, value = line.partition(':')
-            if name in ('RssAnon', 'RssFile'):
-                fields[name] = int(value.split()[0]) / 1024
-    workers = [c for c in psutil.Process().children(recursive=True) if 'worker_binary' in ' '.join(c.cmdline())]
-    worker = sum(w.memory_info().rss for w in workers) / 2**20 if workers else float('nan')
-    return fields['RssAnon'], fields['RssFile'], worker
 
 
 class _RecordingStore(training_loop.ClientStateStore):
@@ -139,7 +126,7 @@ def _run(name, num_clients, workdir):
             if done == 1:
                 marks['after_round_1'] = time.monotonic()
             if done % 20 == 0 or done in (1, total - 1):
-                samples[done] = _memory_mb()
+                samples[done] = process_memory.driver_and_worker_mb()
             if done % 20 == 0 or done == total:
                 print(f'{name} N={num_clients}: {line}', flush=True)
 
