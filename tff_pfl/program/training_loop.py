@@ -377,16 +377,19 @@ class ClientStateStore:
         step = self._clients_per_call
         return [ids[i : i + step] for i in range(0, len(ids), step)]
 
-    def personalize(self, process: template.PersonalizedProcess, state) -> None:
-        """Runs `process.personalize` on every client and stores the new states.
+    def personalize(
+        self, process: template.PersonalizedProcess, state, client_ids: Sequence[str] | None = None
+    ) -> None:
+        """Runs `process.personalize` on `client_ids` (default every client) and stores the new states.
 
         Clients go in chunks of `clients_per_call` per call.
 
         Args:
           process: the algorithm; it has a `personalize` stage.
           state: the server state.
+          client_ids: the clients to personalize; None: every client.
         """
-        for chunk in self.chunks():
+        for chunk in self.chunks(client_ids):
             self.put(chunk, process.personalize(state, self.get(chunk)))
 
     def evaluate(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str] | None = None) -> list:
