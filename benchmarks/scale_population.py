@@ -21,7 +21,12 @@ Measured per run:
   first M clients, and the report gives the seconds per client (the stage is
   per-client work: it grows with N by construction).
 
+With `--data=mnist` or `--data=fashion_mnist` the population is that file
+split by the FedProx power-law generator (`ds3`) instead.
+
     uv run python benchmarks/scale_population.py
+    uv run python benchmarks/scale_population.py --data=mnist --num_clients=10000 \
+        --out=benchmarks/results/scale_population_ds3
 """
 
 import json
@@ -33,6 +38,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import process_memory  # benchmarks/, the script's own directory
 from absl import app, flags
 
@@ -50,8 +56,52 @@ _JOB = flags.DEFINE_integer('job', -1, 'Internal: run only this job and write it
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where runs go (default: a temporary directory here).')
 _APPEND = flags.DEFINE_bool('append', False, 'Add the records to those already in --out.json.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/scale_population', 'Result path prefix (.json, .md).')
+_DATA = flags.DEFINE_enum(
+    'data',
+    'synthetic',
+    ['synthetic', 'mnist', 'fashion_mnist', 'small_iid'],
+    'synthetic: Synthetic(1,1) generated per client; mnist, fashion_mnist: the Keras-layout file in --data_dir '
+    'split by the FedProx power-law generator (ds3, two classes per client, 2 base examples per class); '
+    'small_iid: SMALL_IID_EXAMPLES Gaussian examples per client, labelled by one random linear model, split iid '
+    '(a population whose data fit on disk at 1,000,000 clients).',
+)
+_DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data', 'Folder of mnist.npz and fashion_mnist.npz.')
 
-COMMON = dict(dataset='synthetic', model='logistic', batch_size=10, client_learning_rate=0.03)
+COMMON = dict(model='logistic', batch_size=10, client_learning_rate=0.03)
+DATA_NAMES = {
+    'synthetic': 'Synthetic(1,1)',
+    'mnist': 'MNIST split by the FedProx power-law generator (ds3, 2 base examples per class)',
+    'fashion_mnist': 'Fashion-MNIST split by the FedProx power-law generator (ds3, 2 base examples per class)',
+    'small_iid': 'small_iid (6 Gaussian examples per client: 4 train, 1 validation, 1 test)',
+}
+SMALL_IID_EXAMPLES = 6
+
+
+def _write_small_iid(path, num_clients):
+    """`SMALL_IID_EXAMPLES` examples per client: 60 N(0, 1) features, labels argmax(x W) for one random W."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=(60, 10)).astype(np.float32)
+    arrays = {}
+    for split, count in (('train', num_clients * (SMALL_IID_EXAMPLES - 1)), ('test', num_clients)):
+        x = rng.normal(size=(count, 60)).astype(np.float32)
+        arrays[f'x_{split}'], arrays[f'y_{split}'] = x, np.argmax(x @ weights, axis=1).astype(np.int32)
+    np.savez(path, **arrays)
+
+
+def _data_settings(num_clients=None, workdir=None):
+    if _DATA.value == 'synthetic':
+        return dict(dataset='synthetic')
+    if _DATA.value == 'small_iid':
+        if workdir is None:
+            return dict(dataset='npz:small_iid_N.npz', partition='iid')
+        path = os.path.join(workdir, f'small_iid_{num_clients}.npz')
+        if not os.path.exists(path):
+            _write_small_iid(path, num_clients)
+        return dict(dataset=f'npz:{path}', partition='iid')
+    path = os.path.join(_DATA_DIR.value, f'{_DATA.value}.npz')
+    return dict(dataset=f'npz:{path}', partition='ds3', classes_per_client=2, base_examples_per_class=2)
+
+
 ALGORITHMS = {
     'fedavg': dict(algorithm='fedavg', local_steps=20),
     'selffl': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20),
@@ -138,6 +188,7 @@ def _run(name, num_clients, workdir):
         eval_clients=_EVAL_CLIENTS.value,
         checkpoint_every=_CHECKPOINT_EVERY.value,
         seed=0,
+        **_data_settings(num_clients, workdir),
         **COMMON,
         **ALGORITHMS[name],
     )
@@ -149,6 +200,7 @@ def _run(name, num_clients, workdir):
     store = _RecordingStore.last
     record = dict(
         name=name,
+        data=_DATA.value,
         num_clients=num_clients,
         active=_ACTIVE.value,
         setup_seconds=setup,
@@ -184,6 +236,7 @@ def _jobs():
 
 def _flag_args():
     holders = (_ROUNDS, _ACTIVE, _SIZES, _ALGORITHMS, _CHECKPOINT_EVERY, _EVAL_EVERY, _EVAL_CLIENTS, _FINAL_CLIENTS)
+    holders += (_DATA, _DATA_DIR) if _DATA.value != 'synthetic' else ()
     return [flags.FLAGS[h.name].serialize() for h in holders]
 
 
@@ -196,15 +249,17 @@ def _report(records):
         + '`'
         + ('; these rows added to the earlier ones (--append)' if _APPEND.value else ''),
         '',
-        f'Synthetic(1,1), logistic regression, {_ACTIVE.value} clients per round, {_ROUNDS.value} rounds, batch 10, '
+        '; '.join(dict.fromkeys(DATA_NAMES[r.get('data', 'synthetic')] for r in records))
+        + f'; logistic regression, {_ACTIVE.value} clients per round, {_ROUNDS.value} rounds, batch 10, '
         'eta 0.03, 20 local steps (Self-FL: adaptive, at most 40); PersFL stage 2 with one candidate (T 1, lambda '
         f'0.5, one epoch). A checkpoint every {_CHECKPOINT_EVERY.value} rounds; a sampled evaluation of '
         f'{_EVAL_CLIENTS.value} clients every {_EVAL_EVERY.value} rounds. Each run in a process of its own, beside '
         'other work on a 2-core machine: compare rows of one table, not across tables.',
         '',
-        '| algorithm | clients | setup s | s/round | stored clients | store MB | driver RssAnon MB: round 20 / last '
-        '| driver RssFile MB (last) | worker MB: round 20 / last | final stage s per client | total s |',
-        '|---|---|---|---|---|---|---|---|---|---|---|',
+        '| data | algorithm | clients | setup s | s/round | stored clients | store MB '
+        '| driver RssAnon MB: round 20 / last | driver RssFile MB (last) | worker MB: round 20 / last '
+        '| final stage s per client | total s |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in records:
         memory = {m['round']: m for m in r['memory_by_round']}
@@ -214,7 +269,8 @@ def _report(records):
         clients = final.get('evaluated_clients', r['num_clients'])
         per_client = (final.get('personalize_seconds', 0) + final.get('evaluate_seconds', 0)) / max(clients, 1)
         lines.append(
-            f'| {r["name"]} | {r["num_clients"]} | {r["setup_seconds"]:.1f} | {r["seconds_per_round"]:.3f} | '
+            f'| {r.get("data", "synthetic")} | {r["name"]} | {r["num_clients"]} | {r["setup_seconds"]:.1f} | '
+            f'{r["seconds_per_round"]:.3f} | '
             f'{r["stored_clients"]} | {r["store_mb"]:.1f} | '
             f'{first["driver_anon_mb"]:.0f} / {last["driver_anon_mb"]:.0f} | '
             f'{last["driver_file_mb"]:.0f} | {first["worker_mb"]:.0f} / {last["worker_mb"]:.0f} | '
@@ -232,7 +288,7 @@ def _report(records):
             f'{c["seconds"]:.2f} s, {c["bytes"] / 2**20:.2f} MB, {c["stored_clients"]}{" F" if c["full"] else ""}'
             for c in r['checkpoints']
         ]
-        lines.append(f'| {r["name"]} | {r["num_clients"]} | ' + ' | '.join(cells) + ' |')
+        lines.append(f'| {r.get("data", "synthetic")} {r["name"]} | {r["num_clients"]} | ' + ' | '.join(cells) + ' |')
     lines += [
         '',
         'Sampled evaluations (mean test accuracy of the global model +- the 95 % interval, clients scored) and '
@@ -244,7 +300,7 @@ def _report(records):
             f'round {s["round"]}: {100 * s["mean"]:.1f} +- {100 * (s["ci95"] or 0):.1f} ({s["clients"]})'
             for s in r['sampled_accuracy']
         ]
-        lines.append(f'- {r["name"]}, {r["num_clients"]} clients: ' + '; '.join(cells))
+        lines.append(f'- {r.get("data", "synthetic")} {r["name"]}, {r["num_clients"]} clients: ' + '; '.join(cells))
     return lines
 
 
@@ -271,7 +327,8 @@ def main(argv):
             with open(os.path.join(workdir, f'record_{index}.json')) as f:
                 records.append(json.load(f))
             with open(_OUT.value + '.json', 'w') as f:
-                json.dump({'common': COMMON, 'algorithms': ALGORITHMS, 'records': records}, f, indent=1)
+                common = dict(COMMON, **_data_settings())
+                json.dump({'common': common, 'algorithms': ALGORITHMS, 'records': records}, f, indent=1)
             lines = _report(records)
             with open(_OUT.value + '.md', 'w') as f:
                 f.write('\n'.join(lines) + '\n')
