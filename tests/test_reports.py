@@ -190,6 +190,14 @@ def test_markdown_table():
     assert reports.markdown_table(rows[:1], ['acc'], float_format='{:.1%}') == '| acc |\n| --- |\n| 50.0% |'
 
 
+def test_markdown_table_stops_after_max_rows_and_says_how_many_are_left():
+    rows = [{'client': f'c{i}', 'acc': i / 10} for i in range(5)]
+    assert reports.markdown_table(rows, ['client', 'acc'], '{:.1f}', max_rows=2, more='clients in clients.csv') == (
+        '| client | acc |\n| --- | --- |\n| c0 | 0.0 |\n| c1 | 0.1 |\n\n... and 3 more clients in clients.csv'
+    )
+    assert reports.markdown_table(rows, ['client'], max_rows=5) == reports.markdown_table(rows, ['client'])
+
+
 def test_format_table():
     rows = [
         {'client': 'client_00000', 'acc': 0.91234, 'n': 37},

@@ -38,6 +38,8 @@ class ConfigError(settings_lib.SettingsError):
     """A configuration that cannot run; the message is one line."""
 
 
+# report.md's per-client table stops after this many clients; clients.csv holds every client.
+REPORT_CLIENTS = 100
 DEFAULT_MODELS = {'synthetic': 'logistic', 'mnist': 'mnist_dnn', 'fashion_mnist': 'mnist_dnn'}
 
 # Partition -> (ExperimentConfig field -> the partitioner's keyword argument).
@@ -970,7 +972,9 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         '',
         '## Per-client test accuracy (%)',
         '',
-        reports.markdown_table(client_rows, client_columns, '{:.2f}'),
+        reports.markdown_table(
+            client_rows, client_columns, '{:.2f}', max_rows=REPORT_CLIENTS, more='clients in [clients.csv](clients.csv)'
+        ),
         '',
         '![accuracy per round](accuracy.png)',
         '![per-client accuracy](clients.png)',

@@ -468,6 +468,8 @@ def markdown_table(
     rows: Sequence[Mapping[str, object]],
     columns: Sequence[str],
     float_format: str = '{:.4f}',
+    max_rows: int | None = None,
+    more: str = 'rows',
 ) -> str:
     """Formats rows as a GitHub markdown table.
 
@@ -476,12 +478,17 @@ def markdown_table(
       columns: The columns to show, in order; a row missing a column gets an
         empty cell.
       float_format: A `str.format` pattern applied to floats.
+      max_rows: show at most this many rows, then a paragraph
+        `... and <k> more <more>`; None: every row.
+      more: what the rows are, for that line.
 
     Returns:
       The table: a header line, a `---` separator line and one line per row,
       joined by newlines, without a trailing newline. `None` is shown as an
       empty cell.
     """
+    hidden = 0 if max_rows is None else max(0, len(rows) - max_rows)
+    rows = rows[: len(rows) - hidden]
     lines = [
         '| ' + ' | '.join(_markdown_cell(c, float_format) for c in columns) + ' |',
         '| ' + ' | '.join('---' for _ in columns) + ' |',
@@ -489,6 +496,8 @@ def markdown_table(
     for row in rows:
         cells = [_markdown_cell(row.get(c), float_format) for c in columns]
         lines.append('| ' + ' | '.join(cells) + ' |')
+    if hidden:
+        lines += ['', f'... and {hidden} more {more}']
     return '\n'.join(lines)
 
 
