@@ -79,6 +79,21 @@ def _short_ids(client_ids):
     return [c.replace('client_', '') for c in client_ids]
 
 
+def _client_fields(client_states, fields):
+    """`(client ids, {field: np.ndarray over clients})`, read client by client.
+
+    Keeps only the named fields of each state: reading every state whole
+    into a list held one model per client in memory (about 5 GB for Self-FL
+    at 1,000,000 clients).
+    """
+    ids, values = [], {f: [] for f in fields}
+    for client_id, state in client_states.items():
+        ids.append(client_id)
+        for f in fields:
+            values[f].append(np.asarray(state[f]))
+    return ids, {f: np.stack(v) if v else np.zeros((0,)) for f, v in values.items()}
+
+
 def _persfl_columns(state):
     return collections.OrderedDict(
         teacher_round=int(state['teacher_round']),
@@ -90,30 +105,32 @@ def _persfl_columns(state):
 
 
 def _persfl_plots(out, result, process):
-    client_ids, states = list(result.client_states), list(result.client_states.values())
+    client_ids, fields = _client_fields(
+        result.client_states, ('teacher_round', 'temperature', 'imitation', 'grid_val_accuracy')
+    )
     short = _short_ids(client_ids)
     reports.plot_client_bars(
         short,
-        {'teacher round': [int(s['teacher_round']) for s in states]},
+        {'teacher round': [int(v) for v in fields['teacher_round']]},
         os.path.join(out, 'teacher_rounds.png'),
         "Round of each client's optimal teacher",
         'round',
     )
     reports.plot_client_bars(
         short,
-        {'T (temperature)': [float(s['temperature']) for s in states]},
+        {'T (temperature)': [float(v) for v in fields['temperature']]},
         os.path.join(out, 'chosen_temperature.png'),
         'Chosen temperature T per client',
         'T',
     )
     reports.plot_client_bars(
         short,
-        {'lambda (imitation)': [float(s['imitation']) for s in states]},
+        {'lambda (imitation)': [float(v) for v in fields['imitation']]},
         os.path.join(out, 'chosen_imitation.png'),
         'Chosen imitation lambda per client',
         'lambda',
     )
-    grid = np.stack([np.asarray(s['grid_val_accuracy']) for s in states])
+    grid = fields['grid_val_accuracy']
     labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.grid_candidates]
     reports.plot_heatmap(
         grid,
@@ -143,21 +160,22 @@ def _selffl_columns(state):
 
 def _selffl_plots(out, result, process):
     del process
-    client_ids, states = list(result.client_states), list(result.client_states.values())
+    client_ids, fields = _client_fields(result.client_states, ('sigma_m_sq', 'local_steps'))
     short = _short_ids(client_ids)
-    order = sorted(range(len(states)), key=lambda i: float(states[i]['sigma_m_sq']))
+    sigma_m_sq, steps = fields['sigma_m_sq'], fields['local_steps']
+    order = sorted(range(len(client_ids)), key=lambda i: float(sigma_m_sq[i]))
     if len(order) > 60:  # a readable sample of clients, spread over the range
         order = [order[int(i)] for i in np.linspace(0, len(order) - 1, 60)]
     reports.plot_client_bars(
         [short[i] for i in order],
-        {'local steps (last round)': [int(states[i]['local_steps']) for i in order]},
+        {'local steps (last round)': [int(steps[i]) for i in order]},
         os.path.join(out, 'local_steps.png'),
         'Self-FL local steps per client (sorted by sigma_m^2)',
         'steps',
     )
     reports.plot_client_bars(
         [short[i] for i in order],
-        {'sigma_m^2': [float(states[i]['sigma_m_sq']) for i in order]},
+        {'sigma_m^2': [float(sigma_m_sq[i]) for i in order]},
         os.path.join(out, 'intra_client_variance.png'),
         'Intra-client uncertainty sigma_m^2',
         'sigma_m^2',
@@ -220,10 +238,10 @@ def _kdpdfl_plots(out, result, process):
 
 def _finetune_plots(out, result, process):
     del process
-    states = list(result.client_states.values())
+    client_ids, fields = _client_fields(result.client_states, ('finetune_epochs',))
     reports.plot_client_bars(
-        _short_ids(list(result.client_states)),
-        {'fine-tuning epochs': [int(s['finetune_epochs']) for s in states]},
+        _short_ids(client_ids),
+        {'fine-tuning epochs': [int(v) for v in fields['finetune_epochs']]},
         os.path.join(out, 'finetune_epochs.png'),
         'Fine-tuning epochs chosen on validation',
         'epochs',
@@ -233,9 +251,10 @@ def _finetune_plots(out, result, process):
 
 def _apfl_plots(out, result, process):
     del process
+    client_ids, fields = _client_fields(result.client_states, ('alpha',))
     reports.plot_client_bars(
-        _short_ids(list(result.client_states)),
-        {'alpha': [float(s['alpha']) for s in result.client_states.values()]},
+        _short_ids(client_ids),
+        {'alpha': [float(v) for v in fields['alpha']]},
         os.path.join(out, 'apfl_alpha.png'),
         'APFL mixing weight alpha per client',
         'alpha',
