@@ -57,6 +57,11 @@ class SelfFLSettings(settings_lib.ClientSGD):
         "a typical client's steps afterwards (networks).",
     )
     warmup_rounds: int = _setting(0, 'Self-FL: plain FedAvg rounds (uniform mean) before Self-FL starts (warm start).')
+    selffl_smoothing: float = _setting(
+        0.0,
+        "Self-FL: w in the server's smoothing average theta^t = (1 - w) theta^{t-1} + w theta_hat^t; "
+        '0: the activity rate C (--client_fraction), as in the paper.',
+    )
 
     def _checks(self):
         return super()._checks() + [
@@ -68,6 +73,10 @@ class SelfFLSettings(settings_lib.ClientSGD):
                 f'got {self.selffl_default_steps}',
             ),
             (self.warmup_rounds >= 0, f'warmup_rounds must be >= 0, got {self.warmup_rounds}'),
+            (
+                0.0 <= self.selffl_smoothing <= 1.0,
+                f'selffl_smoothing must be in [0, 1] (0: the activity rate), got {self.selffl_smoothing}',
+            ),
         ]
 
 
@@ -214,7 +223,8 @@ def build_selffl_process(
         rounds); None: `SelfFLSettings()`.
       activity_rate: C, the share of clients sampled per round (the run's
         `client_fraction`); the server smooths theta^t = (1 - C) theta^{t-1}
-        + C theta_hat^t.
+        + C theta_hat^t, or with `settings.selffl_smoothing` in place of C
+        if that is not 0.
       loss: the problem, not a setting: 'cross_entropy' (classifiers) or
         'gaussian' (the two-level Gaussian model of §2: sum of squared errors
         / 2 s^2, full-batch steps (`batch_size` unused), sigma_m^2 = s^2 / N_m
@@ -255,6 +265,7 @@ def build_selffl_process(
     l_max = settings.selffl_max_steps
     default_steps = settings.selffl_default_steps
     warmup_rounds = settings.warmup_rounds
+    smoothing = settings.selffl_smoothing or activity_rate
 
     gaussian = loss == 'gaussian'
     loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.supervised_loss
@@ -397,8 +408,8 @@ def build_selffl_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        # theta^t = theta^{t-1} - C * mean(theta^{t-1} - theta_m^t): the smoothing average.
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=activity_rate),
+        # theta^t = theta^{t-1} - w * mean(theta^{t-1} - theta_m^t): the smoothing average (w = C by default).
+        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=smoothing),
         model_aggregator=aggregator,
         server_info=server_info,
         seed=seed,

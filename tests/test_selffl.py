@@ -131,6 +131,36 @@ def test_tff_process_matches_numpy_iteration(tff_runtime, tmp_path):
     assert np.abs(personal - theta_fl).max() < 0.2 * np.abs(theta_fl - z).max()
 
 
+def test_server_smoothing_moves_the_global_model_by_w_of_the_round_estimate(tff_runtime, tmp_path):
+    samples = reference.generate(8, seed=5)
+    spec = reference.write_client_files(str(tmp_path / 'gauss'), samples, seed=5)
+    states = [None] * len(spec.client_ids)
+
+    def first_round(activity_rate, smoothing=0.0):
+        model_fn = functools.partial(models.gaussian_mean, spec.feature_shape, 1)
+        settings = selffl.SelfFLSettings(client_learning_rate=0.001, selffl_smoothing=smoothing)
+        process = selffl.build_selffl_process(
+            spec,
+            model_fn,
+            settings,
+            activity_rate=activity_rate,
+            loss='gaussian',
+            known_sigma0_sq=1.0,
+            gaussian_noise_var=1.0,
+        )
+        state = process.initialize()
+        states[:] = [process.initial_client_state(c) for c in spec.client_ids]
+        before = float(state['model'][0])
+        return before, float(process.next(state, states)[0]['model'][0])
+
+    before, estimate = first_round(1.0)  # C = 1: the global model becomes the round's estimate
+    assert abs(estimate - before) > 1e-3
+    for activity_rate, smoothing, w in [(0.25, 0.0, 0.25), (0.25, 0.8, 0.8), (1.0, 0.5, 0.5)]:
+        start, after = first_round(activity_rate, smoothing)
+        assert start == before
+        np.testing.assert_allclose(after, (1 - w) * before + w * estimate, rtol=1e-5, atol=1e-6)
+
+
 def test_iteration_approaches_the_closed_form_as_m_grows():
     relative = []
     for num_clients in (20, 80, 320, 1280):
@@ -187,6 +217,7 @@ def test_bad_arguments(tmp_path):
         (dict(selffl_default_steps=0), 'selffl_default_steps must be >= 1, got 0'),
         (dict(selffl_default_steps=50), 'selffl_default_steps must be <= selffl_max_steps (40), got 50'),
         (dict(warmup_rounds=-1), 'warmup_rounds must be >= 0, got -1'),
+        (dict(selffl_smoothing=1.5), 'selffl_smoothing must be in [0, 1] (0: the activity rate), got 1.5'),
         (dict(client_learning_rate=0.0), 'client_learning_rate must be > 0, got 0.0'),
         (dict(batch_size=0), 'batch_size must be >= 1, got 0'),
     ],
