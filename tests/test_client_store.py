@@ -112,6 +112,29 @@ def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path, mon
         assert state['client_id'] == c.encode() and state['num_participations'] == expected_state['num_participations']
 
 
+def test_fields_of_every_client_read_the_stored_clients_and_one_initial_state(tmp_path, monkeypatch):
+    _CountingProcess.made = []
+    ids = [f'c{i}' for i in range(250)]
+    store = training_loop.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path))
+    chosen = ['c3', 'c100', 'c249']
+    store.put(chosen, [_trained(s, 2) for s in store.get(chosen)])
+    monkeypatch.setattr(training_loop, 'CLIENTS_PER_CALL', 100)
+    _CountingProcess.made = []
+    fields = store.states().fields(['num_participations', 'loss'])
+    # One call for two unstored clients' initial states (they agree), then the stored ones; no per-batch calls.
+    assert _CountingProcess.made == [['c0', 'c248']]
+    want = [
+        _trained(_Process.initial_client_state(c), 2) if c in chosen else _Process.initial_client_state(c) for c in ids
+    ]
+    np.testing.assert_array_equal(fields['num_participations'], [s['num_participations'] for s in want])
+    np.testing.assert_array_equal(fields['loss'], [s['loss'] for s in want])
+    # A field whose initial value differs between clients is read client by client, in batches.
+    _CountingProcess.made = []
+    names = store.states().fields(['client_id'])
+    assert [len(b) for b in _CountingProcess.made] == [2, 99, 99, 49]
+    assert names['client_id'].tolist() == [c.encode() for c in ids]
+
+
 def _segment_ids(directory):
     runs = checkpoints.RunCheckpoints(str(directory))
     return [segment.ids() for segment in runs.load_latest({'round_num': np.int32(0)}).segments()]
