@@ -17,10 +17,11 @@ each client adopt u_n at the end of every round. Test data are not read.
     uv run --locked python benchmarks/ktpfl_homo_transfer.py --rounds=15
 
 Every (eta_2, seed) run is cached under --work_dir as JSON (a rerun only adds
-what is missing); the report is written from the cache to
+what is missing); the report, of every cached run with --rounds rounds, is written to
 benchmarks/results/ktpfl_homo_transfer.md.
 """
 
+import glob
 import json
 import os
 import shutil
@@ -164,14 +165,21 @@ def write_report(results: list[dict]) -> None:
         row = {'seed': r['seed'], 'eta_2': r['transfer_rate']}
         row.update({f'round {k}': 100 * float(np.mean(v)) for k, v in r['val_accuracy'].items()})
         round_rows.append(row)
+    commands = []
+    for seed in sorted({r['seed'] for r in results}):
+        rates = ','.join(f'{r["transfer_rate"]:g}' for r in results if r['seed'] == seed)
+        commands.append(
+            '    uv run --locked python benchmarks/ktpfl_homo_transfer.py '
+            f'--rounds={_ROUNDS.value} --local_epochs={_LOCAL_EPOCHS.value} --seeds={seed} --transfer_rates={rates}'
+        )
     text = [
         '# Homogeneous KT-pFL: validation accuracy against the transfer rate eta_2',
         '',
         __doc__.split('\n\n    uv run')[0].strip(),
         '',
-        'Command: `uv run --locked python benchmarks/ktpfl_homo_transfer.py '
-        f'--rounds={_ROUNDS.value} --local_epochs={_LOCAL_EPOCHS.value} '
-        f'--transfer_rates={",".join(_RATES.value)} --seeds={",".join(_SEEDS.value)}`',
+        'Commands (one per seed, for the runs below):',
+        '',
+        *commands,
         '',
         '## At the last round',
         '',
@@ -208,8 +216,10 @@ def main(argv):
                     with open(path + '.tmp', 'w') as f:
                         json.dump(result, f)
                     os.replace(path + '.tmp', path)
-                with open(path) as f:
-                    results.append(json.load(f))
+    # The report covers every cached run of this length, from this and earlier invocations.
+    for path in sorted(glob.glob(os.path.join(_WORK_DIR.value, 'seed*', f'rate*_rounds{_ROUNDS.value}.json'))):
+        with open(path) as f:
+            results.append(json.load(f))
     write_report(results)
     print(f'wrote {_OUT.value}.md')
 
