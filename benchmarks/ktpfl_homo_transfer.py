@@ -28,6 +28,7 @@ import shutil
 import time
 
 import numpy as np
+import tensorflow as tf
 from absl import app, flags
 
 from processes import ktpfl
@@ -125,9 +126,8 @@ def run_one(spec, seed: int, rate: float) -> dict:
 
 
 def _group_weights(coefficients: np.ndarray) -> tuple[float, float, float]:
-    """Mean self, same-group and other-group weight of the normalised rows of c (kt_case1's two halves)."""
-    c = np.clip(coefficients, 0, None)
-    c = c / c.sum(axis=1, keepdims=True)
+    """Mean self, same-group and other-group weight of c's rows as the process mixes them (kt_case1's two halves)."""
+    c = ktpfl.mixing_weights(tf.constant(coefficients, tf.float32)).numpy()
     n = c.shape[0]
     group = np.arange(n) < (n + 1) // 2
     same = group[:, None] == group[None, :]
