@@ -20,10 +20,11 @@ state (packed, see `computations.heterogeneous`). One round:
 Indexing: row n of c is client n's mixing vector (the paper's c_mn, the
 contribution of client m to client n, is c[n, m] here).
 
-Only soft predictions cross from the clients to the server: each client puts
-its [P, C] predictions (and its example count) into its own slot of an
-[N, P, C] tensor and the server receives the federated sum, i.e. every
-client's predictions side by side. Weights never leave a client.
+Only soft predictions cross from the clients to the server: each client sends
+its [P, C] predictions with its index, and the server keeps the round's K
+clients' predictions as K rows (`_gather`, K = the round's most clients);
+each client's example count and a 1 go into its own slot of two [N] sums.
+Weights never leave a client.
 
 Partial participation (the paper's Table 2, client sampling rate 0.1: "only
 partial of elements in the knowledge coefficient matrix c will be updated in
@@ -388,6 +389,7 @@ def build_ktpfl_process(
     *,
     dp: privacy.DPConfig | None = None,
     seed: int = 0,
+    max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
     """Builds KT-pFL over clients with heterogeneous models.
 
@@ -403,6 +405,8 @@ def build_ktpfl_process(
       dp: local DP of the soft predictions (fixed clip; `_local_output`);
         None: none.
       seed: run seed.
+      max_clients_per_round: K, the most clients a round takes (None: N);
+        a round with more clients fails at an assertion.
 
     Returns:
       A `template.PersonalizedProcess` declaring each client's architecture
@@ -433,7 +437,10 @@ def build_ktpfl_process(
     c_update, top_k = settings.kt_c_update, settings.kt_top_k
     archs, arch_ids = heterogeneous.for_clients(architectures, spec)
     num_classes = spec.num_classes
+    capacity = _capacity(max_clients_per_round, num_clients)
     predictions_type = tff.TensorType(np.float32, (num_clients, public_batch, num_classes))
+    # What the server receives: row k is client ids[k]'s predictions (`_gather`).
+    rows_type = _rows_type(tff.TensorType(np.float32, (public_batch, num_classes)), capacity)
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -504,18 +511,20 @@ def build_ktpfl_process(
 
     vector_type = tff.TensorType(np.float32, (num_clients,))
 
-    def received(predictions, present):
+    def received(rows, present):
+        # Every client's row of [N, P, C] (zero for the clients not in this round).
+        predictions = rows_by_client(rows['ids'], rows['values'], num_clients)
         # Under local DP the noised rows are no distributions: the server projects them back (post-processing).
         return predictions if dp is None else noised_to_distributions(predictions, present)
 
-    @tff.tensorflow.computation(server_state_type, predictions_type, vector_type)
-    def targets_for(state, predictions, present):
-        predictions = received(predictions, present)
+    @tff.tensorflow.computation(server_state_type, rows_type, vector_type)
+    def targets_for(state, rows, present):
+        predictions = received(rows, present)
         return mix(coefficients_for(state, predictions), predictions, present)
 
-    @tff.tensorflow.computation(server_state_type, predictions_type, vector_type, vector_type)
-    def update_coefficients(state, predictions, sizes, present):
-        predictions = received(predictions, present)
+    @tff.tensorflow.computation(server_state_type, rows_type, vector_type, vector_type)
+    def update_coefficients(state, rows, sizes, present):
+        predictions = received(rows, present)
         if c_update == 'paper':
             # Eq. 4's distillation term carries the same T^2 as Eq. 6's step (`distill_towards`).
             coefficients = paper_update(
@@ -552,6 +561,7 @@ def build_ktpfl_process(
     )
     return _personalized_process(
         stages,
+        capacity,
         architectures=architectures,
         communication=collections.OrderedDict(
             soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
@@ -574,67 +584,146 @@ def parameter_distance(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     return 0.5 * tf.reduce_sum(tf.square(a - b), axis=-1)
 
 
-def personalized_parameters(coefficients: tf.Tensor, params: tf.Tensor, present: tf.Tensor | None = None):
+def presence(ids: tf.Tensor, num_clients: int) -> tf.Tensor:
+    """`[N]`: 1 for the clients in `ids` and 0 for the others (-1 in `ids`: an empty row, ignored).
+
+    Args:
+      ids: client indices, `int32[K]`, each in `[0, N)` or -1.
+      num_clients: N.
+
+    Returns:
+      The presence vector, float32 `[N]`.
+    """
+    valid = ids >= 0
+    rows = tf.boolean_mask(ids, valid)[:, tf.newaxis]
+    return tf.scatter_nd(rows, tf.ones_like(rows[:, 0], tf.float32), [num_clients])
+
+
+def rows_by_client(ids: tf.Tensor, values: tf.Tensor, num_clients: int) -> tf.Tensor:
+    """`[K, ...]` rows of the clients `ids` -> `[N, ...]`, row n client n's (zero for clients not in `ids`).
+
+    Args:
+      ids: client indices, `int32[K]`, each in `[0, N)` or -1 (an empty row,
+        dropped); no index twice.
+      values: `[K, ...]`, row k client `ids[k]`'s.
+      num_clients: N.
+
+    Returns:
+      `[N, ...]`.
+    """
+    valid = ids >= 0
+    shape = tf.concat([[num_clients], tf.shape(values)[1:]], axis=0)
+    return tf.scatter_nd(tf.boolean_mask(ids, valid)[:, tf.newaxis], tf.boolean_mask(values, valid), shape)
+
+
+def compact(present: tf.Tensor, values: tf.Tensor, capacity: int) -> tuple[tf.Tensor, tf.Tensor]:
+    """`[N, ...]` rows and presence -> the present clients' ids `[K]` and rows `[K, ...]` (`rows_by_client`'s inverse).
+
+    Args:
+      present: `[N]`, 1 for the present clients.
+      values: `[N, ...]`, row n client n's.
+      capacity: K, at least the number of present clients.
+
+    Returns:
+      `(ids, rows)`: the present clients' indices in increasing order, -1
+      after them, and their rows, zero after them.
+    """
+    ids = tf.cast(tf.where(present > 0)[:, 0], tf.int32)
+    count = tf.shape(ids)[0]
+    fits = tf.debugging.assert_less_equal(count, capacity, message='more clients in the round than its capacity')
+    with tf.control_dependencies([fits]):
+        padding = capacity - count
+    ids = tf.concat([ids, tf.fill([padding], -1)], axis=0)
+    rows = tf.gather(values, tf.maximum(ids, 0)) * tf.reshape(
+        tf.cast(ids >= 0, values.dtype), [-1] + [1] * (values.shape.rank - 1)
+    )
+    return tf.ensure_shape(ids, [capacity]), tf.ensure_shape(rows, [capacity, *values.shape[1:]])
+
+
+def personalized_parameters(coefficients: tf.Tensor, params: tf.Tensor, ids: tf.Tensor | None = None) -> tf.Tensor:
     """Appendix C's personalized models u_n = sum_m c[n, m] w_m, rows of c normalised.
+
+    With `ids`, the round's clients S only: u_n for n in S mixes the models
+    of S (row n of c restricted to S's columns, renormalised: `mixing_weights`
+    with S's presence). The models come as S's rows, `[K, D]`, so nothing
+    of size N x D is formed: the server of a sampled round holds K models.
 
     Args:
       coefficients: c, `[N, N]`.
-      params: the clients' parameter vectors, `[N, D]`.
-      present: optional `[N]` presence vector (see `mix`): u_n mixes this
-        round's clients only, and the rows of absent clients are zero.
+      params: the models, `[K, D]`: row k client `ids[k]`'s (None: `[N, D]`,
+        every client in order).
+      ids: the clients of the rows, `int32[K]` (-1: an empty row); None:
+        every client.
 
     Returns:
-      `[N, D]`, row n being u_n.
+      `[K, D]`, row k being u of client `ids[k]` (zero for an empty row).
     """
-    mixed = tf.matmul(mixing_weights(coefficients, present), params)
-    if present is not None:
-        mixed = mixed * present[:, tf.newaxis]
-    return mixed
+    if ids is None:
+        return tf.matmul(mixing_weights(coefficients), params)
+    valid = tf.cast(ids >= 0, coefficients.dtype)
+    rows = tf.maximum(ids, 0)
+    weights = mixing_weights(coefficients, presence(ids, coefficients.shape[0]))
+    # S x S block of the weights, in the order of `ids`; empty rows and columns are zero.
+    block = tf.gather(tf.gather(weights, rows), rows, axis=1) * valid[:, tf.newaxis] * valid[tf.newaxis, :]
+    return tf.matmul(block, params) * valid[:, tf.newaxis]
 
 
-def homogeneous_objective(coefficients, params, weights, rho, imitation, present=None):
+def homogeneous_objective(coefficients, params, weights, rho, imitation, ids=None):
     """Eq. 11's objective in c (models fixed).
 
     lambda sum_n (D_n/D) L_dis(sum_m c[n, m] w_m, w_n) + rho ||c - 1/N||^2,
-    with the rows of c normalised by `mixing_weights`; with `present`,
+    with the rows of c normalised by `mixing_weights`; with `ids`,
     restricted to this round's clients as `paper_objective` is.
 
     Args:
       coefficients: c, `[N, N]`.
-      params: the clients' parameter vectors, `[N, D]`.
+      params: the models, `[K, D]` of the clients `ids` (see
+        `personalized_parameters`).
       weights: D_n, `[N]` (0 for absent clients).
       rho: the regulariser's weight.
       imitation: lambda.
-      present: optional `[N]` presence vector (None: every client).
+      ids: the clients of `params`' rows (None: every client).
 
     Returns:
       The objective, a float32 scalar.
     """
-    mixed = personalized_parameters(coefficients, params, present)
-    return _regularised(coefficients, parameter_distance(mixed, params), weights, rho, imitation, present)
+    mixed = personalized_parameters(coefficients, params, ids)
+    distances = parameter_distance(mixed, params)
+    if ids is None:
+        return _regularised(coefficients, distances, weights, rho, imitation)
+    num_clients = coefficients.shape[0]
+    return _regularised(
+        coefficients,
+        rows_by_client(ids, distances, num_clients),
+        weights,
+        rho,
+        imitation,
+        presence(ids, num_clients),
+    )
 
 
-def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation, present=None):
+def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imitation, ids=None):
     """One gradient step of Eq. 11, then c is clipped at 0.
 
     Args:
       coefficients: c, `[N, N]`.
-      params: the clients' parameter vectors, `[N, D]`.
+      params: the models, `[K, D]` of the clients `ids`.
       weights: D_n, `[N]`.
       learning_rate: eta_3.
       rho: the regulariser's weight.
       imitation: lambda.
-      present: optional `[N]` presence vector: only the block of this
-        round's clients takes the step (see `paper_update`).
+      ids: the clients of `params`' rows (`personalized_parameters`): only
+        their block of c takes the step (see `paper_update`). None: every
+        client.
 
     Returns:
       The new c, `[N, N]`.
     """
     return _clipped_step(
-        lambda c: homogeneous_objective(c, params, weights, rho, imitation, present),
+        lambda c: homogeneous_objective(c, params, weights, rho, imitation, ids),
         coefficients,
         learning_rate,
-        present,
+        None if ids is None else presence(ids, coefficients.shape[0]),
     )
 
 
@@ -645,6 +734,7 @@ def build_ktpfl_homogeneous_process(
     *,
     dp: privacy.DPConfig | None = None,
     seed: int = 0,
+    max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
     """Builds homogeneous KT-pFL (the paper's Appendix C, Algorithm 2).
 
@@ -667,6 +757,9 @@ def build_ktpfl_homogeneous_process(
       dp: local DP of the uploaded parameters (fixed clip;
         `_local_output`); None: none.
       seed: run seed.
+      max_clients_per_round: K, the most clients a round takes (None: N).
+        The server holds the round's K models, `[K, D]`, and sends them
+        back mixed; a round with more clients fails at an assertion.
 
     Returns:
       A `template.PersonalizedProcess` declaring the bytes it exchanges
@@ -688,9 +781,11 @@ def build_ktpfl_homogeneous_process(
     training = settings.training_config()
     transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
     num_clients = spec.num_clients
+    capacity = _capacity(max_clients_per_round, num_clients)
     archs = heterogeneous.Architectures([model_fn])
     num_params = archs.max_size
-    params_type = tff.TensorType(np.float32, (num_clients, num_params))
+    # The round's models, and its personalized models: row k is client ids[k]'s (`_gather`).
+    rows_type = _rows_type(tff.TensorType(np.float32, (num_params,)), capacity)
     sizes_type = tff.TensorType(np.float32, (num_clients,))
 
     @tff.tensorflow.computation(np.str_)
@@ -713,9 +808,9 @@ def build_ktpfl_homogeneous_process(
         )
         return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, params=params)
 
-    @tff.tensorflow.computation(params_type, np.int32, client_state_type)
+    @tff.tensorflow.computation(rows_type, np.int32, client_state_type)
     def transfer_stage(personalized, round_num, state):
-        target = personalized[state['client_index']]
+        target = _own_row(personalized, state['client_index'])
         params = state['params']
         for _ in range(transfer_steps):  # Eq. 10: gradient steps on 1/2 ||u_n - w_n||^2
             params = params - transfer_learning_rate * (params - target)
@@ -725,20 +820,24 @@ def build_ktpfl_homogeneous_process(
     server_init = _build_server_init(num_clients)
     server_state_type = server_init.type_signature.result
 
-    @tff.tensorflow.computation(server_state_type, params_type, sizes_type)
+    @tff.tensorflow.computation(server_state_type, rows_type, sizes_type)
     def personalized_models(state, params, present):
-        return personalized_parameters(state['coefficients'], params, present)
+        del present  # the rows' ids name the round's clients
+        return collections.OrderedDict(
+            ids=params['ids'], values=personalized_parameters(state['coefficients'], params['values'], params['ids'])
+        )
 
-    @tff.tensorflow.computation(server_state_type, params_type, sizes_type, sizes_type)
+    @tff.tensorflow.computation(server_state_type, rows_type, sizes_type, sizes_type)
     def update_coefficients(state, params, sizes, present):
+        del present
         coefficients = homogeneous_update(
             state['coefficients'],
-            params,
+            params['values'],
             sizes,
             learning_rate=settings.kt_coefficient_learning_rate,
             rho=settings.kt_rho,
             imitation=settings.kt_imitation,
-            present=present,
+            ids=params['ids'],
         )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
 
@@ -755,6 +854,7 @@ def build_ktpfl_homogeneous_process(
     )
     return _personalized_process(
         stages,
+        capacity,
         communication=collections.OrderedDict(
             parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
         ),
@@ -787,8 +887,8 @@ LOCAL_DP_ADAPTIVE = (
     '(an adaptive clip would need the server to see the norms)'
 )
 LOCAL_DP_SECURE = (
-    '--secure_aggregation: a KT-pFL client sends its value in its own slot of the sum, which a secure sum does not '
-    'hide (docs/privacy.md); protect it with --dp_noise_multiplier and --dp_clip (local DP)'
+    "--secure_aggregation: the server needs each KT-pFL client's upload on its own (a row of its own), which a secure "
+    'sum does not hide (docs/privacy.md); protect it with --dp_noise_multiplier and --dp_clip (local DP)'
 )
 
 
@@ -798,7 +898,7 @@ def _check_local_dp(dp) -> None:
 
 
 def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, **upload) -> collections.OrderedDict:
-    """A local stage's output: the client's upload in its own slot, its size, presence, metrics and new state (TF code).
+    """A local stage's output: the client's upload with its index, its size, presence, metrics and new state (TF code).
 
     Args:
       state: the client state (with `client_index` and `params`).
@@ -810,14 +910,15 @@ def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, *
         clipped and noised on the client (`privacy.local_gaussian`) and
         the size is sent as 1 (every client weighs the same); None: none.
       **upload: one entry, `name=value`: what the client uploads (soft
-        predictions `[P, C]` or parameters `[D]`), put into slot
-        `client_index` of an `[N, ...]` tensor.
+        predictions `[P, C]` or parameters `[D]`).
 
     Returns:
-      `<name=[N, ...], num_examples=[N], present=[N], metric_sums,
-      client_state>` (`present`: 1 in the client's slot, so that the sum
-      over the round's clients marks who took part), the client state with
-      `params` replaced (the second stage counts the participation).
+      `<name=<index, value>, num_examples=[N], present=[N], metric_sums,
+      client_state>`: the upload and the client's index (the server keeps
+      it as one of the round's rows, `_gather`); the size and a 1
+      (`present`: who took part) in the client's slot of length-N vectors;
+      the client state with `params` replaced (the second stage counts the
+      participation).
     """
     ((name, value),) = upload.items()
     if dp is not None:
@@ -828,7 +929,7 @@ def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, *
     new_state['params'] = params
     return collections.OrderedDict(
         [
-            (name, slot[(slice(None),) + (tf.newaxis,) * value.shape.rank] * value[tf.newaxis]),
+            (name, collections.OrderedDict(index=state['client_index'], value=value)),
             ('num_examples', slot * tf.cast(num_examples, tf.float32)),
             ('present', slot),
             ('metric_sums', building_blocks.training_metric_sums(stats)),
@@ -840,8 +941,8 @@ def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, *
 class _Stages(typing.NamedTuple):
     """The computations that make a KT-pFL round (either variant).
 
-    One round: every client of the round runs `local_stage` and uploads its
-    slot of `upload`, its size and its presence; the server mixes the
+    One round: every client of the round runs `local_stage` and uploads
+    `upload` with its index, its size and its presence; the server mixes the
     uploads of the present clients with c (`mix`) and broadcasts the mix;
     every client of the round runs `second_stage` towards its row; the
     server updates c's block of present clients (`update_coefficients`) and
@@ -854,11 +955,13 @@ class _Stages(typing.NamedTuple):
       local_stage: `(round_num, client_state) -> <upload, num_examples,
         present, metric_sums, client_state>` (`_local_output`).
       upload: the name of the uploaded field of `local_stage`'s result.
-      mix: `(server_state, uploads, present) -> mixed`, every present
-        client's row (absent clients' rows zero).
+      mix: `(server_state, rows, present) -> mixed`, from the round's rows
+        `<ids=int32[K], values=[K, ...]>` (`_gather`); `mixed` holds every
+        present client's target (heterogeneous: `[N, P, C]`, absent
+        clients' rows zero; homogeneous: the K rows' u_n, `<ids, values>`).
       second_stage: `(mixed, round_num, client_state) -> (client_state,
         scalar)`.
-      update_coefficients: `(server_state, uploads, sizes, present) ->
+      update_coefficients: `(server_state, rows, sizes, present) ->
         server_state`.
       metric: the name under which the scalar's client mean is reported.
       evaluate_client: `client_state -> metrics`.
@@ -875,11 +978,110 @@ class _Stages(typing.NamedTuple):
     evaluate_client: tff.Computation
 
 
-def _uploads_sizes_presence(outputs, upload):
-    """The federated sums of the clients' upload slots, sizes and presence slots (federated code)."""
-    # Every client writes into its own slot: the sums hold the round's clients side by side, zeros elsewhere.
+def _capacity(max_clients_per_round: int | None, num_clients: int) -> int:
+    """K, the rows of the server's `[K, ...]` uploads: `max_clients_per_round`, or N."""
+    if max_clients_per_round is None:
+        return num_clients
+    if not 1 <= max_clients_per_round <= num_clients:
+        raise ValueError(f'max_clients_per_round must be in [1, {num_clients}], got {max_clients_per_round}')
+    return max_clients_per_round
+
+
+def _rows_type(value_type: tff.TensorType, capacity: int) -> tff.StructType:
+    """`<ids=int32[K], values=T[K, ...]>`: K clients' values, row k client `ids[k]`'s (-1: an empty row)."""
+    return tff.StructWithPythonType(
+        [
+            ('ids', tff.TensorType(np.int32, (capacity,))),
+            ('values', tff.TensorType(value_type.dtype, (capacity, *value_type.shape))),
+        ],
+        collections.OrderedDict,
+    )
+
+
+def _own_row(rows, client_index):
+    """A client's row of `<ids, values>` (TF code); fails if the client has none."""
+    position = tf.argmax(tf.cast(tf.equal(rows['ids'], client_index), tf.int32), output_type=tf.int32)
+    found = tf.debugging.assert_equal(rows['ids'][position], client_index, message='no row for this client')
+    with tf.control_dependencies([found]):
+        return tf.identity(rows['values'][position])
+
+
+def _gather(uploads, capacity: int):
+    """`{<index, value>}@CLIENTS` -> `<ids=int32[K], values=T[K, ...]>@SERVER` (federated code).
+
+    The server receives each client's value with its index and keeps them
+    as K rows, in increasing order of index (-1 and zeros after the last
+    client): a `federated_aggregate` whose accumulator appends each upload.
+    Its size is K x value, K = the round's most clients, not N x value: a
+    federated sum of per-client `[N, ...]` slot tensors, or an accumulator
+    of N rows, would hold N x value per client or per accumulation step in
+    TFF's runtime (benchmarks/results/ktpfl_memory.md: homogeneous KT-pFL
+    with the CNN, 40 clients, 10 per round: 9.5 GB with slot sums, 2.8 GB
+    with K rows).
+
+    Args:
+      uploads: the clients' `<index=int32, value=T[...]>`; every index in
+        `[0, N)`, no two clients with the same one, at most `capacity`
+        clients (more fail at an assertion).
+      capacity: K.
+
+    Returns:
+      The server's rows.
+    """
+    member = uploads.type_signature.member
+    rows_type = _rows_type(member['value'], capacity)
+    accumulator_type = tff.StructWithPythonType(
+        [('count', np.int32), *[(k, rows_type[k]) for k in ('ids', 'values')]], collections.OrderedDict
+    )
+    values_type = rows_type['values']
+
+    @tff.tensorflow.computation
+    def zero():
+        return collections.OrderedDict(
+            count=tf.constant(0),
+            ids=tf.fill([capacity], -1),
+            values=tf.zeros(values_type.shape, values_type.dtype),
+        )
+
+    def put(accumulator, positions, ids, values):
+        fits = tf.debugging.assert_less_equal(
+            accumulator['count'] + tf.size(ids), capacity, message='more clients in the round than its capacity'
+        )
+        with tf.control_dependencies([fits]):
+            positions = positions[:, tf.newaxis]
+        return collections.OrderedDict(
+            count=accumulator['count'] + tf.size(ids),
+            ids=tf.tensor_scatter_nd_update(accumulator['ids'], positions, ids),
+            values=tf.tensor_scatter_nd_update(accumulator['values'], positions, values),
+        )
+
+    @tff.tensorflow.computation(accumulator_type, member)
+    def accumulate(accumulator, upload):
+        position = accumulator['count'][tf.newaxis]
+        return put(accumulator, position, upload['index'][tf.newaxis], upload['value'][tf.newaxis])
+
+    @tff.tensorflow.computation(accumulator_type, accumulator_type)
+    def merge(a, b):
+        count = b['count']
+        return put(a, a['count'] + tf.range(count), b['ids'][:count], b['values'][:count])
+
+    @tff.tensorflow.computation(accumulator_type)
+    def report(accumulator):
+        # Increasing index, empty rows last: the rows do not depend on the order the uploads arrived in.
+        key = tf.where(accumulator['ids'] >= 0, accumulator['ids'], tf.int32.max)
+        order = tf.argsort(key, stable=True)
+        return collections.OrderedDict(
+            ids=tf.gather(accumulator['ids'], order), values=tf.gather(accumulator['values'], order)
+        )
+
+    return tff.federated_aggregate(uploads, zero(), accumulate, merge, report)
+
+
+def _uploads_sizes_presence(outputs, upload, capacity: int):
+    """The server's `[K, ...]` rows of uploads (`_gather`), and the sums of the size and presence slots (federated)."""
+    # The size and presence vectors are length N: each client writes into its own slot of them.
     return (
-        tff.federated_sum(outputs[upload]),
+        _gather(outputs[upload], capacity),
         tff.federated_sum(outputs.num_examples),
         tff.federated_sum(outputs.present),
     )
@@ -890,11 +1092,12 @@ def _client_mean(metric, values):
     return tff.federated_zip(collections.OrderedDict([(metric, tff.federated_mean(values))]))
 
 
-def _personalized_process(stages: _Stages, **declared) -> template.PersonalizedProcess:
+def _personalized_process(stages: _Stages, capacity: int, **declared) -> template.PersonalizedProcess:
     """KT-pFL's process from its stages, in process and on devices (`_device_process`).
 
     Args:
       stages: the round's computations.
+      capacity: K, the most clients of a round (the rows of `_gather`).
       **declared: the process's `architectures` and `communication`.
 
     Returns:
@@ -909,7 +1112,7 @@ def _personalized_process(stages: _Stages, **declared) -> template.PersonalizedP
     def next_fn(state, client_states):
         round_num = tff.federated_broadcast(state.round_num)
         local = tff.federated_map(local_stage, (round_num, client_states))
-        uploads, sizes, present = _uploads_sizes_presence(local, upload)
+        uploads, sizes, present = _uploads_sizes_presence(local, upload, capacity)
         mixed = tff.federated_broadcast(tff.federated_map(mix, (state, uploads, present)))
         second = tff.federated_map(second_stage, (mixed, round_num, local.client_state))
         new_state = tff.federated_map(update_coefficients, (state, uploads, sizes, present))
@@ -922,12 +1125,19 @@ def _personalized_process(stages: _Stages, **declared) -> template.PersonalizedP
         next_fn,
         initial_client_state=initial_client_state,
         evaluate=building_blocks.build_client_states_evaluation(server_state_type, stages.evaluate_client),
-        device=_device_process(stages),
+        device=_device_process(stages, capacity),
         **declared,
     )
 
 
-def _device_process(stages: _Stages):
+def _zeros(type_spec):
+    """Zeros of a tensor or struct type (TF code)."""
+    if isinstance(type_spec, tff.TensorType):
+        return tf.zeros(type_spec.shape, type_spec.dtype)
+    return collections.OrderedDict((name, _zeros(member)) for name, member in tff.structure.iter_elements(type_spec))
+
+
+def _device_process(stages: _Stages, capacity: int):
     """KT-pFL's round with device-held client states, as two phases of one aggregation each.
 
     In process, one round aggregates every client's upload (soft predictions,
@@ -936,7 +1146,9 @@ def _device_process(stages: _Stages):
     stages. Here they are two phases:
 
     * `share`: broadcast the round number; each device runs `local_stage`
-      and sends its `upload` slot, size and presence; the server updates the
+      and sends its upload in its own slot of an `[N, ...]` tensor, its size
+      and presence (federated sums); the server takes the present clients'
+      rows (`compact`, the rows `_gather` gives in process), updates the
       coefficients and keeps the mixed targets in its state;
     * `distill`: broadcast the targets (the whole matrix; each device takes its
       own row) and the round's number; each device runs `second_stage`; the
@@ -946,46 +1158,62 @@ def _device_process(stages: _Stages):
     server state is `<coefficients, round_num, targets>` throughout (targets
     zero before the first round).
 
+    Why slots here and `_gather` in process: TFF 0.87's
+    DistributeAggregateForm conversion fails on any `federated_aggregate`
+    (`form_utils.get_distribute_aggregate_form_for_computation` tries to
+    place its accumulate function at the server), while federated sums
+    convert to both forms. A slot costs N x the upload on a device and in
+    the sum (docs/export.md).
+
     Both phases read and write the same state files, so a round of the two
     equals one in-process round (tests/test_export.py).
 
     Args:
       stages: the round's computations.
+      capacity: K, the rows of the uploads the server mixes (`_gather`).
 
     Returns:
       The `device_state.build_device_process` of the two phases.
     """
     server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
-    upload_type = local_stage.type_signature.result[upload]
     sizes_type = local_stage.type_signature.result['num_examples']
     present_type = local_stage.type_signature.result['present']
+    num_clients = present_type.shape[0]
+    upload_type = local_stage.type_signature.result[upload]  # <index, value>
+    slots_type = tff.TensorType(upload_type['value'].dtype, (num_clients, *upload_type['value'].shape))
     targets_type = mix.type_signature.result
+
+    @tff.tensorflow.computation(upload_type)
+    def to_slot(value):
+        # The client's value in row `index` of an [N, ...] tensor of zeros.
+        return rows_by_client(value['index'][tf.newaxis], value['value'][tf.newaxis], num_clients)
 
     @tff.tensorflow.computation
     def device_server_init():
         state = server_init()
         return collections.OrderedDict(
-            coefficients=state['coefficients'],
-            round_num=state['round_num'],
-            targets=tf.zeros(targets_type.shape, targets_type.dtype),
+            coefficients=state['coefficients'], round_num=state['round_num'], targets=_zeros(targets_type)
         )
 
     device_initialize = building_blocks.server_initialize(device_server_init)
     state_type = device_server_init.type_signature.result
     round_of = building_blocks.build_round_number(state_type)
 
-    @tff.tensorflow.computation(state_type, upload_type, sizes_type, present_type)
-    def share_update(state, uploads, sizes, present):
+    @tff.tensorflow.computation(state_type, slots_type, sizes_type, present_type)
+    def share_update(state, slots, sizes, present):
         kept = collections.OrderedDict(coefficients=state['coefficients'], round_num=state['round_num'])
+        ids, values = compact(present, slots, capacity)
+        uploads = collections.OrderedDict(ids=ids, values=values)
         updated = update_coefficients(kept, uploads, sizes, present)
         return collections.OrderedDict(
             coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads, present)
         )
 
     def share_finish(state, outputs):
-        uploads, sizes, present = _uploads_sizes_presence(outputs, upload)
+        slots = tff.federated_sum(tff.federated_map(to_slot, outputs[upload]))
+        sizes, present = tff.federated_sum(outputs.num_examples), tff.federated_sum(outputs.present)
         return (
-            tff.federated_map(share_update, (state, uploads, sizes, present)),
+            tff.federated_map(share_update, (state, slots, sizes, present)),
             building_blocks.aggregate_training_metrics(outputs.metric_sums),
         )
 

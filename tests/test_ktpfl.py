@@ -149,8 +149,11 @@ def test_only_soft_predictions_reach_the_server(process):
     spec, proc = process
     assert 'params' not in str(proc.next.type_signature.result.state)
     moved = audit.clients_to_server_values(proc.next)
-    assert {uri for uri, _ in moved} <= {'federated_sum', 'federated_mean'}
-    largest = spec.num_clients * 30 * spec.num_classes  # the slot tensor of soft predictions
+    assert {uri for uri, _ in moved} <= {'federated_aggregate', 'federated_sum', 'federated_mean'}
+    # Each client's own [P, C] soft predictions with its index, gathered into rows at the server.
+    (gathered,) = [t.member for uri, t in moved if uri == 'federated_aggregate']
+    assert str(gathered) == '<index=int32,value=float32[30,4]>'
+    largest = 30 * spec.num_classes  # one client's soft predictions
     for _, type_spec in moved:
         for tensor in (
             tff.structure.flatten(type_spec.member)
@@ -403,7 +406,11 @@ def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     assert not np.allclose(want, c0)
     assert all(0 <= r['personalized_model']['accuracy'] <= 1 for r in proc.evaluate(state, states))
     moved = audit.clients_to_server_values(proc.next)
-    assert any('float32[3,' in str(t) for _, t in moved)  # Appendix C exchanges parameters, by design
+    # Appendix C exchanges parameters, by design: each client's whole [D] vector with its index.
+    num_params = after.shape[1]
+    assert ('federated_aggregate', f'{{<index=int32,value=float32[{num_params}]>}}@CLIENTS') in [
+        (uri, str(t)) for uri, t in moved
+    ]
 
 
 def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):

@@ -85,11 +85,12 @@ def test_mix_uses_only_the_sampled_clients(round_values):
     np.testing.assert_allclose(targets[sampled], want, rtol=1e-5)
     np.testing.assert_allclose(targets[sampled].sum(-1), 1.0, rtol=1e-5)  # distributions over S's predictions
     assert not targets[[1, 4]].any()  # no target is formed for an absent client
-    mixed = ktpfl.personalized_parameters(
-        tf.constant(c, tf.float32), tf.constant(_slots(params, sampled), tf.float32), present
-    ).numpy()
-    np.testing.assert_allclose(mixed[sampled], (c_s / c_s.sum(axis=1, keepdims=True)) @ params[sampled], atol=1e-5)
-    assert not mixed[[1, 4]].any()
+    # The homogeneous mix takes the sampled clients' rows only (K = 4 rows for 3 clients: one empty row).
+    ids = tf.constant([0, 2, 3, -1])
+    rows = np.concatenate([params[sampled], np.zeros((1, params.shape[1]))])
+    mixed = ktpfl.personalized_parameters(tf.constant(c, tf.float32), tf.constant(rows, tf.float32), ids).numpy()
+    np.testing.assert_allclose(mixed[:3], (c_s / c_s.sum(axis=1, keepdims=True)) @ params[sampled], atol=1e-5)
+    assert not mixed[3].any()
 
 
 def test_sampled_block_takes_the_papers_step_and_nothing_else_moves(round_values):
@@ -108,8 +109,9 @@ def test_sampled_block_takes_the_papers_step_and_nothing_else_moves(round_values
     outside = _present(sampled)[:, None] * _present(sampled)[None, :] == 0
     np.testing.assert_array_equal(got[outside], np.float32(c)[outside])  # bit for bit
     assert not np.allclose(got[~outside], np.float32(c)[~outside])
+    del inputs['present']  # the homogeneous step reads who took part from its rows' ids
     got = ktpfl.homogeneous_update(
-        params=tf.constant(_slots(params, sampled), tf.float32), imitation=1.0, **inputs
+        params=tf.constant(params[[3, 0, 2]], tf.float32), ids=tf.constant([3, 0, 2]), imitation=1.0, **inputs
     ).numpy()
     want = _block_step(lambda m: _distance_objective(m, params[sampled], sizes[sampled], 0.6, 1.0, 5), c, sampled, 0.1)
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -119,20 +121,20 @@ def test_sampled_block_takes_the_papers_step_and_nothing_else_moves(round_values
 def test_every_client_present_is_the_full_participation_round_bit_for_bit(round_values):
     """A presence vector of ones gives the unmasked code path's numbers exactly, eagerly and in a graph."""
     c, s, params, sizes = (tf.constant(v, tf.float32) for v in round_values)
-    ones = tf.ones([5])
+    ones, every_id = tf.ones([5]), tf.range(5)
     steps = dict(learning_rate=0.3, rho=0.6)
 
-    def both(present):
+    def both(present, ids):
         return [
             ktpfl.mix(c, s, present),
-            ktpfl.personalized_parameters(c, params, present),
+            ktpfl.personalized_parameters(c, params, ids),
             ktpfl.paper_update(c, s, sizes, imitation=100.0, present=present, **steps),
-            ktpfl.homogeneous_update(c, params, sizes, imitation=1.0, present=present, **steps),
+            ktpfl.homogeneous_update(c, params, sizes, imitation=1.0, ids=ids, **steps),
         ]
 
     for run in (lambda f, *a: f(*a), lambda f, *a: tf.function(f)(*a)):
-        unmasked = run(lambda: both(None))
-        masked = run(both, ones)
+        unmasked = run(lambda: both(None, None))
+        masked = run(both, ones, every_id)
         for a, b in zip(unmasked, masked):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -233,13 +235,82 @@ def test_ktpfl_homo_with_a_sample_mixes_only_the_sample(spec, tff_runtime):
     assert proc.communication['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
 
 
+def test_rows_of_the_round_clients_and_back():
+    values = np.arange(5 * 2, dtype=np.float32).reshape(5, 2) + 1
+    present = tf.constant([0.0, 1.0, 0.0, 1.0, 1.0])
+    ids, rows = ktpfl.compact(present, tf.constant(values), capacity=4)
+    assert ids.numpy().tolist() == [1, 3, 4, -1]
+    np.testing.assert_array_equal(rows.numpy(), np.concatenate([values[[1, 3, 4]], np.zeros((1, 2))]))
+    np.testing.assert_array_equal(ktpfl.presence(ids, 5).numpy(), present.numpy())
+    back = ktpfl.rows_by_client(ids, rows, 5).numpy()
+    np.testing.assert_array_equal(back, values * present.numpy()[:, None])
+    with pytest.raises(tf.errors.InvalidArgumentError, match='more clients in the round than its capacity'):
+        ktpfl.compact(present, tf.constant(values), capacity=2)
+
+
+def test_a_round_of_capacity_k_equals_the_round_of_capacity_n(spec, tff_runtime):
+    """K = 2 rows for a sample of 2 of 4 clients: the same round as with N rows; 3 clients do not fit."""
+    model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
+    homo = ktpfl.KTpFLHomoSettings(
+        local_steps=2,
+        batch_size=8,
+        client_learning_rate=0.3,
+        kt_transfer_learning_rate=0.5,
+        kt_coefficient_learning_rate=0.05,
+    )
+    hetero = ktpfl.KTpFLSettings(
+        architectures=('logistic',),
+        local_steps=2,
+        batch_size=8,
+        public_examples=PUBLIC,
+        kt_coefficient_learning_rate=0.5,
+    )
+    builders = (
+        lambda k: ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, homo, max_clients_per_round=k),
+        lambda k: ktpfl.build_ktpfl_process(spec, hetero, max_clients_per_round=k),
+    )
+    for build in builders:
+        outputs = []
+        for capacity in (None, 2):
+            proc = build(capacity)
+            states = [proc.initial_client_state(c) for c in spec.client_ids]
+            state = proc.initialize()
+            for sample in ([3, 1], [0, 2], [2, 3]):  # the order the clients arrive in does not matter
+                state, new_states, metrics = proc.next(state, [states[i] for i in sample])
+                for i, new in zip(sample, new_states):
+                    states[i] = new
+            outputs.append((state, states, metrics))
+            if capacity == 2:
+                with pytest.raises(Exception, match='more clients in the round than its capacity'):
+                    proc.next(state, states[:3])
+        (state_n, states_n, metrics_n), (state_k, states_k, metrics_k) = outputs
+        np.testing.assert_allclose(state_k['coefficients'], state_n['coefficients'], rtol=0, atol=1e-7)
+        assert not np.allclose(state_k['coefficients'], 0.25)
+        for a, b in zip(states_k, states_n):
+            np.testing.assert_allclose(a['params'], b['params'], rtol=0, atol=1e-6)
+        assert metrics_k['num_clients'] == metrics_n['num_clients'] == 2
+
+
+def test_the_server_holds_k_rows_of_parameters(spec):
+    """With K = 2 of N = 4, the homogeneous round's server mixes [2, D] parameters, not [4, D]."""
+    model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
+    proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(), max_clients_per_round=2)
+    num_params = 4 * 3 + 3
+    (personalized,) = [t.member for uri, t in audit.clients_to_server_values(proc.next) if uri == 'federated_aggregate']
+    assert str(personalized) == f'<index=int32,value=float32[{num_params}]>'
+    server_rows = str(proc.device.phases['distill'].type_signature.parameter[0].member)
+    assert f'targets=<ids=int32[2],values=float32[2,{num_params}]>' in server_rows
+    with pytest.raises(ValueError, match=r'max_clients_per_round must be in \[1, 4\], got 5'):
+        ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(), max_clients_per_round=5)
+
+
 def test_only_soft_predictions_cross_with_or_without_sampling(spec):
     """The round's type does not depend on the sample: predictions, sizes, presence and metric sums cross."""
     proc = ktpfl.build_ktpfl_process(
         spec, ktpfl.KTpFLSettings(architectures=('logistic', 'mnist_dnn'), public_examples=PUBLIC, public_batch=10)
     )
     moved = audit.clients_to_server_values(proc.next)
-    assert {uri for uri, _ in moved} <= {'federated_sum', 'federated_mean'}
+    assert {uri for uri, _ in moved} <= {'federated_aggregate', 'federated_sum', 'federated_mean'}
     shapes = sorted(
         tuple(t.shape)
         for _, type_spec in moved
@@ -249,9 +320,12 @@ def test_only_soft_predictions_cross_with_or_without_sampling(spec):
             else [type_spec.member]
         )
     )
-    # [N, P, C] soft predictions, [N] sizes, [N] presence; scalars: metric sums and the distillation loss.
-    assert (4, 10, 3) in shapes and shapes.count((4,)) == 2
-    assert all(s in ((4, 10, 3), (4,), ()) for s in shapes), shapes  # no weights (mnist_dnn: thousands)
+    # A client's own [P, C] soft predictions and its index (gathered), [N] sizes, [N] presence;
+    # scalars: the index, metric sums and the distillation loss. Nothing of size N x P x C leaves a client.
+    (gathered,) = [t.member for uri, t in moved if uri == 'federated_aggregate']
+    assert str(gathered) == '<index=int32,value=float32[10,3]>'
+    assert (10, 3) in shapes and shapes.count((4,)) == 2
+    assert all(s in ((10, 3), (4,), ()) for s in shapes), shapes  # no weights (mnist_dnn: thousands)
 
 
 def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path):
@@ -279,3 +353,15 @@ def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path):
             output_dir='x', algorithm='ktpfl', client_fraction=0.5, settings=ktpfl.KTpFLSettings(kt_c_update='released')
         ).validate()
     experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl_homo', client_fraction=0.1).validate()
+
+
+def test_the_process_holds_the_most_clients_a_round_of_the_run_takes():
+    def bound(**fields):
+        return experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl_homo', **fields).max_clients_per_round(100)
+
+    assert bound(client_fraction=0.1) == 10 == training_loop.clients_per_round(100, 0.1)
+    assert bound(client_fraction=0.25) == 25 and bound(client_fraction=0.001) == 1 and bound() == 100
+    # Poisson sampling (DP with a fraction) draws any number of clients.
+    assert bound(client_fraction=0.1, dp_noise_multiplier=1.0, dp_clip=1.0) == 100
+    sampled = training_loop.sample_clients(np.random.default_rng(0), [str(i) for i in range(100)], 0.1)
+    assert len(sampled) == 10

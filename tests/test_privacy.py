@@ -336,7 +336,7 @@ def _config(**fields):
         ),
         (
             {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': True, 'algorithm': 'ktpfl_homo'},
-            '--secure_aggregation: a KT-pFL client sends its value in its own slot of the sum',
+            "--secure_aggregation: the server needs each KT-pFL client's upload on its own (a row of its own)",
         ),
         (
             {'secure_aggregation': True, 'algorithm': 'selffl'},
@@ -536,6 +536,8 @@ def _uploads(name, spec, model_fn):
     config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **extra)
     process = algorithms.build(name, config.settings, spec, model_fn, config)
     phases = process.device.phases if process.device is not None else {'next': process.next}
+    if process.device is not None:
+        phases = {**phases, 'in_process': process.next}
     return {
         phase: [(uri, str(t.member)) for uri, t in audit.clients_to_server_values(comp)]
         for phase, comp in phases.items()
@@ -548,7 +550,7 @@ def test_what_the_algorithms_without_dp_upload(tmp_path):
     model_fn = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
     metrics = '<loss_sum=float32,num_correct=float32,num_examples=float32,num_clients=float32,local_steps=float32>'
     uploads = {name: _uploads(name, spec, model_fn) for name in ('selffl', 'ktpfl', 'ktpfl_homo', 'feddf', 'kdpdfl')}
-    (selffl,) = uploads['selffl'].values()
+    (selffl,) = [v for k, v in uploads['selffl'].items() if k != 'in_process']
     assert selffl[0] == (
         'federated_sum',
         '<weighted=<float32[4,3],float32[3]>,precision=float32,value=<float32[4,3],float32[3]>,square=float32,'
@@ -563,13 +565,16 @@ def test_what_the_algorithms_without_dp_upload(tmp_path):
     ]
     assert uploads['ktpfl']['distill'] == [('federated_mean', 'float32')]
     assert uploads['ktpfl_homo']['share'][0] == ('federated_sum', 'float32[3,15]')
-    (feddf,) = uploads['feddf'].values()
+    # In process, the same values, each client's with its index (the server keeps the round's rows).
+    assert uploads['ktpfl']['in_process'][0] == ('federated_aggregate', '<index=int32,value=float32[12,3]>')
+    assert uploads['ktpfl_homo']['in_process'][0] == ('federated_aggregate', '<index=int32,value=float32[15]>')
+    (feddf,) = [v for k, v in uploads['feddf'].items() if k != 'in_process']
     assert feddf[:3] == [
         ('federated_sum', 'float32[1,15]'),
         ('federated_sum', 'float32[1]'),
         ('federated_mean', 'float32[12,3]'),
     ]
-    (kdpdfl,) = uploads['kdpdfl'].values()
+    (kdpdfl,) = [v for k, v in uploads['kdpdfl'].items() if k != 'in_process']
     slots = kdpdfl[1][1]
     assert kdpdfl[0] == ('federated_sum', f'<float32[{slots[8:-1]},4,3],float32[{slots[8:-1]},3]>')
     assert slots.startswith('float32[')

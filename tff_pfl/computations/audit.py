@@ -35,7 +35,9 @@ def clients_to_server_values(comp: tff.Computation) -> list:
       comp: a federated `tff.Computation`.
 
     Returns:
-      A list of `(uri, argument_type)`.
+      A list of `(uri, argument_type)`; for `federated_aggregate`, whose
+      argument is `<value, zero, accumulate, merge, report>`, the type of
+      `value`, what the clients send.
     """
     found = []
 
@@ -49,7 +51,10 @@ def clients_to_server_values(comp: tff.Computation) -> list:
                 and tff.CLIENTS in _placements(argument.type_signature)
                 and tff.SERVER in _placements(building_block.type_signature)
             ):
-                found.append((building_block.function.uri, argument.type_signature))
+                uri, sent = building_block.function.uri, argument.type_signature
+                if uri == 'federated_aggregate':
+                    sent = sent[0]
+                found.append((uri, sent))
         for child in building_block.children():
             visit(child)
 

@@ -418,7 +418,11 @@ _ALGORITHMS = {
         'KT-pFL (Zhang et al., 2021): soft predictions on public data mixed by a learned coefficient matrix',
         ktpfl.KTpFLSettings,
         lambda s, spec, model_fn, config: ktpfl.build_ktpfl_process(
-            spec, s, dp=config.privacy(spec.num_clients), seed=config.seed
+            spec,
+            s,
+            dp=config.privacy(spec.num_clients),
+            seed=config.seed,
+            max_clients_per_round=config.max_clients_per_round(spec.num_clients),
         ),
         _architecture_column,
         _ktpfl_plots,
@@ -430,7 +434,12 @@ _ALGORITHMS = {
         'KT-pFL, homogeneous variant (Zhang et al., 2021): parameters mixed by the coefficient matrix',
         ktpfl.KTpFLHomoSettings,
         lambda s, spec, model_fn, config: ktpfl.build_ktpfl_homogeneous_process(
-            spec, model_fn, s, dp=config.privacy(spec.num_clients), seed=config.seed
+            spec,
+            model_fn,
+            s,
+            dp=config.privacy(spec.num_clients),
+            seed=config.seed,
+            max_clients_per_round=config.max_clients_per_round(spec.num_clients),
         ),
         plots=_ktpfl_plots,
         check=_local_dp_checks,

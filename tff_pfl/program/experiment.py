@@ -337,6 +337,23 @@ class ExperimentConfig(settings_lib.Settings):
             initial_clip=privacy_lib.DEFAULT_INITIAL_CLIP if self.dp_initial_clip is None else self.dp_initial_clip,
         )
 
+    def poisson_sampling(self) -> bool:
+        """Whether rounds draw their clients by Poisson sampling: with DP and `client_fraction` < 1 (as DP accounts)."""
+        return self.dp_noise_multiplier is not None and self.client_fraction < 1
+
+    def max_clients_per_round(self, num_clients: int) -> int:
+        """The most clients a round of this run can take: N under Poisson sampling, else `ceil(client_fraction x N)`.
+
+        Args:
+          num_clients: N, the run's population.
+
+        Returns:
+          The bound, in [1, N].
+        """
+        if self.poisson_sampling():
+            return num_clients
+        return training_loop.clients_per_round(num_clients, self.client_fraction)
+
     def dp_sampling_probability(self) -> float:
         """Each client's chance to take part in a round, as the accountant counts it.
 
@@ -784,7 +801,7 @@ def run_experiment(
                     # nothing CLIENTS-placed from before the aggregation).
                     device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
                     # DP accounting assumes Poisson sampling of the clients.
-                    poisson_sampling=dp is not None and config.client_fraction < 1,
+                    poisson_sampling=config.poisson_sampling(),
                     privacy=None if dp is None else _epsilon_column(dp, config, spec.num_clients),
                     **loop,
                 )

@@ -19,6 +19,13 @@ from tff_pfl.computations import device_state, template
 from tff_pfl.program import checkpoints as checkpoints_lib
 
 
+def clients_per_round(num_clients: int, fraction: float) -> int:
+    """`ceil(fraction * num_clients)`, at least 1: how many clients `sample_clients` draws (without Poisson)."""
+    if fraction >= 1.0:
+        return num_clients
+    return max(1, int(np.ceil(fraction * num_clients)))
+
+
 def sample_clients(
     rng: np.random.Generator, client_ids: Sequence[str], fraction: float, *, poisson: bool = False
 ) -> list[str]:
@@ -39,7 +46,7 @@ def sample_clients(
         return list(client_ids)
     if poisson:
         return [c for c, chosen in zip(client_ids, rng.random(len(client_ids)) < fraction) if chosen]
-    count = max(1, int(np.ceil(fraction * len(client_ids))))
+    count = clients_per_round(len(client_ids), fraction)
     chosen = np.sort(rng.choice(len(client_ids), size=count, replace=False))
     return [client_ids[i] for i in chosen]
 
