@@ -338,7 +338,12 @@ class ExperimentConfig(settings_lib.Settings):
         )
 
     def poisson_sampling(self) -> bool:
-        """Whether rounds draw their clients by Poisson sampling: with DP and `client_fraction` < 1 (as DP accounts)."""
+        """Whether rounds draw their clients by Poisson sampling.
+
+        Returns:
+          True with DP and `client_fraction` < 1 (the accountant assumes
+          Poisson sampling), else False.
+        """
         return self.dp_noise_multiplier is not None and self.client_fraction < 1
 
     def max_clients_per_round(self, num_clients: int) -> int:

@@ -20,7 +20,15 @@ from tff_pfl.program import checkpoints as checkpoints_lib
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
-    """`ceil(fraction * num_clients)`, at least 1: how many clients `sample_clients` draws (without Poisson)."""
+    """How many clients `sample_clients` draws without Poisson sampling.
+
+    Args:
+      num_clients: N, every client.
+      fraction: share of clients per round, in (0, 1].
+
+    Returns:
+      `ceil(fraction * N)`, at least 1 (N for a fraction of 1).
+    """
     if fraction >= 1.0:
         return num_clients
     return max(1, int(np.ceil(fraction * num_clients)))
