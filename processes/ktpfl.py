@@ -1016,7 +1016,7 @@ def _gather(uploads, capacity: int):
     federated sum of per-client `[N, ...]` slot tensors, or an accumulator
     of N rows, would hold N x value per client or per accumulation step in
     TFF's runtime (benchmarks/results/ktpfl_memory.md: homogeneous KT-pFL
-    with the CNN, 40 clients, 10 per round: 9.5 GB with slot sums, 2.8 GB
+    with the CNN, 40 clients, 10 per round: 9.3 GB with slot sums, 2.4 GB
     with K rows).
 
     Args:
@@ -1028,42 +1028,67 @@ def _gather(uploads, capacity: int):
     Returns:
       The server's rows.
     """
-    member = uploads.type_signature.member
-    rows_type = _rows_type(member['value'], capacity)
+    zero, accumulate, merge, report = gather_steps(uploads.type_signature.member['value'], capacity)
+    return tff.federated_aggregate(uploads, zero(), accumulate, merge, report)
+
+
+def gather_steps(value_type: tff.TensorType, capacity: int):
+    """`_gather`'s `federated_aggregate` steps: `(zero, accumulate, merge, report)`.
+
+    Args:
+      value_type: the type of one client's value.
+      capacity: K.
+
+    Returns:
+      `zero: () -> A`, `accumulate: (A, <index, value>) -> A` (appends),
+      `merge: (A, A) -> A` (appends the second's rows to the first's) and
+      `report: A -> <ids=int32[K], values=T[K, ...]>` (rows in increasing
+      order of index, empty rows last), for an accumulator A.
+    """
+    member = tff.StructWithPythonType([('index', np.int32), ('value', value_type)], collections.OrderedDict)
+    # One tensor per row, not one [K, ...] tensor: an accumulation step passes the K - 1 rows it
+    # does not write through `tf.cond` untouched, so TFF's runtime, which keeps every step's
+    # accumulator until the aggregate is done, does not hold K copies of all K rows.
     accumulator_type = tff.StructWithPythonType(
-        [('count', np.int32), *[(k, rows_type[k]) for k in ('ids', 'values')]], collections.OrderedDict
+        [
+            ('count', np.int32),
+            ('ids', tff.TensorType(np.int32, (capacity,))),
+            ('rows', tff.StructWithPythonType([value_type] * capacity, tuple)),
+        ],
+        collections.OrderedDict,
     )
-    values_type = rows_type['values']
 
     @tff.tensorflow.computation
     def zero():
-        return collections.OrderedDict(
-            count=tf.constant(0),
-            ids=tf.fill([capacity], -1),
-            values=tf.zeros(values_type.shape, values_type.dtype),
-        )
+        row = tf.zeros(value_type.shape, value_type.dtype)
+        return collections.OrderedDict(count=tf.constant(0), ids=tf.fill([capacity], -1), rows=(row,) * capacity)
 
-    def put(accumulator, positions, ids, values):
-        fits = tf.debugging.assert_less_equal(
-            accumulator['count'] + tf.size(ids), capacity, message='more clients in the round than its capacity'
-        )
+    def put(accumulator, index, value):
+        count = accumulator['count']
+        fits = tf.debugging.assert_less(count, capacity, message='more clients in the round than its capacity')
         with tf.control_dependencies([fits]):
-            positions = positions[:, tf.newaxis]
-        return collections.OrderedDict(
-            count=accumulator['count'] + tf.size(ids),
-            ids=tf.tensor_scatter_nd_update(accumulator['ids'], positions, ids),
-            values=tf.tensor_scatter_nd_update(accumulator['values'], positions, values),
+            count = tf.identity(count)
+        rows = tuple(
+            tf.cond(tf.equal(count, k), lambda: tf.identity(value), lambda row=row: tf.identity(row))
+            for k, row in enumerate(accumulator['rows'])
         )
+        ids = tf.tensor_scatter_nd_update(accumulator['ids'], [[count]], [index])
+        return collections.OrderedDict(count=count + 1, ids=ids, rows=rows)
 
     @tff.tensorflow.computation(accumulator_type, member)
     def accumulate(accumulator, upload):
-        position = accumulator['count'][tf.newaxis]
-        return put(accumulator, position, upload['index'][tf.newaxis], upload['value'][tf.newaxis])
+        return put(accumulator, upload['index'], upload['value'])
 
     @tff.tensorflow.computation(accumulator_type, accumulator_type)
     def merge(a, b):
-        count = b['count']
-        return put(a, a['count'] + tf.range(count), b['ids'][:count], b['values'][:count])
+        # Only where several workers aggregate (TFF's single runtime does not call it): b's rows after a's.
+        for k in range(capacity):
+            a = tf.cond(
+                k < b['count'],
+                lambda k=k, a=a: put(a, b['ids'][k], b['rows'][k]),
+                lambda a=a: collections.OrderedDict(a),
+            )
+        return a
 
     @tff.tensorflow.computation(accumulator_type)
     def report(accumulator):
@@ -1071,10 +1096,10 @@ def _gather(uploads, capacity: int):
         key = tf.where(accumulator['ids'] >= 0, accumulator['ids'], tf.int32.max)
         order = tf.argsort(key, stable=True)
         return collections.OrderedDict(
-            ids=tf.gather(accumulator['ids'], order), values=tf.gather(accumulator['values'], order)
+            ids=tf.gather(accumulator['ids'], order), values=tf.gather(tf.stack(accumulator['rows']), order)
         )
 
-    return tff.federated_aggregate(uploads, zero(), accumulate, merge, report)
+    return zero, accumulate, merge, report
 
 
 def _uploads_sizes_presence(outputs, upload, capacity: int):

@@ -1,5 +1,7 @@
 """KT-pFL with partial participation (the paper's Table 2): a sampled block of c, sampled clients only."""
 
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -246,6 +248,31 @@ def test_rows_of_the_round_clients_and_back():
     np.testing.assert_array_equal(back, values * present.numpy()[:, None])
     with pytest.raises(tf.errors.InvalidArgumentError, match='more clients in the round than its capacity'):
         ktpfl.compact(present, tf.constant(values), capacity=2)
+
+
+def test_gather_steps_append_merge_and_sort_by_index(tff_runtime):
+    """The server's rows: any arrival order, split over two partial aggregates or not, gives rows by index."""
+    zero, accumulate, merge, report = ktpfl.gather_steps(tff.TensorType(np.float32, (2,)), capacity=4)
+    value = {7: [7.0, 0.5], 2: [2.0, 0.25], 5: [5.0, 1.0]}
+
+    def upload(i):
+        return collections.OrderedDict(index=np.int32(i), value=np.float32(value[i]))
+
+    def accumulated(indices):
+        a = zero()
+        for i in indices:
+            a = accumulate(a, upload(i))
+        return a
+
+    want_ids = [2, 5, 7, -1]
+    want_values = np.array([value[2], value[5], value[7], [0.0, 0.0]], np.float32)
+    for rows in (report(accumulated([7, 2, 5])), report(merge(accumulated([5]), accumulated([7, 2])))):
+        assert list(rows['ids']) == want_ids
+        np.testing.assert_array_equal(rows['values'], want_values)
+    empty = report(merge(accumulated([]), accumulated([])))
+    assert list(empty['ids']) == [-1] * 4 and not np.asarray(empty['values']).any()
+    with pytest.raises(Exception, match='more clients in the round than its capacity'):
+        merge(accumulated([7, 2, 5]), accumulated([7, 2]))
 
 
 def test_a_round_of_capacity_k_equals_the_round_of_capacity_n(spec, tff_runtime):
