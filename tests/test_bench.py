@@ -891,3 +891,23 @@ def test_a_dp_suite_reports_epsilon_and_plots_accuracy_against_it(tmp_path, tff_
     assert '| diff std | epsilon |' in report
     assert 'no DP' in report and f'{want:.3g}' in report
     assert os.path.getsize(os.path.join(out, 'epsilon_natural.png')) > 0
+
+
+def test_the_report_names_the_runs_that_diverged():
+    import types
+
+    def record(algorithm, seed, diverged_round):
+        run = types.SimpleNamespace(
+            algorithm=types.SimpleNamespace(name=algorithm), partition=types.SimpleNamespace(name='c20'), seed=seed
+        )
+        return {'run': run, 'diverged_round': diverged_round}
+
+    assert bench_report._diverged_lines([record('FedAvg', 0, None), {'run': None}]) == []
+    (line, blank) = bench_report._diverged_lines(
+        [record('pFedMe', 0, 4), record('FedAvg', 1, None), record('Ditto', 2, 7)]
+    )
+    assert line == (
+        'Diverged (mean training loss NaN or infinite; the run stopped there and its models were evaluated): '
+        'pFedMe c20 seed 0 at round 4; Ditto c20 seed 2 at round 7.'
+    )
+    assert blank == ''

@@ -180,3 +180,28 @@ def test_unwritable_output_dir(tmp_path):
     config = experiment.make_config(output_dir=str(locked / 'run'))
     with pytest.raises(experiment.ConfigError, match='not writable'):
         experiment.run_experiment(config)
+
+
+@pytest.mark.parametrize('algorithm', ['fedavg', 'kdpdfl_local'])
+def test_a_run_that_diverges_stops_and_says_where(algorithm, tmp_path):
+    """The round loop and the serverless loop: training loss inf from round 1, outputs complete, report says so."""
+    config = experiment.make_config(
+        output_dir=str(tmp_path / 'run'),
+        algorithm=algorithm,
+        dataset='synthetic',
+        num_clients=4,
+        rounds=5,
+        eval_every=0,
+        client_learning_rate=1e38,
+    )
+    lines = []
+    result = experiment.run_experiment(config, log=lines.append)
+    assert result.diverged_round == 1 and len(result.rounds) == 1
+    assert any('the run diverged and stops here' in line for line in lines)
+    out = tmp_path / 'run'
+    with open(out / 'metrics.csv') as f:
+        assert [row['round'] for row in csv.DictReader(f)] == ['1']
+    with open(out / 'clients.csv') as f:
+        assert len(list(csv.DictReader(f))) == 4
+    assert '**Diverged at round 1**' in (out / 'report.md').read_text()
+    assert json.loads((out / 'config.json').read_text())['stop_on_divergence'] is True

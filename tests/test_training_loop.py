@@ -115,3 +115,25 @@ def test_sampled_evaluations_score_a_seeded_sample_and_change_no_training_number
     # Independent closed form: 1.96 s / sqrt(n) * sqrt(1 - n / N).
     expected = 1.959964 * accuracies.std(ddof=1) / np.sqrt(3) * np.sqrt(1 - 3 / 8)
     assert row['test_global_model_accuracy_mean_ci95'] == pytest.approx(expected, rel=1e-6)
+
+
+def test_diverged_reads_the_rounds_mean_training_loss():
+    assert training_loop.diverged({'train_loss': float('nan')}) and training_loop.diverged({'train_loss': np.inf})
+    assert not training_loop.diverged({'train_loss': 1e30}) and not training_loop.diverged({'num_clients': 0})
+
+
+def test_a_diverged_round_is_the_last(tmp_path, tff_runtime):
+    """A learning rate of 1e38 overflows the weights in round 1: the run stops there and scores its models."""
+    spec = make_linear_problem(tmp_path / 'data', num_clients=3)
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=1e38)
+    proc = fedavg.build_fedavg_process(spec, model_fn, settings, seed=1)
+    stopped, lines = _run(proc, spec, rounds=4, client_fraction=1.0, seed=5, stop_on_divergence=True)
+    assert stopped.diverged_round == 1 and [r['round'] for r in stopped.rounds] == [1]
+    assert not np.isfinite(stopped.rounds[0]['train_loss'])
+    assert 'test_global_model_accuracy_mean' in stopped.rounds[0]  # evaluated as the last round
+    assert [c['client_id'] for c in stopped.clients] == list(spec.client_ids)
+    assert lines[0].startswith('round 1: the mean training loss is inf: the run diverged and stops here')
+    assert lines[-1].startswith('round 1/4')
+    every, _ = _run(proc, spec, rounds=4, client_fraction=1.0, seed=5)
+    assert every.diverged_round is None and len(every.rounds) == 4

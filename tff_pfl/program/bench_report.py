@@ -416,6 +416,21 @@ def paper_table(suite: bench_suite.Suite, rows: Sequence[Mapping]) -> tuple[list
     return table, columns
 
 
+def _diverged_lines(records: Sequence[Mapping]) -> list[str]:
+    """A paragraph naming the runs that stopped at a diverged round (`training_loop.diverged`); empty if none."""
+    stopped = [r for r in records if r.get('diverged_round') is not None]
+    if not stopped:
+        return []
+    runs = '; '.join(
+        f'{r["run"].algorithm.name} {r["run"].partition.name} seed {r["run"].seed} at round {r["diverged_round"]}'
+        for r in stopped
+    )
+    return [
+        f'Diverged (mean training loss NaN or infinite; the run stopped there and its models were evaluated): {runs}.',
+        '',
+    ]
+
+
 def render_report(
     suite: bench_suite.Suite,
     output_dir: str,
@@ -447,6 +462,7 @@ def render_report(
         'complete.',
         f'Defaults: {defaults}.',
         '',
+        *_diverged_lines(records),
         '## Test accuracy per client (%)',
         '',
         "Each cell is client i's test accuracy of the algorithm's model, averaged over seeds. Avg. Acc. is the",

@@ -481,6 +481,8 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         seconds_per_round=statistics.median(float(row['round_seconds']) for row in result.rounds),
         rounds=config.rounds,
         final_round=int(result.rounds[-1]['round']),
+        # The round where the run stopped because its training loss was NaN or infinite (None: it did not).
+        diverged_round=result.diverged_round,
         summary={name: {k: float(v) for k, v in s.items()} for name, s in result.summary.items()},
         clients=[
             collections.OrderedDict(

@@ -43,6 +43,7 @@ def run(
     checkpoint_every: int = 0,
     on_resume: Callable[[int, list], None] | None = None,
     spill_dir: str | None = None,
+    stop_on_divergence: bool = False,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -70,6 +71,8 @@ def run(
       checkpoint_every: as in `training_loop.run`, counting intervals.
       on_resume: as in `training_loop.run`, with the interval resumed after.
       spill_dir: as in `training_loop.run`.
+      stop_on_divergence: as in `training_loop.run`, for an interval whose
+        mean training loss is NaN or infinite.
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
@@ -96,6 +99,7 @@ def run(
     state, rows, first_interval = training_loop.resume(
         checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume
     )
+    diverged_interval = None
     for interval in range(first_interval, intervals + 1):
         interval_start = time.monotonic()
         first_slot = (interval - 1) * exchange_interval
@@ -126,16 +130,20 @@ def run(
         store.put(store.ids(), states)
         row.update(training_loop.flatten(train_metrics))
         row['round_seconds'] = time.monotonic() - interval_start
-        evaluate_now = interval == intervals or (eval_every and interval % eval_every == 0)
+        if stop_on_divergence and training_loop.diverged(row):
+            diverged_interval = interval
+            log(training_loop.divergence_line(f'interval {interval}', row))
+        last = interval == intervals or diverged_interval is not None
+        evaluate_now = last or (eval_every and interval % eval_every == 0)
         if evaluate_now:
             sample = None
-            if interval < intervals:
+            if not last:
                 sample = training_loop.evaluation_sample(seed, interval, num_clients, eval_clients)
             client_rows, summaries = training_loop.evaluate_all(process, state, store, row, sample)
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and interval < intervals:
+        if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and not last:
             training_loop.save_checkpoint(checkpoints, interval, state, store, rng, rows)
         log(
             training_loop.progress_line(
@@ -147,6 +155,13 @@ def run(
                 started,
             )
         )
+        if diverged_interval is not None:
+            break
     return training_loop.RunResult(
-        state=state, client_states=store.states(), rounds=rows, clients=client_rows, summary=summaries
+        state=state,
+        client_states=store.states(),
+        rounds=rows,
+        clients=client_rows,
+        summary=summaries,
+        diverged_round=diverged_interval,
     )

@@ -126,6 +126,11 @@ class ExperimentConfig(settings_lib.Settings):
         'continue an interrupted run.',
     )
     seed: int = _setting(0, 'Seed of the partition, the sampling and the training.')
+    stop_on_divergence: bool = _setting(
+        True,
+        'Stop after the first round whose mean training loss is NaN or infinite, evaluating its models as the last '
+        "round's (report.md says where); off: train every round.",
+    )
     # User-level differential privacy of the uploads (docs/privacy.md).
     dp_noise_multiplier: float | None = _setting(
         None,
@@ -785,6 +790,7 @@ def run_experiment(
                 checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
                 checkpoint_every=config.checkpoint_every,
                 eval_clients=config.eval_clients,
+                stop_on_divergence=config.stop_on_divergence,
                 on_resume=on_resume,
                 # A large store is memory-mapped here (unlinked files).
                 spill_dir=out,
@@ -958,6 +964,25 @@ def privacy_lines(config: ExperimentConfig, num_clients: int, rounds) -> list[st
     ]
 
 
+def divergence_lines(result: training_loop.RunResult) -> list[str]:
+    """The report's paragraph on a run that stopped at a diverged round (empty if it ran every round).
+
+    Args:
+      result: the run's `RunResult`.
+
+    Returns:
+      Lines of markdown, starting with an empty one.
+    """
+    if result.diverged_round is None:
+        return []
+    return [
+        '',
+        f'**Diverged at round {result.diverged_round}**: its mean training loss was '
+        f'{result.rounds[-1].get("train_loss")}, and the run stopped there (`--stop_on_divergence`); the '
+        'accuracies below are of the models after that round.',
+    ]
+
+
 def render_report(config, spec, result, extra_plots=()) -> str:
     """The markdown report of a run.
 
@@ -982,6 +1007,7 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         f'{config.rounds} rounds, client fraction {config.client_fraction}, seed {config.seed}.',
         f'Median round time {sorted(seconds)[len(seconds) // 2]:.3f} s; final train loss '
         f'{last.get("train_loss", float("nan")):.4f}.',
+        *divergence_lines(result),
         *privacy_lines(config, spec.num_clients, result.rounds),
         '',
         '## Test accuracy across clients (%)',

@@ -7,6 +7,7 @@ computations, so the same loop drives every algorithm.
 
 import collections
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -680,6 +681,9 @@ class RunResult:
       rounds: one metrics dict per round.
       clients: one dict per client: its final evaluation, flattened.
       summary: model name -> metric summary of per-client test accuracy.
+      diverged_round: the round whose mean training loss was NaN or
+        infinite, where the run stopped (`diverged`); None: it ran every
+        round.
     """
 
     state: object
@@ -687,6 +691,37 @@ class RunResult:
     rounds: list
     clients: list
     summary: dict
+    diverged_round: int | None = None
+
+
+def diverged(row: Mapping) -> bool:
+    """Whether a round's mean training loss is NaN or infinite.
+
+    Args:
+      row: the round's metrics row (a round that trained nobody has no
+        `train_loss`).
+
+    Returns:
+      True if `train_loss` is there and not finite.
+    """
+    loss = row.get('train_loss')
+    return loss is not None and not math.isfinite(float(loss))
+
+
+def divergence_line(label: str, row: Mapping) -> str:
+    """The log line of a run that stops at a diverged round (`diverged`).
+
+    Args:
+      label: the step, e.g. `round 3`.
+      row: the step's metrics row.
+
+    Returns:
+      The line, without a trailing newline.
+    """
+    return (
+        f'{label}: the mean training loss is {float(row["train_loss"])}: the run diverged and stops here; its models '
+        "are evaluated as the last round's (--nostop_on_divergence trains every round)"
+    )
 
 
 def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mapping]):
@@ -890,6 +925,7 @@ def run(
     poisson_sampling: bool = False,
     privacy: Callable[[int], Mapping] | None = None,
     eval_clients: int = 0,
+    stop_on_divergence: bool = False,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -927,6 +963,10 @@ def run(
         of this many clients (`evaluation_sample`), with a confidence
         interval of the mean; 0: every client. The last round always scores
         every client.
+      stop_on_divergence: a round whose mean training loss is NaN or
+        infinite (`diverged`) becomes the last: the clients are personalized
+        and evaluated as after the last round, and the run stops there
+        (`RunResult.diverged_round`).
 
     Returns:
       A `RunResult`.
@@ -939,6 +979,7 @@ def run(
     state = store.initialize(process)
     started = time.monotonic()
     state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, 'round', log, on_resume)
+    diverged_round = None
     for round_num in range(first_round, rounds + 1):
         round_start = time.monotonic()
         sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
@@ -950,19 +991,23 @@ def run(
         if privacy is not None:
             row.update(privacy(round_num))
         row['round_seconds'] = time.monotonic() - round_start
-        evaluate_now = round_num == rounds or (eval_every and round_num % eval_every == 0)
-        if round_num == rounds and process.personalize is not None:
+        if stop_on_divergence and diverged(row):
+            diverged_round = round_num
+            log(divergence_line(f'round {round_num}', row))
+        last = round_num == rounds or diverged_round is not None
+        evaluate_now = last or (eval_every and round_num % eval_every == 0)
+        if last and process.personalize is not None:
             log(f'personalizing {len(client_ids)} clients ...')
             personalize_start = time.monotonic()
             store.personalize(process, state)
             row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
-            sample = None if round_num == rounds else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
+            sample = None if last else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
             client_rows, summaries = evaluate_all(process, state, store, row, sample)
         rows.append(row)
         if on_round is not None:
             on_round(row)
-        if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and round_num < rounds:
+        if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and not last:
             save_checkpoint(checkpoints, round_num, state, store, rng, rows)
         log(
             progress_line(
@@ -974,10 +1019,13 @@ def run(
                 started,
             )
         )
+        if diverged_round is not None:
+            break
     return RunResult(
         state=state,
         client_states=store.states(),
         rounds=rows,
         clients=client_rows,
         summary=summaries,
+        diverged_round=diverged_round,
     )
