@@ -287,3 +287,13 @@ def test_the_committed_scoreboard_is_current():
     assert committed == scoreboard.generate(REPO), (
         f'docs/reports/scoreboard.md is out of date; rerun: {scoreboard.GENERATE}'
     )
+
+
+def test_every_committed_result_names_the_commands_that_made_it():
+    # A result without a covering line in its suite's commands.txt cannot be reproduced from the page.
+    missing = [
+        f'{e["suite"]} / {e["partition"]} / {e["algorithm"]}'
+        for e in scoreboard.entries(REPO)
+        if e['status'] != 'not run yet' and not e['commands']
+    ]
+    assert not missing, f'results without a recorded command (commands.txt): {missing}'
