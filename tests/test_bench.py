@@ -705,6 +705,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     lines = []
     # Publishing the complete benchmark: the report, its CSVs and plots, and one record per run.
     bench_run.run_suite(suite, out, results_dir=results, report_only=True, log=lines.append)
+    assert f'{suite.name}: 8 runs selected, 8 complete, none run (--report_only)' in lines
     assert lines[-1] == f'results: {results} (8 of 8 run records)'
     for name in bench_run.PUBLISHED_FILES + ('curves_natural.png', 'clients_iid.png'):
         assert os.path.exists(os.path.join(results, name)), name

@@ -574,8 +574,10 @@ def run_suite(
             reports.write_text_atomic(os.path.join(results_dir, SUITE_FILE), suite.text)
     todo = [run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), RESULT_FILE))]
     if report_only:
+        log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} complete, none run (--report_only)')
         todo = []
-    log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} already complete, {len(todo)} to run')
+    else:
+        log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} already complete, {len(todo)} to run')
     spent, done = 0.0, 0
     for i, run in enumerate(todo, start=1):
         directory = run.directory(output_dir)
