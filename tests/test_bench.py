@@ -632,6 +632,15 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     # Where and how often it checkpoints may change; what it computes may not.
     assert experiment.resumable_round(dataclasses.replace(config, checkpoint_every=7)) == 1
     assert experiment.resumable_round(dataclasses.replace(config, rounds=3)) is None
+    # What to do on a non-finite loss may change, and a config.json from before that setting resumes.
+    assert experiment.resumable_round(dataclasses.replace(config, stop_on_divergence=False)) == 1
+    saved_path = os.path.join(run.directory(out), 'config.json')
+    with open(saved_path) as f:
+        saved = json.load(f)
+    del saved['stop_on_divergence']
+    with open(saved_path, 'w') as f:
+        json.dump(saved, f, indent=2)
+    assert experiment.resumable_round(config) == 1
     lines = []
     bench_run.run_suite(suite, out, checkpoint_every=1, log=lines.append)
     assert lines[0] == 'tiny: 8 runs selected, 7 already complete, 1 to run'
@@ -643,6 +652,9 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     assert (continued['continued'], uninterrupted['continued']) == (True, False)
     for key in ('summary', 'clients', 'curve', 'communication', 'final_round', 'partition_csv'):
         assert continued[key] == uninterrupted[key], key
+    # The older config.json was rewritten with the configuration the run went on with.
+    with open(saved_path) as f:
+        assert json.load(f) == json.loads(json.dumps(config.to_dict()))
     # A complete run keeps its record, not its checkpoints.
     assert not os.path.exists(os.path.join(run.directory(out), 'checkpoints'))
 

@@ -642,7 +642,11 @@ class RunComplete(Exception):
 
 
 # Fields that may differ when a run is resumed: where and how it runs, not what it computes.
-_RESUMABLE_CHANGES = frozenset({'output_dir', 'workers', 'max_concurrent_clients', 'checkpoint_every'})
+# Where and how a run executes, and what it does on a non-finite loss (a run that has not diverged
+# trains the same rounds either way; a config.json written before that setting resumes too).
+_RESUMABLE_CHANGES = frozenset(
+    {'output_dir', 'workers', 'max_concurrent_clients', 'checkpoint_every', 'stop_on_divergence'}
+)
 
 
 def _saved_config(out: str) -> dict | None:
@@ -756,6 +760,8 @@ def run_experiment(
         spec = client_data.load_client_data_spec(os.path.join(out, 'client_data'))
         process = build_process(config, spec)
         log(f'continuing the run in {out}')
+        # config.json says how the run goes on (a field of _RESUMABLE_CHANGES may differ).
+        reports.write_text_atomic(os.path.join(out, 'config.json'), json.dumps(config.to_dict(), indent=2))
         # Rows past the last checkpoint are rewritten as the rounds are run again.
         for stale in ('metrics.csv', 'tensorboard'):
             path = os.path.join(out, stale)
