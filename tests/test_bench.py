@@ -924,3 +924,20 @@ def test_the_report_names_the_runs_that_diverged():
         'pFedMe c20 seed 0 at round 4; Ditto c20 seed 2 at round 7.'
     )
     assert blank == ''
+
+
+def test_records_made_by_different_code_are_flagged_in_the_communication_table():
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    splits = [(20, 5, 5)] * 11
+    records = [_fake_record(suite, 'natural', 'FedAvg', seed, [0.5] * 11, splits) for seed in (0, 1)]
+    for r in records:  # what seed 0's code sent up: 20 slots; the later seeds': one row
+        r['communication'] = {'bytes_down_per_client_per_round': 8_000, 'bytes_up_per_client_per_round': 2_000}
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['communication_by_seed'] is None
+    assert 'different versions of the code' not in bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
+    records[0]['communication'] = {'bytes_down_per_client_per_round': 8_000, 'bytes_up_per_client_per_round': 40_000}
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['communication_by_seed'] == [(0, 8_000, 40_000), (1, 8_000, 2_000)]
+    assert row['bytes_up_per_client_per_round'] == pytest.approx(42_000 / 2)
+    text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
+    assert '- natural/FedAvg: seed 0: 8.0 kB down, 40.0 kB up; seed 1: 8.0 kB down, 2.0 kB up.' in text.splitlines()

@@ -168,7 +168,9 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     `top_10_by_samples` the means over seeds of `sample_weighted`'s two
     numbers (None when a run lacks its partition), each `*_std_over_seeds`
     the std over seeds (n - 1) of the statistic before it, `per_client`
-    client i's accuracy averaged over seeds.
+    client i's accuracy averaged over seeds, `communication_by_seed` the
+    (seed, bytes down, bytes up) per client per round of each record when
+    the records disagree (made by different versions of the code), else None.
 
     Args:
       suite: the suite.
@@ -218,6 +220,9 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     rounds=mine[0]['rounds'],
                     rounds_to_target=_mean(reached),
                     rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
+                    # Bytes are the code's, not the seed's: records of one cell that disagree were
+                    # made by different versions of the code (the report says so).
+                    communication_by_seed=_communication_by_seed(mine),
                     bytes_down_per_client_per_round=_mean(
                         c.get('bytes_down_per_client_per_round') for c in communication
                     ),
@@ -269,7 +274,7 @@ def write_report(suite: bench_suite.Suite, output_dir: str, *, log: Callable[[st
         reports.write_csv(os.path.join(output_dir, 'results.csv'), results)
         reports.write_csv(
             os.path.join(output_dir, 'summary.csv'),
-            [{k: v for k, v in row.items() if k != 'per_client'} for row in rows],
+            [{k: v for k, v in row.items() if k not in ('per_client', 'communication_by_seed')} for row in rows],
         )
         plots = _write_plots(suite, output_dir, records, rows)
         commands = (bench_run.file_text(os.path.join(output_dir, bench_run.COMMANDS_FILE)) or '').splitlines()
@@ -346,6 +351,40 @@ def _display_path(path: str) -> str:
     """`path` relative to the working directory when it is inside it."""
     relative = os.path.relpath(path)
     return path if relative.startswith('..') else relative
+
+
+def _communication_by_seed(records: Sequence[Mapping]) -> list[tuple] | None:
+    """(seed, bytes down, bytes up per client per round) of each record, when the records disagree."""
+    per_seed = [
+        (
+            r['seed'],
+            r['communication'].get('bytes_down_per_client_per_round'),
+            r['communication'].get('bytes_up_per_client_per_round'),
+        )
+        for r in records
+    ]
+    return per_seed if len({(down, up) for _, down, up in per_seed}) > 1 else None
+
+
+def _communication_lines(rows: Sequence[Mapping]) -> list[str]:
+    """A note for each row whose seeds' records give different bytes per round."""
+    notes = []
+    for row in rows:
+        if row['communication_by_seed']:
+            seeds = '; '.join(
+                f'seed {seed}: {_kilobytes(down)} kB down, {_kilobytes(up)} kB up'
+                for seed, down, up in row['communication_by_seed']
+            )
+            notes.append(f'- {row["partition"]}/{row["algorithm"]}: {seeds}.')
+    if not notes:
+        return []
+    return [
+        'Records of one row that give different bytes per round were made by different versions of the code',
+        "(bytes depend on the round's type signature, not on the seed); the table shows their mean:",
+        '',
+        *notes,
+        '',
+    ]
 
 
 def _kilobytes(value: float | None) -> str:
@@ -601,7 +640,7 @@ def render_report(
         'minutes / run',
         's / round',
     ]
-    lines += [reports.markdown_table(cost, columns), '']
+    lines += [reports.markdown_table(cost, columns), '', *_communication_lines(rows)]
     lines += [
         '## Commands',
         '',
