@@ -234,6 +234,8 @@ def test_blank_cells_old_summaries_and_stale_results(tmp_path):
         (['tff-pfl-bench --suite=s --partitions=a,b', 'tff-pfl-bench --suite=s --partitions=c'], 'b', 'X', [0]),
         (['tff-pfl-bench --algorithms "Per-FedAvg,X" --partitions=b'], 'b', 'Per-FedAvg', [0]),
         (['tff-pfl-bench --algorithms=Y', 'tff-pfl-bench "unbalanced'], 'b', 'X', [1]),
+        # A command invoked again (a resumed run) is listed once, where it first ran.
+        (['tff-pfl-bench --seeds=0', 'tff-pfl-bench --algorithms=X', 'tff-pfl-bench --seeds=0'], 'b', 'X', [0, 1]),
     ],
 )
 def test_covering_commands(commands, partition, algorithm, expected):

@@ -100,10 +100,11 @@ def covering_commands(commands: Sequence[str], partition: str, algorithm: str) -
 
     Returns:
       The commands without `--partitions`/`--algorithms`, or whose lists hold
-      the labels (a command that does not parse is kept).
+      the labels (a command that does not parse is kept), each once, in the
+      order of its first invocation (a resumed run repeats its command).
     """
     covering = []
-    for command in commands:
+    for command in dict.fromkeys(commands):
         try:
             args = shlex.split(command)
         except ValueError:
@@ -364,7 +365,8 @@ def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
         'top 10% by samples, the sample-weighted mean of the ceil(0.1 N) clients with the most examples. ours:',
         'mean over seeds ± std over seeds (n - 1) of that metric; seeds: runs complete / seeds of the suite;',
         f'diff: ours - paper; within {TOLERANCE:g}: |diff| <= {TOLERANCE:g}. command: the recorded invocations that',
-        "cover the row's partition and algorithm (`commands.txt`), or, for a row not run yet, the command to run.",
+        "cover the row's partition and algorithm (`commands.txt`), each once, or, for a row not run yet, the command",
+        'to run.',
         '',
         reports.markdown_table(rows, columns) if rows else '(no suite has a [paper] table)',
     ]
