@@ -926,6 +926,30 @@ def test_the_report_names_the_runs_that_diverged():
     assert blank == ''
 
 
+def test_a_command_repeated_over_sittings_is_listed_once_with_its_count():
+    commands = ['b --seeds=0', 'b --seeds=1', 'b --seeds=0', 'b --seeds=0', 'b --seeds=2']
+    assert bench_report.distinct_commands(commands) == [
+        'b --seeds=0  # 3 sittings',
+        'b --seeds=1',
+        'b --seeds=2',
+    ]
+    assert bench_report.distinct_commands([]) == []
+
+
+def test_a_published_report_reproduces_into_the_default_output_dir_not_the_one_it_was_rebuilt_in():
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    records = [_fake_record(suite, 'natural', 'FedAvg', 0, [0.5] * 11, [(20, 5, 5)] * 11)]
+    rows = bench_report.aggregate(suite, records)
+
+    def reproduce(**kwargs):
+        text = bench_report.render_report(suite, '/tmp/rebuilt', records, rows, [], ['b', 'b'], **kwargs)
+        lines = text.splitlines()
+        return lines[lines.index('## Commands') + 4], lines[-2]
+
+    assert reproduce() == ('    tff-pfl-bench --suite=tiny.toml --output_dir=/tmp/rebuilt', '    b  # 2 sittings')
+    assert reproduce(published=True)[0] == '    tff-pfl-bench --suite=tiny.toml --output_dir=runs/bench/tiny'
+
+
 def test_records_made_by_different_code_are_flagged_in_the_communication_table():
     suite = bench_suite.parse_suite(TINY, 'tiny.toml')
     splits = [(20, 5, 5)] * 11

@@ -127,7 +127,7 @@ def main(argv) -> None:
     try:
         suite = bench_suite.parse_suite(text, _SUITE.value)
         suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
-        output_dir = _OUTPUT_DIR.value or os.path.join('runs', 'bench', bench_suite.slug(suite.name))
+        output_dir = _OUTPUT_DIR.value or bench_report.default_output_dir(suite)
         if _REPORT_ONLY.value and not _RESULTS_DIR.value:
             bench_run.check_report_dir(suite, output_dir)
         if _RESULTS_DIR.value:

@@ -240,12 +240,19 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     return rows
 
 
-def write_report(suite: bench_suite.Suite, output_dir: str, *, log: Callable[[str], None] = print) -> list[dict]:
+def write_report(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    *,
+    published: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """Writes results.csv, summary.csv, report.md and the plots from the complete runs.
 
     Args:
       suite: the suite.
       output_dir: the benchmark's directory (holding `suite.toml`).
+      published: the report goes to a results directory (`render_report`).
       log: receives where the report is.
 
     Returns:
@@ -278,7 +285,7 @@ def write_report(suite: bench_suite.Suite, output_dir: str, *, log: Callable[[st
         )
         plots = _write_plots(suite, output_dir, records, rows)
         commands = (bench_run.file_text(os.path.join(output_dir, bench_run.COMMANDS_FILE)) or '').splitlines()
-        text = render_report(suite, output_dir, records, rows, plots, commands)
+        text = render_report(suite, output_dir, records, rows, plots, commands, published=published)
         reports.write_text_atomic(os.path.join(output_dir, 'report.md'), text)
     log(f'report: {os.path.join(output_dir, "report.md")} ({len(records)} of {len(suite.runs())} runs complete)')
     return rows
@@ -345,6 +352,11 @@ def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
 
 def _epsilon(value: float | None) -> str:
     return 'no DP' if value is None else f'{value:.3g}'
+
+
+def default_output_dir(suite: bench_suite.Suite) -> str:
+    """Where `tff-pfl-bench` writes `suite` without `--output_dir`."""
+    return os.path.join('runs', 'bench', bench_suite.slug(suite.name))
 
 
 def _display_path(path: str) -> str:
@@ -470,6 +482,22 @@ def _diverged_lines(records: Sequence[Mapping]) -> list[str]:
     ]
 
 
+def distinct_commands(commands: Sequence[str]) -> list[str]:
+    """`commands` in first-seen order, each once; one given n > 1 times ends `  # n sittings`.
+
+    `commands.txt` gains a line per invocation, so a run interrupted and continued
+    with the same command line appears once per sitting.
+
+    Args:
+      commands: the lines of `commands.txt`.
+
+    Returns:
+      The lines to show.
+    """
+    counts = collections.Counter(commands)
+    return [command if counts[command] == 1 else f'{command}  # {counts[command]} sittings' for command in counts]
+
+
 def render_report(
     suite: bench_suite.Suite,
     output_dir: str,
@@ -477,6 +505,8 @@ def render_report(
     rows: Sequence[Mapping],
     plots: Sequence[tuple[str, str]],
     commands: Sequence[str],
+    *,
+    published: bool = False,
 ) -> str:
     """The markdown report of a suite's complete runs.
 
@@ -487,12 +517,16 @@ def render_report(
       rows: `aggregate(...)`.
       plots: `(title, file)` of the plots.
       commands: the recorded invocations.
+      published: the report is copied to a results directory, where the
+        directory it was rebuilt in means nothing: its reproduce line names the
+        default output directory, `runs/bench/<suite name>`.
 
     Returns:
       The report's text.
     """
     total = len(suite.runs())
     defaults = ', '.join(f'{k}={v}' for k, v in suite.defaults.items())
+    reproduce_dir = default_output_dir(suite) if published else _display_path(output_dir)
     lines = [f'# {suite.name}', '']
     if suite.description:
         lines += [suite.description.strip(), '']
@@ -646,12 +680,12 @@ def render_report(
         '',
         'Reproduce (skips complete runs; add `--seeds=`, `--algorithms=`, `--partitions=` to split the work):',
         '',
-        f'    tff-pfl-bench --suite={suite.path} --output_dir={_display_path(output_dir)}',
+        f'    tff-pfl-bench --suite={suite.path} --output_dir={reproduce_dir}',
         '',
     ]
     if commands:
         lines += ['Invocations that wrote this directory:', '']
-        lines += [f'    {command}' for command in commands]
+        lines += [f'    {command}' for command in distinct_commands(commands)]
         lines += ['']
     lines += [f'![{title}]({path})' for title, path in plots]
     return '\n'.join(lines) + '\n'

@@ -614,7 +614,7 @@ def run_suite(
     # Imported here, not at the top: bench_report imports this module (the file names, the lock).
     from tff_pfl.program import bench_report
 
-    rows = bench_report.write_report(suite, output_dir, log=log)
+    rows = bench_report.write_report(suite, output_dir, published=results_dir is not None, log=log)
     if results_dir is not None:
         publish_results(suite, output_dir, results_dir, log=log)
     return rows
