@@ -720,7 +720,8 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     assert f'{suite.name}: 8 runs selected, 8 complete, none run (--report_only)' in lines
     assert lines[-1] == f'results: {results} (8 of 8 run records)'
     for name in bench_run.PUBLISHED_FILES + ('curves_natural.png', 'clients_iid.png'):
-        assert os.path.exists(os.path.join(results, name)), name
+        # One model for every client: no accuracy by architecture.
+        assert os.path.exists(os.path.join(results, name)) == (name != bench_run.ARCHITECTURES_FILE), name
     for run in suite.runs():
         with open(bench_run.record_path(results, run)) as f:
             assert f.read() == bench_run.file_text(os.path.join(run.directory(out), bench_run.RESULT_FILE))
@@ -934,6 +935,39 @@ def test_a_command_repeated_over_sittings_is_listed_once_with_its_count():
         'b --seeds=2',
     ]
     assert bench_report.distinct_commands([]) == []
+
+
+def test_accuracy_by_client_architecture_by_hand(tmp_path):
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    splits = [(20, 5, 5)] * 11
+    seed0 = _fake_record(suite, 'natural', 'FedAvg', 0, [i / 10 for i in range(11)], splits)
+    seed1 = _fake_record(suite, 'natural', 'FedAvg', 1, [0.5] * 11, splits)
+    homogeneous = _fake_record(suite, 'IID', 'FedAvg', 0, [0.5] * 11, splits)
+    for record in (seed0, seed1):
+        record['config'] = {'settings': {'architectures': ['a', 'b', 'a']}}  # client i: ['a', 'b', 'a'][i % 3]
+    homogeneous['config'] = {'settings': {'architectures': ['a', 'a']}}
+    # The records list their clients in another order than partition.csv: the assignment follows partition.csv.
+    seed0['clients'].reverse()
+    assert bench_report.client_architectures(homogeneous) is None
+    assert bench_report.client_architectures({'config': {}, 'partition_csv': seed0['partition_csv']}) is None
+    assert bench_report.client_architectures(seed0)['c4'] == 'b'
+    rows = bench_report.architecture_rows(suite, [seed0, seed1, homogeneous])
+    # Seed 0 by hand: a = clients 0 2 3 5 6 8 9, (0 + .2 + .3 + .5 + .6 + .8 + .9) / 7; b = 1 4 7 10, 2.2 / 4.
+    a0, b0 = 100 * 3.3 / 7, 100 * 2.2 / 4
+    assert [(r['partition'], r['algorithm'], r['architecture'], r['clients'], r['runs']) for r in rows] == [
+        ('natural', 'FedAvg', 'a', 7, '2/2'),
+        ('natural', 'FedAvg', 'b', 4, '2/2'),
+    ]
+    assert rows[0]['accuracy_mean'] == pytest.approx((a0 + 50) / 2)
+    assert rows[1]['accuracy_mean'] == pytest.approx((b0 + 50) / 2)
+    assert rows[1]['accuracy_std_over_seeds'] == pytest.approx(abs(b0 - 50) / np.sqrt(2))
+    text = bench_report.render_report(suite, '/tmp/x', [seed0, seed1], [], [], [], arch_rows=rows)
+    assert f'| FedAvg | natural | 2/2 | {(a0 + 50) / 2:.2f} ± {abs(a0 - 50) / np.sqrt(2):.2f} |' in text
+    assert '| algorithm | partition | runs | a (7) | b (4) |' in text
+    assert '## Test accuracy by client architecture' not in bench_report.render_report(suite, '/tmp/x', [], [], [], [])
+    seed0['clients'][0]['client_id'] = 'elsewhere'
+    with pytest.raises(bench_suite.SuiteError, match='client elsewhere is not in its partition.csv'):
+        bench_report.architecture_rows(suite, [seed0])
 
 
 def test_a_published_report_reproduces_into_the_default_output_dir_not_the_one_it_was_rebuilt_in():

@@ -240,6 +240,107 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     return rows
 
 
+def client_architectures(record: Mapping) -> dict[str, str] | None:
+    """Each client's model name in a run whose settings name two or more architectures.
+
+    The heterogeneous algorithms give clients the `architectures` setting in
+    turn, in the order of the partition's clients (`partition.csv`), as
+    `heterogeneous.client_architectures` does.
+
+    Args:
+      record: a `bench_result.json` record.
+
+    Returns:
+      client id -> model name; None when the settings name fewer than two
+      distinct architectures (a homogeneous run, or one left to the data's
+      default set, which the record does not name) or the record has no
+      partition.
+    """
+    names = ((record.get('config') or {}).get('settings') or {}).get('architectures') or []
+    if len(set(names)) < 2 or not record.get('partition_csv'):
+        return None
+    ids = [row['client_id'] for row in csv.DictReader(io.StringIO(record['partition_csv']))]
+    return {client_id: names[i % len(names)] for i, client_id in enumerate(ids)}
+
+
+def architecture_rows(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict]:
+    """Test accuracy (%) of each architecture's clients, per (partition, algorithm, architecture).
+
+    `accuracy_mean` is the mean over seeds of the mean over that
+    architecture's clients, `accuracy_std_over_seeds` its std over seeds
+    (n - 1); `clients` the clients of that architecture in a run; `runs`
+    as in `aggregate`. Runs
+    without `client_architectures` are left out.
+
+    Args:
+      suite: the suite.
+      records: `load_results(...)`.
+
+    Returns:
+      The rows, partition-major, algorithms in suite order, architectures in
+      the order of the settings; empty when no run names architectures.
+    """
+    rows = []
+    for partition in suite.partitions:
+        for algorithm in suite.algorithms:
+            per_run = collections.defaultdict(list)  # architecture -> one mean per run
+            clients = {}
+            for r in records:
+                if r['run'].partition is not partition or r['run'].algorithm is not algorithm:
+                    continue
+                assigned = client_architectures(r)
+                if assigned is None:
+                    continue
+                groups = {name: [] for name in assigned.values()}  # in the settings' order
+                for c in r['clients']:
+                    if c['client_id'] not in assigned:
+                        label, client_id = r['run'].label, c['client_id']
+                        raise bench_suite.SuiteError(f'run {label}: client {client_id} is not in its partition.csv')
+                    groups[assigned[c['client_id']]].append(100 * c['accuracy'])
+                for name, values in groups.items():
+                    if values:
+                        per_run[name].append(statistics.fmean(values))
+                        clients[name] = len(values)
+            for name, means in per_run.items():
+                rows.append(
+                    collections.OrderedDict(
+                        partition=partition.name,
+                        algorithm=algorithm.name,
+                        architecture=name,
+                        clients=clients[name],
+                        runs=f'{len(means)}/{len(suite.seeds)}',
+                        accuracy_mean=statistics.fmean(means),
+                        accuracy_std_over_seeds=_stdev(means),
+                    )
+                )
+    return rows
+
+
+def _architecture_lines(arch_rows: Sequence[Mapping]) -> list[str]:
+    """The report's section on `architecture_rows`, one table row per (algorithm, partition)."""
+    if not arch_rows:
+        return []
+    names = list(dict.fromkeys(row['architecture'] for row in arch_rows))
+    headers = {row['architecture']: f'{row["architecture"]} ({row["clients"]})' for row in arch_rows}
+    table = {}
+    for row in arch_rows:
+        entry = table.setdefault(
+            (row['partition'], row['algorithm']),
+            {'algorithm': row['algorithm'], 'partition': row['partition'], 'runs': row['runs']},
+        )
+        entry[headers[row['architecture']]] = _mean_std(row['accuracy_mean'], row['accuracy_std_over_seeds'])
+    return [
+        '## Test accuracy by client architecture (%)',
+        '',
+        "Clients take the run's `architectures` in turn, in partition.csv order (clients per architecture in",
+        "brackets). Each cell: mean over seeds of the mean test accuracy of that architecture's clients ± std",
+        'over seeds. Also in architectures.csv and architectures_<partition>.png.',
+        '',
+        reports.markdown_table(list(table.values()), ['algorithm', 'partition', 'runs'] + [headers[n] for n in names]),
+        '',
+    ]
+
+
 def write_report(
     suite: bench_suite.Suite,
     output_dir: str,
@@ -283,9 +384,14 @@ def write_report(
             os.path.join(output_dir, 'summary.csv'),
             [{k: v for k, v in row.items() if k not in ('per_client', 'communication_by_seed')} for row in rows],
         )
-        plots = _write_plots(suite, output_dir, records, rows)
+        arch_rows = architecture_rows(suite, records)
+        if arch_rows:
+            reports.write_csv(os.path.join(output_dir, bench_run.ARCHITECTURES_FILE), arch_rows)
+        plots = _write_plots(suite, output_dir, records, rows) + _write_architecture_plots(suite, output_dir, arch_rows)
         commands = (bench_run.file_text(os.path.join(output_dir, bench_run.COMMANDS_FILE)) or '').splitlines()
-        text = render_report(suite, output_dir, records, rows, plots, commands, published=published)
+        text = render_report(
+            suite, output_dir, records, rows, plots, commands, published=published, arch_rows=arch_rows
+        )
         reports.write_text_atomic(os.path.join(output_dir, 'report.md'), text)
     log(f'report: {os.path.join(output_dir, "report.md")} ({len(records)} of {len(suite.runs())} runs complete)')
     return rows
@@ -347,6 +453,29 @@ def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
                 f'{suite.name}, {partition.name}: accuracy against the privacy spent (mean over seeds)',
             )
             plots.append((f'Accuracy against epsilon, {partition.name}', name))
+    return plots
+
+
+def _write_architecture_plots(suite, output_dir, arch_rows) -> list[tuple[str, str]]:
+    plots = []
+    for partition in suite.partitions:
+        mine = [row for row in arch_rows if row['partition'] == partition.name]
+        if not mine:
+            continue
+        names = list(dict.fromkeys(row['architecture'] for row in mine))
+        series = collections.defaultdict(dict)
+        for row in mine:
+            series[row['algorithm']][row['architecture']] = row['accuracy_mean']
+        name = f'architectures_{partition.slug}.png'
+        reports.plot_client_bars(
+            names,
+            {algorithm: [values.get(n, float('nan')) for n in names] for algorithm, values in series.items()},
+            os.path.join(output_dir, name),
+            f"{suite.name}, {partition.name}: test accuracy of each architecture's clients (mean over seeds)",
+            'test accuracy (%)',
+            xlabel='architecture',
+        )
+        plots.append((f'Accuracy by client architecture, {partition.name}', name))
     return plots
 
 
@@ -507,6 +636,7 @@ def render_report(
     commands: Sequence[str],
     *,
     published: bool = False,
+    arch_rows: Sequence[Mapping] = (),
 ) -> str:
     """The markdown report of a suite's complete runs.
 
@@ -520,6 +650,7 @@ def render_report(
       published: the report is copied to a results directory, where the
         directory it was rebuilt in means nothing: its reproduce line names the
         default output directory, `runs/bench/<suite name>`.
+      arch_rows: `architecture_rows(...)` (empty: no such section).
 
     Returns:
       The report's text.
@@ -618,7 +749,7 @@ def render_report(
     if any(row['epsilon'] is not None for row in rows):
         columns.append('epsilon')
         lines += ['epsilon: user-level DP spent by the end of the run (docs/privacy.md); "no DP" without it.', '']
-    lines += [reports.markdown_table(comparison, columns), '']
+    lines += [reports.markdown_table(comparison, columns), '', *_architecture_lines(arch_rows)]
     target = (
         'no target_accuracy set'
         if suite.target_accuracy is None

@@ -54,7 +54,8 @@ SUITE_FILE = 'suite.toml'
 COMMANDS_FILE = 'commands.txt'
 RECORDS_DIR = 'records'
 # What `publish_results` copies besides the records (and the report's plots).
-PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', SUITE_FILE, COMMANDS_FILE)
+ARCHITECTURES_FILE = 'architectures.csv'  # heterogeneous suites only: accuracy by client architecture
+PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', ARCHITECTURES_FILE, SUITE_FILE, COMMANDS_FILE)
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 CHECKPOINT_EVERY = 5
 

@@ -199,6 +199,7 @@ def plot_client_bars(
     path: str,
     title: str,
     ylabel: str,
+    xlabel: str = 'client',
 ) -> None:
     """Grouped bar chart of per-client values, one bar colour per series.
 
@@ -214,6 +215,7 @@ def plot_client_bars(
       path: Where to write the PNG.
       title: The figure title.
       ylabel: The y axis label.
+      xlabel: The x axis label (the groups need not be clients).
 
     Raises:
       ValueError: If a series does not have one value per client.
@@ -261,7 +263,7 @@ def plot_client_bars(
     if series:
         ax.legend(loc='upper left', bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title)
-    ax.set_xlabel('client')
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis='y', alpha=0.3)
     _save(fig, path)
