@@ -937,7 +937,7 @@ def test_a_command_repeated_over_sittings_is_listed_once_with_its_count():
     assert bench_report.distinct_commands([]) == []
 
 
-def test_accuracy_by_client_architecture_by_hand(tmp_path):
+def test_accuracy_by_client_architecture_by_hand():
     suite = bench_suite.parse_suite(TINY, 'tiny.toml')
     splits = [(20, 5, 5)] * 11
     seed0 = _fake_record(suite, 'natural', 'FedAvg', 0, [i / 10 for i in range(11)], splits)

@@ -137,6 +137,11 @@ def public_batch_for(settings: PublicKnowledge, spec) -> int:
     return settings.public_batch
 
 
+def in_turn(names: Sequence[str], num_clients: int) -> tuple[str, ...]:
+    """`names` given to clients 0 .. num_clients - 1 in turn: client i gets `names[i % len(names)]`."""
+    return tuple(names[i % len(names)] for i in range(num_clients))
+
+
 def client_architectures(architectures: Sequence[str], spec) -> tuple[str, ...]:
     """Each client's model name: `architectures` in turn, or the data's default.
 
@@ -158,7 +163,7 @@ def client_architectures(architectures: Sequence[str], spec) -> tuple[str, ...]:
         problem = _why_not(name, shape, spec.num_classes)
         if problem:
             raise ValueError(f'--architectures={name} cannot take features of shape {shape}: {problem}')
-    return tuple(names[i % len(names)] for i in range(spec.num_clients))
+    return in_turn(names, spec.num_clients)
 
 
 class Architectures:

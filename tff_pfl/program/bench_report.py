@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tff_pfl import metrics as metrics_lib
+from tff_pfl.computations import heterogeneous
 from tff_pfl.program import bench_run, bench_suite, reports
 
 # A `[paper]` metric (`bench_suite.PAPER_METRICS`) -> the summary.csv column of
@@ -244,8 +245,8 @@ def client_architectures(record: Mapping) -> dict[str, str] | None:
     """Each client's model name in a run whose settings name two or more architectures.
 
     The heterogeneous algorithms give clients the `architectures` setting in
-    turn, in the order of the partition's clients (`partition.csv`), as
-    `heterogeneous.client_architectures` does.
+    turn (`heterogeneous.in_turn`), in the order of the partition's clients
+    (`partition.csv`).
 
     Args:
       record: a `bench_result.json` record.
@@ -260,7 +261,7 @@ def client_architectures(record: Mapping) -> dict[str, str] | None:
     if len(set(names)) < 2 or not record.get('partition_csv'):
         return None
     ids = [row['client_id'] for row in csv.DictReader(io.StringIO(record['partition_csv']))]
-    return {client_id: names[i % len(names)] for i, client_id in enumerate(ids)}
+    return dict(zip(ids, heterogeneous.in_turn(names, len(ids))))
 
 
 def architecture_rows(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict]:
@@ -269,8 +270,7 @@ def architecture_rows(suite: bench_suite.Suite, records: Sequence[Mapping]) -> l
     `accuracy_mean` is the mean over seeds of the mean over that
     architecture's clients, `accuracy_std_over_seeds` its std over seeds
     (n - 1); `clients` the clients of that architecture in a run; `runs`
-    as in `aggregate`. Runs
-    without `client_architectures` are left out.
+    as in `aggregate`. Runs without `client_architectures` are left out.
 
     Args:
       suite: the suite.
