@@ -138,7 +138,15 @@ def public_batch_for(settings: PublicKnowledge, spec) -> int:
 
 
 def in_turn(names: Sequence[str], num_clients: int) -> tuple[str, ...]:
-    """`names` given to clients 0 .. num_clients - 1 in turn: client i gets `names[i % len(names)]`."""
+    """`names` given to clients 0 .. num_clients - 1 in turn.
+
+    Args:
+      names: the names to hand out, non-empty.
+      num_clients: how many clients receive one.
+
+    Returns:
+      One name per client: client i gets `names[i % len(names)]`.
+    """
     return tuple(names[i % len(names)] for i in range(num_clients))
 
 

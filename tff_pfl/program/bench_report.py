@@ -484,7 +484,14 @@ def _epsilon(value: float | None) -> str:
 
 
 def default_output_dir(suite: bench_suite.Suite) -> str:
-    """Where `tff-pfl-bench` writes `suite` without `--output_dir`."""
+    """Where `tff-pfl-bench` writes `suite` without `--output_dir`.
+
+    Args:
+      suite: the parsed `bench_suite.Suite`.
+
+    Returns:
+      `runs/bench/<slug of the suite's name>`, relative to the working directory.
+    """
     return os.path.join('runs', 'bench', bench_suite.slug(suite.name))
 
 
