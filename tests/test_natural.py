@@ -306,21 +306,34 @@ def _train(*flags, offline=False):
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
-def test_binary_refuses_bad_natural_input_in_one_line(tmp_path, shakespeare_cache):
-    out = tmp_path / 'run'
-    cases = [
-        ([f'--dataset=sqlite:{tmp_path / "missing.sqlite"}'], 'file not found'),
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--dataset=sqlite:{tmp}/missing.sqlite'], 'file not found'),
         (['--dataset=tff:nope'], 'unknown TFF dataset tff:nope'),
-        (['--dataset=tff:shakespeare', f'--data_dir={shakespeare_cache}', '--algorithm=ktpfl'], 'public data'),
-        # --download with no network (its own namespace, whatever the machine has): one line.
-        (['--dataset=tff:shakespeare', f'--data_dir={tmp_path / "cache"}', '--download'], 'download failed'),
-    ]
-    for flags, message in cases:
-        run = _train(*flags, f'--output_dir={out}', '--num_clients=2', offline='--download' in flags)
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1, run.stderr[-2000:]
-        assert lines[0].startswith('tff-pfl-train: error: ') and message in lines[0], lines[0]
-        assert not out.exists()
+        (['--dataset=tff:shakespeare', '--data_dir={cache}', '--algorithm=ktpfl'], 'public data'),
+    ],
+)
+def test_train_refuses_bad_natural_input_in_one_line(flags, message, tmp_path, shakespeare_cache, train_in_process):
+    """tff-pfl-train's flags and `main`, in this process (the binary's start-up is tested below)."""
+    out = tmp_path / 'run'
+    flags = [f.format(tmp=tmp_path, cache=shakespeare_cache) for f in flags]
+    code, stderr = train_in_process(*flags, f'--output_dir={out}', '--num_clients=2')
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith('tff-pfl-train: error: ') and message in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_binary_refuses_a_download_without_network_in_one_line(tmp_path):
+    """--download with no network (a namespace of its own, whatever the machine has): one line, exit 2."""
+    out = tmp_path / 'run'
+    flags = ['--dataset=tff:shakespeare', f'--data_dir={tmp_path / "cache"}', '--download']
+    run = _train(*flags, f'--output_dir={out}', '--num_clients=2', offline=True)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr[-2000:]
+    assert lines[0].startswith('tff-pfl-train: error: ') and 'download failed' in lines[0], lines[0]
+    assert not out.exists()
 
 
 @pytest.mark.parametrize('algorithm', ['persfl', 'fedper', 'perfedavg_hf', 'kdpdfl'])
