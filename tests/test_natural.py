@@ -298,11 +298,10 @@ def test_validation_split():
         natural.validation_split(x[:1], np.arange(1), 0.25, [0, 1])
 
 
-def _train(*flags, offline=False):
+def _train_offline(*flags):
+    """tff-pfl-train in a network namespace of its own, so no machine's network can answer a download."""
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
-    # offline: in a network namespace of its own, so no machine's network can answer a download.
-    prefix = ['unshare', '--net', '--map-root-user'] if offline else []
-    command = [*prefix, sys.executable, '-m', 'tff_pfl.cli.train', *flags]
+    command = ['unshare', '--net', '--map-root-user', sys.executable, '-m', 'tff_pfl.cli.train', *flags]
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
 
 
@@ -329,7 +328,7 @@ def test_binary_refuses_a_download_without_network_in_one_line(tmp_path):
     """--download with no network (a namespace of its own, whatever the machine has): one line, exit 2."""
     out = tmp_path / 'run'
     flags = ['--dataset=tff:shakespeare', f'--data_dir={tmp_path / "cache"}', '--download']
-    run = _train(*flags, f'--output_dir={out}', '--num_clients=2', offline=True)
+    run = _train_offline(*flags, f'--output_dir={out}', '--num_clients=2')
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 2 and len(lines) == 1, run.stderr[-2000:]
     assert lines[0].startswith('tff-pfl-train: error: ') and 'download failed' in lines[0], lines[0]
