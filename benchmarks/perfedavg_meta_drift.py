@@ -32,6 +32,7 @@ import tensorflow as tf
 from absl import app, flags
 
 from tff_pfl import models
+from tff_pfl.computations import local_training
 from tff_pfl.data import client_data
 from tff_pfl.program import bench_suite, experiment, reports
 
@@ -66,8 +67,7 @@ def _prepare(seed: int) -> tuple[client_data.ClientDataSpec, experiment.Experime
 
 def _loss_and_grads(model, x, y):
     with tf.GradientTape() as tape:
-        logits = model(x, training=True)
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        loss, _ = local_training.supervised_loss(model, x, tf.convert_to_tensor(y))  # the processes' own loss
     return float(loss), tape.gradient(loss, model.trainable_variables)
 
 
