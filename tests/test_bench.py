@@ -650,6 +650,12 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     with open(os.path.join(run.directory(tiny_run['out']), bench_run.RESULT_FILE)) as f:
         uninterrupted = json.load(f)
     assert (continued['continued'], uninterrupted['continued']) == (True, False)
+    assert (continued['continued_from_round'], uninterrupted['continued_from_round']) == (1, None)
+    # Its seconds: this sitting's plus round 1's, trained by the interrupted sitting.
+    with open(os.path.join(run.directory(out), 'metrics.csv')) as f:
+        round1 = float(next(row for row in csv.DictReader(f) if row['round'] == '1')['round_seconds'])
+    assert continued['seconds'] == pytest.approx(continued['seconds_this_sitting'] + round1, abs=1e-2)
+    assert uninterrupted['seconds'] == uninterrupted['seconds_this_sitting']
     for key in ('summary', 'clients', 'curve', 'communication', 'final_round', 'partition_csv'):
         assert continued[key] == uninterrupted[key], key
     # The older config.json was rewritten with the configuration the run went on with.
@@ -999,3 +1005,22 @@ def test_records_made_by_different_code_are_flagged_in_the_communication_table()
     assert row['bytes_up_per_client_per_round'] == pytest.approx(42_000 / 2)
     text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
     assert '- natural/FedAvg: seed 0: 8.0 kB down, 40.0 kB up; seed 1: 8.0 kB down, 2.0 kB up.' in text.splitlines()
+
+
+def test_minutes_of_a_run_recorded_before_sittings_were_summed_are_flagged():
+    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    splits = [(20, 5, 5)] * 11
+    records = [_fake_record(suite, 'natural', 'FedAvg', seed, [0.5] * 11, splits) for seed in (0, 1)]
+    for r, seconds in zip(records, (600.0, 1200.0)):
+        r['seconds'] = seconds
+    records[1].update(continued=True, continued_from_round=1, seconds_this_sitting=300.0)
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['minutes_per_run'] == pytest.approx(15.0)
+    assert row['minutes_last_sitting_only'] is False
+    text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
+    assert '| 15.00 |' in text and 'last sitting' not in text
+    del records[1]['seconds_this_sitting']  # a continued run's record from before: its last sitting only
+    (row,) = bench_report.aggregate(suite, records)
+    assert row['minutes_last_sitting_only'] is True
+    text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
+    assert '| 15.00 * |' in text and '\\* Counts only the last sitting' in text

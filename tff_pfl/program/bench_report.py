@@ -23,6 +23,9 @@ from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import heterogeneous
 from tff_pfl.program import bench_run, bench_suite, reports
 
+# `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
+_LAST_SITTING = 'minutes_last_sitting_only'
+
 # A `[paper]` metric (`bench_suite.PAPER_METRICS`) -> the summary.csv column of
 # ours (mean over seeds), the column of its std over seeds, and its label in
 # the report.
@@ -231,6 +234,8 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
                     bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
                     minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
+                    # A continued run recorded before records counted earlier sittings: its last sitting only.
+                    minutes_last_sitting_only=any(r.get('continued') and 'seconds_this_sitting' not in r for r in mine),
                     seconds_per_round=_mean(r.get('seconds_per_round') for r in mine),
                     # The schedule fixes epsilon: every seed spends the same.
                     epsilon=_mean(r.get('dp_epsilon') for r in mine),
@@ -382,7 +387,10 @@ def write_report(
         reports.write_csv(os.path.join(output_dir, 'results.csv'), results)
         reports.write_csv(
             os.path.join(output_dir, 'summary.csv'),
-            [{k: v for k, v in row.items() if k not in ('per_client', 'communication_by_seed')} for row in rows],
+            [
+                {k: v for k, v in row.items() if k not in ('per_client', 'communication_by_seed', _LAST_SITTING)}
+                for row in rows
+            ],
         )
         arch_rows = architecture_rows(suite, records)
         if arch_rows:
@@ -795,7 +803,7 @@ def render_report(
                 'MB up / client': ''
                 if row['bytes_up_per_client'] is None
                 else f'{row["bytes_up_per_client"] / 1e6:.3f}',
-                'minutes / run': f'{row["minutes_per_run"]:.2f}',
+                'minutes / run': f'{row["minutes_per_run"]:.2f}' + (' *' if row[_LAST_SITTING] else ''),
                 's / round': '' if row['seconds_per_round'] is None else f'{row["seconds_per_round"]:.2f}',
             }
         )
@@ -812,7 +820,14 @@ def render_report(
         'minutes / run',
         's / round',
     ]
-    lines += [reports.markdown_table(cost, columns), '', *_communication_lines(rows)]
+    lines += [reports.markdown_table(cost, columns), '']
+    if any(row[_LAST_SITTING] for row in rows):
+        lines += [
+            "\\* Counts only the last sitting of a run continued over sittings (its record predates records' counting",
+            'the earlier sittings too).',
+            '',
+        ]
+    lines += _communication_lines(rows)
     lines += [
         '## Commands',
         '',

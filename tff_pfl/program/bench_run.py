@@ -599,7 +599,7 @@ def run_suite(
                 log(f'run {i}/{len(todo)} {run.label}: incomplete, redoing it')
                 shutil.rmtree(directory)
             started = time.monotonic()
-            record = _run_one(suite, output_dir, run, config, resume=resume_from is not None)
+            record = _run_one(suite, output_dir, run, config, resume_from=resume_from)
             seconds = time.monotonic() - started
             if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
                 target = record_path(results_dir, run)
@@ -648,7 +648,7 @@ def _run_one(
     run: bench_suite.Run,
     config: experiment.ExperimentConfig,
     *,
-    resume: bool = False,
+    resume_from: int | None = None,
 ) -> dict:
     directory = run.directory(output_dir)
     reference = _reference_partition(suite, output_dir, run)
@@ -659,10 +659,17 @@ def _run_one(
         found['communication'] = _check_process(run, process, found['partition'], reference)
 
     started = time.monotonic()
-    result = experiment.run_experiment(config, overwrite=not resume, log=_RunLog(directory), on_process=on_process)
-    seconds = time.monotonic() - started
-    record = _bench_result(suite, run, config, result, seconds, found['communication'], found['partition'])
-    record['continued'] = resume
+    result = experiment.run_experiment(
+        config, overwrite=resume_from is None, log=_RunLog(directory), on_process=on_process
+    )
+    sitting = time.monotonic() - started
+    # A continued run adds its earlier sittings' time: that of the rounds kept by the checkpoint it
+    # continued from (their evaluations, and rounds after that checkpoint, are not known or counted).
+    earlier = sum(float(row['round_seconds']) for row in result.rounds if int(row['round']) <= (resume_from or 0))
+    record = _bench_result(suite, run, config, result, sitting + earlier, found['communication'], found['partition'])
+    record['continued'] = resume_from is not None
+    record['continued_from_round'] = resume_from
+    record['seconds_this_sitting'] = sitting
     reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
     # The record holds what the run found; its checkpoints only served an interruption.
     shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)
