@@ -1,10 +1,15 @@
 """The scoreboard (docs/reports/scoreboard.md): paper numbers of the suites against the committed results."""
 
+import csv
+import glob
+import importlib.util
+import json
 import os
 
+import numpy as np
 import pytest
 
-from tff_pfl.program import scoreboard
+from tff_pfl.program import bench_report, bench_run, bench_suite, scoreboard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -299,3 +304,216 @@ def test_every_committed_result_names_the_commands_that_made_it():
         if e['status'] != 'not run yet' and not e['commands']
     ]
     assert not missing, f'results without a recorded command (commands.txt): {missing}'
+
+
+# ----------------------------------------------------------------------------
+# Every committed result read the same way: one folder rule, one record format.
+
+# The summary.csv columns the scoreboard reads (`bench_report.METRICS`), with their stds over seeds.
+SCORED_COLUMNS = [column for columns in bench_report.METRICS.values() for column in columns[:2]]
+
+
+def _committed_results_dirs(root):
+    """Every folder of `<root>/benchmarks/results/` that holds a suite's results (a suite.toml)."""
+    return sorted(os.path.dirname(p) for p in glob.glob(os.path.join(root, 'benchmarks', 'results', '*', 'suite.toml')))
+
+
+def _read_csv(path):
+    with open(path, newline='', encoding='utf-8') as f:
+        return list(csv.DictReader(f))
+
+
+def _record_problems(results_dir):
+    """Runs of results.csv without a record in the harness's format at `bench_run.record_path`, one line each."""
+    suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
+    runs = {(r.partition.name, r.algorithm.name, r.seed): r for r in suite.runs()}
+    clients = {}
+    for row in _read_csv(os.path.join(results_dir, 'results.csv')):
+        clients.setdefault((row['partition'], row['algorithm'], int(row['seed'])), []).append(row)
+    problems = []
+    for key, rows in clients.items():
+        path = bench_run.record_path(results_dir, runs[key])
+        if not os.path.exists(path):
+            problems.append(f'{key}: no record {os.path.relpath(path, results_dir)}')
+            continue
+        with open(path, encoding='utf-8') as f:
+            record = json.load(f)
+        if (record['partition'], record['algorithm'], record['seed']) != key:
+            problems.append(f'{key}: {path} is the record of another run')
+        elif [c['accuracy'] for c in record['clients']] != pytest.approx(
+            [float(r['accuracy']) for r in rows], rel=1e-5
+        ):
+            problems.append(f'{key}: the clients of {path} are not those of results.csv')
+        elif record.get(bench_report.CONVERTED_FROM) is not None:
+            unknown = record[bench_report.UNKNOWN]
+            if record[bench_report.CONVERTED_FROM] != 'results.csv' or any(
+                record[field] is not None for field in unknown if '.' not in field
+            ):
+                problems.append(f'{key}: converted record {path} does not say what it lacks')
+    return problems
+
+
+def _summary_mismatches(results_dir):
+    """Where aggregating the records (what --report_only --results_dir does) differs from the committed summary.csv."""
+    suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
+    rows = {
+        (r['partition'], r['algorithm']): r
+        for r in bench_report.aggregate(suite, bench_report.load_records(suite, results_dir))
+    }
+    mismatches = []
+    for committed in _read_csv(os.path.join(results_dir, 'summary.csv')):
+        key = (committed['partition'], committed['algorithm'])
+        row = rows.pop(key, None)
+        if row is None or row['runs'] != committed['runs']:
+            mismatches.append(f'{key}: runs {committed["runs"]} in summary.csv, {row and row["runs"]} in the records')
+            continue
+        for column in SCORED_COLUMNS:
+            if column not in committed:  # a summary.csv written before the column existed
+                continue
+            ours, theirs = row[column], committed[column]
+            if (ours is None) != (theirs == '') or (ours is not None and abs(ours - float(theirs)) > 1e-3):
+                mismatches.append(f'{key} {column}: {theirs!r} in summary.csv, {ours} from the records')
+    mismatches += [f'{key}: records but no summary.csv row' for key in rows]
+    return mismatches
+
+
+def test_every_committed_results_folder_is_read_by_the_scoreboard():
+    assert _committed_results_dirs(REPO), 'no committed results found'
+    assert scoreboard.misplaced_results(REPO) == []
+    scored = {e['suite'] for e in scoreboard.entries(REPO) if e['status'] != 'not run yet'}
+    listed = {o['suite']: o for o in scoreboard.unscored(REPO)}
+    read = []
+    for path in scoreboard.suite_paths(REPO):
+        suite = bench_suite.load_suite(path)
+        directory = scoreboard.results_dir(REPO, suite)
+        if not os.path.isdir(directory):
+            continue
+        read.append(directory)
+        complete = sum(int(row['runs'].split('/')[0]) for row in _read_csv(os.path.join(directory, 'summary.csv')))
+        if suite.paper:
+            assert suite.name in scored, f'{suite.name}: its results in {directory} are not on the scoreboard'
+        else:
+            assert listed[suite.name]['runs'] == f'{complete}/{len(suite.runs())}', suite.name
+            assert listed[suite.name]['report'] == os.path.relpath(os.path.join(directory, 'report.md'), REPO)
+    assert sorted(read) == _committed_results_dirs(REPO)
+
+
+def test_baselines_mnist_counts_its_committed_runs():
+    (baselines,) = [o for o in scoreboard.unscored(REPO) if o['suite'] == 'baselines_mnist']
+    assert baselines['runs'] == '20/20'
+    assert baselines['report'] == os.path.join('benchmarks', 'results', 'baselines_mnist_suite', 'report.md')
+
+
+def test_a_misnamed_results_folder_is_refused(tmp_path, monkeypatch, capsys):
+    root = _tree(tmp_path)
+    assert scoreboard.misplaced_results(str(root)) == []
+    results = root / 'benchmarks' / 'results'
+    (results / 'fake_suite').rename(results / 'fake')
+    (results / 'gone_suite').mkdir()
+    (results / 'gone_suite' / 'suite.toml').write_text(UNRUN.replace('"unrun"', '"gone"'))
+    assert scoreboard.misplaced_results(str(root)) == [
+        os.path.join('benchmarks', 'results', 'fake')
+        + ' holds results of '
+        + os.path.join('benchmarks', 'suites', 'fake.toml')
+        + ', read from '
+        + os.path.join('benchmarks', 'results', 'fake_suite')
+        + ': rename the folder',
+        os.path.join('benchmarks', 'results', 'gone_suite')
+        + " holds results of suite 'gone', which has no file in "
+        + os.path.join('benchmarks', 'suites'),
+    ]
+    monkeypatch.chdir(root)
+    assert scoreboard.main([]) == 2
+    assert 'results the scoreboard would not read: benchmarks/results/fake holds' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('results_dir', _committed_results_dirs(REPO), ids=os.path.basename)
+def test_every_committed_run_has_a_record_that_gives_the_committed_summary(results_dir):
+    assert _record_problems(results_dir) == []
+    assert _summary_mismatches(results_dir) == []
+
+
+def _converter():
+    path = os.path.join(REPO, 'benchmarks', 'convert_results.py')
+    spec = importlib.util.spec_from_file_location('convert_results', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CONVERT_SUMMARY = """\
+partition,algorithm,model,seeds,runs,accuracy_mean,rounds_to_target,rounds_to_target_reached,\
+bytes_down_per_client_per_round,bytes_up_per_client_per_round,bytes_down_per_client,bytes_up_per_client,minutes_per_run
+natural,FedAvg,global_model,0 1 2,3/3,60,,0/3,100,200,200,400,1.5
+IID,FedAvg,global_model,0,1/3,70,2,1/1,100,200,200,400,0.5
+"""
+
+
+def test_converting_results_csv_into_records(tmp_path):
+    """benchmarks/convert_results.py: records from results.csv, what summary.csv gives per run, the rest unknown."""
+    convert = _converter()
+    results = tmp_path / 'fake_suite'
+    results.mkdir()
+    (results / 'suite.toml').write_text(SUITE)
+    (results / 'summary.csv').write_text(CONVERT_SUMMARY)
+    accuracies = {
+        (p, s): [0.1 * (i + s + 1) + (0.2 if p == 'IID' else 0) for i in range(3)]
+        for p in ('natural', 'IID')
+        for s in (0, 1, 2)
+    }
+    examples = [10, 20, 70]
+    lines = ['partition,algorithm,seed,client,client_id,model,accuracy,examples']
+    for p, seeds in (('natural', (0, 1, 2)), ('IID', (0,))):
+        for s in seeds:
+            lines += [
+                f'{p},FedAvg,{s},{i},c{i},global_model,{a:.6g},{examples[i]}' for i, a in enumerate(accuracies[p, s])
+            ]
+    (results / 'results.csv').write_text('\n'.join(lines) + '\n')
+    assert convert.convert(str(results)) == (4, 0)
+    suite = bench_suite.parse_suite(SUITE, 'fake.toml')
+    records = {(r['partition'], r['seed']): r for r in bench_report.load_records(suite, str(results))}
+    assert sorted(records) == [('IID', 0), ('natural', 0), ('natural', 1), ('natural', 2)]
+    single, multi = records['IID', 0], records['natural', 1]
+    for r in (single, multi):
+        assert r['converted_from'] == 'results.csv' and r['curve'] is None and r['partition_csv'] is None
+        assert {'curve', 'partition_csv', 'config', 'summary.weighted_mean'} <= set(r['unknown'])
+        assert [c['examples'] for c in r['clients']] == examples and r['rounds'] == 2
+    assert single['summary']['global_model']['mean'] == pytest.approx(np.mean(accuracies['IID', 0]))
+    # A cell of one run: summary.csv's row is that run's.
+    assert (single['seconds'], single['rounds_to_target']) == (30.0, 2)
+    assert single['communication'] == {
+        'bytes_down_per_client_per_round': 100,
+        'bytes_up_per_client_per_round': 200,
+        'bytes_down_per_client': 200,
+        'bytes_up_per_client': 400,
+    }
+    assert not {'seconds', 'rounds_to_target', 'communication'} & set(single['unknown'])
+    # A cell of three: no seed's time or bytes; none reached the target (0/3), so that is known.
+    assert (multi['seconds'], multi['communication'], multi['rounds_to_target']) == (None, None, None)
+    assert {'seconds', 'communication'} <= set(multi['unknown']) and 'rounds_to_target' not in multi['unknown']
+    rows = {r['partition']: r for r in bench_report.aggregate(suite, list(records.values()))}
+    means = [100 * np.mean(accuracies['natural', s]) for s in (0, 1, 2)]
+    assert rows['natural']['accuracy_mean'] == pytest.approx(np.mean(means))
+    assert rows['natural']['weighted_mean'] == pytest.approx(
+        np.mean([100 * np.average(accuracies['natural', s], weights=examples) for s in (0, 1, 2)])
+    )
+    assert rows['natural']['top_10_by_samples'] == pytest.approx(
+        np.mean([100 * accuracies['natural', s][2] for s in (0, 1, 2)])
+    )
+    assert (rows['natural']['minutes_per_run'], rows['natural']['rounds_to_target_reached']) == (None, '0/3')
+    assert (rows['IID']['minutes_per_run'], rows['IID']['rounds_to_target_reached']) == (0.5, '1/1')
+    text = bench_report.render_report(suite, str(tmp_path), list(records.values()), list(rows.values()), [], [])
+    assert '4 of the 4 records were converted from committed files (results.csv;' in text
+    # A record the harness wrote is left alone; converted ones are rewritten identically.
+    harness = bench_run.record_path(str(results), records['natural', 2]['run'])
+    record = {k: v for k, v in records['natural', 2].items() if k not in ('run', 'converted_from', 'unknown')}
+    with open(harness, 'w') as f:
+        json.dump(record, f)
+    before = {p: open(p).read() for p in glob.glob(str(results / 'records' / '*' / '*' / '*.json'))}
+    assert convert.convert(str(results)) == (3, 1)
+    assert {p: open(p).read() for p in before} == before
+    # results.csv naming a run the suite does not have is refused.
+    with open(results / 'results.csv', 'a') as f:
+        f.write('natural,Nope,0,0,c0,global_model,0.5,10\n')
+    with pytest.raises(convert.ConversionError, match="run .*'Nope'.* is not a run of"):
+        convert.records(str(results))

@@ -7,6 +7,12 @@ directory (`bench_run`) and writes, next to them (`write_report`):
     <output_dir>/summary.csv           one row per partition and algorithm
     <output_dir>/report.md             the tables and plots below
     <output_dir>/curves_<p>.png, clients_<p>.png, std_<p>.png
+
+A record may be a converted one (`CONVERTED_FROM`, written by
+benchmarks/convert_results.py from an older results directory that kept only
+its CSVs): what the committed files did not give is null and named in its
+`UNKNOWN` list, and the aggregate leaves it out (a blank cell), never taking
+it for a value.
 """
 
 import collections
@@ -25,6 +31,11 @@ from tff_pfl.program import bench_run, bench_suite, reports
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'
+
+# A converted record (benchmarks/convert_results.py) names its source here, e.g. "results.csv",
+# and lists under UNKNOWN the fields it holds as null because the committed files did not give them.
+CONVERTED_FROM = 'converted_from'
+UNKNOWN = 'unknown'
 
 # A `[paper]` metric (`bench_suite.PAPER_METRICS`) -> the summary.csv column of
 # ours (mean over seeds), the column of its std over seeds, and its label in
@@ -68,16 +79,42 @@ def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
       bench_suite.SuiteError: complete runs of one (partition, seed) have
         different partitions.
     """
+    return _load(suite, lambda run: os.path.join(run.directory(output_dir), bench_run.RESULT_FILE))
+
+
+def load_records(suite: bench_suite.Suite, results_dir: str) -> list[dict]:
+    """The records kept in a results directory (`bench_run.record_path`), in `runs()` order.
+
+    What `--report_only --results_dir=<results_dir>` aggregates: the records
+    it restores are these.
+
+    Args:
+      suite: the suite.
+      results_dir: the suite's results directory, e.g. `benchmarks/results/<name>_suite`.
+
+    Returns:
+      The records, each with the `Run` under `'run'`.
+
+    Raises:
+      bench_suite.SuiteError: records of one (partition, seed) have different
+        partitions.
+    """
+    return _load(suite, lambda run: bench_run.record_path(results_dir, run))
+
+
+def _load(suite: bench_suite.Suite, path_of: Callable) -> list[dict]:
     records, reference = [], {}
     for run in suite.runs():
-        path = os.path.join(run.directory(output_dir), bench_run.RESULT_FILE)
+        path = path_of(run)
         if not os.path.exists(path):
             continue
         with open(path, encoding='utf-8') as f:
             record = json.load(f)
         record['run'] = run
         key = (run.partition.name, run.seed)
-        if key not in reference:
+        if record.get('partition_csv') is None:  # a converted record: its partition is not known
+            pass
+        elif key not in reference:
             reference[key] = record
         elif record['partition_csv'] != reference[key]['partition_csv']:
             raise bench_suite.SuiteError(
@@ -85,6 +122,19 @@ def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
             )
         records.append(record)
     return records
+
+
+def known(record: Mapping, field: str) -> bool:
+    """Whether `record[field]` is the run's value: false for a converted record's `UNKNOWN` fields.
+
+    Args:
+      record: a `bench_result.json` record.
+      field: a top-level key, e.g. 'seconds'.
+
+    Returns:
+      False when the record lists `field` under `UNKNOWN`, else True.
+    """
+    return field not in (record.get(UNKNOWN) or ())
 
 
 def client_examples(partition_csv: str | None) -> dict[str, int] | None:
@@ -113,6 +163,26 @@ def client_examples(partition_csv: str | None) -> dict[str, int] | None:
     return sizes
 
 
+def record_examples(record: Mapping) -> dict[str, int] | None:
+    """Each client's number of examples (train + val + test) in a run's record.
+
+    Args:
+      record: a `bench_result.json` record.
+
+    Returns:
+      `client_examples` of its `partition_csv`; for a record without one (a
+      converted record), its clients' `examples` (the results.csv column it was
+      converted from) when every client has them; else None.
+
+    Raises:
+      ValueError: the record's partition text is malformed.
+    """
+    sizes = client_examples(record.get('partition_csv'))
+    if sizes is None and record['clients'] and all(c.get('examples') is not None for c in record['clients']):
+        sizes = {c['client_id']: int(c['examples']) for c in record['clients']}
+    return sizes
+
+
 def sample_weighted(record: Mapping) -> tuple[float | None, float | None]:
     """A run's sample-weighted accuracy, over all clients and over the top 10% by size.
 
@@ -127,13 +197,14 @@ def sample_weighted(record: Mapping) -> tuple[float | None, float | None]:
 
     Returns:
       `(weighted mean, top-10% weighted mean)` of the test accuracy, in %; both
-      None when the record has no partition text or lacks a client in it.
+      None when the record gives no client sizes (`record_examples`) or lacks a
+      client in them.
 
     Raises:
       bench_suite.SuiteError: the record's partition text is malformed.
     """
     try:
-        sizes = client_examples(record.get('partition_csv'))
+        sizes = record_examples(record)
     except ValueError as e:
         raise bench_suite.SuiteError(f'run {record["run"].label}: {e}') from None
     clients = record['clients']
@@ -202,8 +273,11 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     f'runs of {partition.name}/{algorithm.name} have different numbers of clients'
                 )
             per_client = [statistics.fmean(100 * r['clients'][i]['accuracy'] for r in mine) for i in range(num_clients)]
-            reached = [r['rounds_to_target'] for r in mine if r['rounds_to_target'] is not None]
-            communication = [r['communication'] for r in mine]
+            # A converted record may not know whether its run reached the target: left out of both counts.
+            targeted = [r for r in mine if known(r, 'rounds_to_target')]
+            reached = [r['rounds_to_target'] for r in targeted if r['rounds_to_target'] is not None]
+            communication = [r['communication'] or {} for r in mine]
+            seconds = _all_or_none(r['seconds'] for r in mine)
             rows.append(
                 collections.OrderedDict(
                     partition=partition.name,
@@ -223,7 +297,7 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     top_10_by_samples_std_over_seeds=None if top is None else _stdev(top),
                     rounds=mine[0]['rounds'],
                     rounds_to_target=_mean(reached),
-                    rounds_to_target_reached=f'{len(reached)}/{len(mine)}',
+                    rounds_to_target_reached=f'{len(reached)}/{len(targeted)}' if targeted else None,
                     # Bytes are the code's, not the seed's: records of one cell that disagree were
                     # made by different versions of the code (the report says so).
                     communication_by_seed=_communication_by_seed(mine),
@@ -233,7 +307,7 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     bytes_up_per_client_per_round=_mean(c.get('bytes_up_per_client_per_round') for c in communication),
                     bytes_down_per_client=_mean(c.get('bytes_down_per_client') for c in communication),
                     bytes_up_per_client=_mean(c.get('bytes_up_per_client') for c in communication),
-                    minutes_per_run=statistics.fmean(r['seconds'] for r in mine) / 60,
+                    minutes_per_run=None if seconds is None else statistics.fmean(seconds) / 60,
                     # A continued run recorded before records counted earlier sittings: its last sitting only.
                     minutes_last_sitting_only=any(r.get('continued') and 'seconds_this_sitting' not in r for r in mine),
                     seconds_per_round=_mean(r.get('seconds_per_round') for r in mine),
@@ -370,7 +444,7 @@ def write_report(
         rows = aggregate(suite, records)
         results = []
         for r in records:
-            sizes = client_examples(r.get('partition_csv')) or {}  # well formed: aggregate read it
+            sizes = record_examples(r) or {}  # well formed: aggregate read it
             for i, c in enumerate(r['clients']):
                 results.append(
                     collections.OrderedDict(
@@ -417,7 +491,7 @@ def _write_plots(suite, output_dir, records, rows) -> list[tuple[str, str]]:
             points = collections.defaultdict(list)
             for record in records:
                 if record['run'].partition is partition and record['algorithm'] == row['algorithm']:
-                    for point in record['curve']:
+                    for point in record['curve'] or ():  # a converted record has no curve
                         points[point['round']].append(100 * point['accuracy'])
             for round_num, values in points.items():
                 curves[round_num][row['algorithm']] = statistics.fmean(values)
@@ -518,6 +592,7 @@ def _communication_by_seed(records: Sequence[Mapping]) -> list[tuple] | None:
             r['communication'].get('bytes_up_per_client_per_round'),
         )
         for r in records
+        if r['communication']  # a converted record may not know its bytes
     ]
     return per_seed if len({(down, up) for _, down, up in per_seed}) > 1 else None
 
@@ -626,6 +701,21 @@ def _diverged_lines(records: Sequence[Mapping]) -> list[str]:
     ]
 
 
+def _converted_lines(records: Sequence[Mapping]) -> list[str]:
+    """A paragraph counting the converted records (`CONVERTED_FROM`); empty if none."""
+    converted = [r for r in records if r.get(CONVERTED_FROM)]
+    if not converted:
+        return []
+    sources = ', '.join(sorted({str(r[CONVERTED_FROM]) for r in converted}))
+    return [
+        f'{len(converted)} of the {len(records)} records were converted from committed files ({sources};',
+        '`benchmarks/convert_results.py`), not written by the runs: their per-client accuracies are as those',
+        'files give them (6 significant digits); what the files did not give (the test curve, and the time,',
+        'bytes or rounds to target of a cell with several seeds) is unknown: blank cells, or runs left out.',
+        '',
+    ]
+
+
 def distinct_commands(commands: Sequence[str]) -> list[str]:
     """`commands` in first-seen order, each once; one given n > 1 times ends `  # n sittings`.
 
@@ -682,6 +772,7 @@ def render_report(
         f'Defaults: {defaults}.',
         '',
         *_diverged_lines(records),
+        *_converted_lines(records),
         '## Test accuracy per client (%)',
         '',
         "Each cell is client i's test accuracy of the algorithm's model, averaged over seeds. Avg. Acc. is the",
@@ -793,7 +884,7 @@ def render_report(
                 'rounds': row['rounds'],
                 'rounds to target': f'{row["rounds_to_target"]:.1f}'
                 if row['rounds_to_target'] is not None
-                else ('not reached' if suite.target_accuracy is not None else ''),
+                else ('not reached' if suite.target_accuracy is not None and row['rounds_to_target_reached'] else ''),
                 'reached': row['rounds_to_target_reached'],
                 'kB down / client / round': _kilobytes(row['bytes_down_per_client_per_round']),
                 'kB up / client / round': _kilobytes(row['bytes_up_per_client_per_round']),
@@ -803,7 +894,9 @@ def render_report(
                 'MB up / client': ''
                 if row['bytes_up_per_client'] is None
                 else f'{row["bytes_up_per_client"] / 1e6:.3f}',
-                'minutes / run': f'{row["minutes_per_run"]:.2f}' + (' *' if row[_LAST_SITTING] else ''),
+                'minutes / run': ''
+                if row['minutes_per_run'] is None
+                else f'{row["minutes_per_run"]:.2f}' + (' *' if row[_LAST_SITTING] else ''),
                 's / round': '' if row['seconds_per_round'] is None else f'{row["seconds_per_round"]:.2f}',
             }
         )

@@ -340,7 +340,9 @@ def _reference_partition(
     for other in suite.runs():
         if other.partition is run.partition and other.seed == run.seed and other != run:
             text = file_text(os.path.join(other.directory(output_dir), RESULT_FILE))
-            if text is not None:  # the record keeps the run's partition.csv (restored runs have only it)
+            # The record keeps the run's partition.csv (restored runs have only it); a converted record
+            # (benchmarks/convert_results.py) has none to compare.
+            if text is not None and json.loads(text).get('partition_csv') is not None:
                 return other.label, json.loads(text)['partition_csv']
     return None, None
 

@@ -15,12 +15,20 @@ produced it (`commands.txt`). A number whose cell has no committed result is
 a "not run yet" row. Suites without a `[paper]` table follow in a short
 list (what each runs, runs complete, its report). Nothing is run or recomputed: the page only reads
 committed files, so `tests/test_scoreboard.py` can check that it is current.
+
+One rule places every suite's results: `<slug of the suite's name>_suite`,
+the folder `--results_dir` is given in the suite files and docs. A results
+folder holding another name's `suite.toml` would go unread (its suite shown
+as not run): `misplaced_results` lists such folders, and the generator
+refuses to write the page while there are any.
 """
 
 import csv
+import glob
 import os
 import shlex
 import sys
+import tomllib
 from collections.abc import Mapping, Sequence
 
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
@@ -44,7 +52,9 @@ _METRIC_TEXT = {
 
 
 def results_dir(root: str, suite: bench_suite.Suite) -> str:
-    """The suite's committed results: `<root>/benchmarks/results/<name>_suite`.
+    """The suite's committed results: `<root>/benchmarks/results/<slug of its name>_suite`.
+
+    The one place a suite's results are read from and written to (`--results_dir`).
 
     Args:
       root: the repository root.
@@ -54,6 +64,35 @@ def results_dir(root: str, suite: bench_suite.Suite) -> str:
       The directory (it may not exist).
     """
     return os.path.join(root, RESULTS_DIR, f'{bench_suite.slug(suite.name)}_suite')
+
+
+def misplaced_results(root: str) -> list[str]:
+    """Results folders the scoreboard would not read: a `suite.toml` elsewhere than its suite's `results_dir`.
+
+    Args:
+      root: the repository root.
+
+    Returns:
+      One line per folder of `<root>/benchmarks/results/` holding a
+      `suite.toml` whose suite has no file in `benchmarks/suites/` or whose
+      `results_dir` is another folder, sorted; empty when every committed
+      result is read.
+    """
+    names = {}
+    for path in suite_paths(root):
+        with open(path, 'rb') as f:
+            names[tomllib.load(f).get('name')] = os.path.relpath(path, root)
+    problems = []
+    for stored in sorted(glob.glob(os.path.join(root, RESULTS_DIR, '*', bench_run.SUITE_FILE))):
+        folder = os.path.relpath(os.path.dirname(stored), root)
+        with open(stored, 'rb') as f:
+            name = tomllib.load(f).get('name')
+        expected = os.path.join(RESULTS_DIR, f'{bench_suite.slug(str(name))}_suite')
+        if name not in names:
+            problems.append(f'{folder} holds results of suite {name!r}, which has no file in {SUITES_DIR}')
+        elif folder != expected:
+            problems.append(f'{folder} holds results of {names[name]}, read from {expected}: rename the folder')
+    return problems
 
 
 def suite_paths(root: str) -> list[str]:
@@ -144,7 +183,7 @@ def _number(row: Mapping, column: str) -> float | None:
 def _run_command(suite: bench_suite.Suite, suite_path: str) -> str:
     """The command that runs the whole suite, adding to its committed results."""
     output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
-    results = os.path.join(RESULTS_DIR, f'{bench_suite.slug(suite.name)}_suite')
+    results = results_dir('', suite)
     return f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir} --results_dir={results}'
 
 
@@ -415,7 +454,8 @@ def main(argv: Sequence[str]) -> int:
 
     Returns:
       The exit code: 0, 1 when `--check` finds the page out of date, 2 on bad
-      input (one line on stderr).
+      input or a misplaced results folder (`misplaced_results`; one line on
+      stderr).
     """
     prog = 'scoreboard'
     if any(arg not in ('--check',) for arg in argv):
@@ -425,8 +465,11 @@ def main(argv: Sequence[str]) -> int:
         print(f'{prog}: error: {SUITES_DIR} not found; run from the repository root', file=sys.stderr)
         return 2
     try:
+        misplaced = misplaced_results('.')
+        if misplaced:
+            raise bench_suite.SuiteError(f'results the scoreboard would not read: {"; ".join(misplaced)}')
         items, others = entries('.'), unscored('.')
-    except bench_suite.SuiteError as e:
+    except (bench_suite.SuiteError, tomllib.TOMLDecodeError) as e:
         print(f'{prog}: error: {" ".join(str(e).split())}', file=sys.stderr)
         return 2
     text = render(items, others)
