@@ -226,3 +226,64 @@ def test_image_folder(tmp_path):
 def test_image_folder_empty(tmp_path):
     with pytest.raises(sources.DataError, match='no images found'):
         sources.load_image_folder(str(tmp_path))
+
+
+def test_synthetic_heterogeneity_one_is_fedprox_draw_for_draw():
+    fedprox = sources.synthetic_fedprox(0.5, 0.5, num_clients=6, seed=3)
+    again = sources.synthetic_fedprox(0.5, 0.5, num_clients=6, seed=3, heterogeneity=1.0)
+    np.testing.assert_array_equal(fedprox.x, again.x)
+    np.testing.assert_array_equal(fedprox.y, again.y)
+    assert again.name == 'synthetic(0.5,0.5)'
+
+
+@pytest.mark.parametrize('heterogeneity', [0.0, 0.3])
+def test_synthetic_heterogeneity_mixes_one_shared_model_into_each_clients(heterogeneity):
+    """Labels are argmax(x W_k + b_k) with W_k = sqrt(1 - h) W_0 + sqrt(h) W_k', recomputed here."""
+    pool = sources.synthetic_fedprox(0.0, 0.0, num_clients=5, seed=4, heterogeneity=heterogeneity)
+    reference = _reference_synthetic(0.0, 0.0, 5, 60, 10, seed=4)  # the paper's draws: x and W_k'
+    shared = np.random.default_rng([4, 0x5EED0])
+    w0, b0 = shared.normal(0.0, 1.0, size=(60, 10)), shared.normal(0.0, 1.0, size=10)
+    for indices, (x, _, w_own, b_own) in zip(pool.natural_partition, reference):
+        w = np.sqrt(1 - heterogeneity) * w0 + np.sqrt(heterogeneity) * w_own
+        b = np.sqrt(1 - heterogeneity) * b0 + np.sqrt(heterogeneity) * b_own
+        np.testing.assert_allclose(pool.x[indices], x, rtol=1e-5, atol=1e-6)
+        assert np.mean(np.argmax(x @ w + b, 1) == pool.y[indices]) > 0.99
+    assert pool.name == f'synthetic(0,0,h={heterogeneity:g})'
+
+
+def test_synthetic_heterogeneity_controls_what_one_model_can_learn():
+    """Pooled least squares on one-hot labels: far above chance at h = 0, near it at h = 1."""
+
+    def pooled_accuracy(h):
+        clients = list(
+            sources.synthetic_fedprox_clients(0.0, 0.0, 300, seed=1, heterogeneity=h, examples_per_client=20)
+        )
+        x = np.concatenate([c[0] for c in clients]).astype(np.float64)
+        y = np.concatenate([c[1] for c in clients])
+        features = np.c_[x, np.ones(len(x))]
+        train, test = slice(0, 4000), slice(4000, None)
+        w = np.linalg.lstsq(features[train], np.eye(10)[y[train]], rcond=None)[0]
+        return np.mean(np.argmax(features[test] @ w, 1) == y[test])
+
+    shared, own = pooled_accuracy(0.0), pooled_accuracy(1.0)
+    assert shared > 0.4 and own < 0.2, (shared, own)  # measured: 0.50 and 0.11
+
+
+def test_synthetic_examples_per_client_fixes_sizes_and_keeps_the_other_draws():
+    fixed = list(sources.synthetic_fedprox_clients(1.0, 1.0, 4, seed=2, examples_per_client=7))
+    assert [len(y) for _, y in fixed] == [7] * 4
+    with pytest.raises(sources.DataError, match='examples_per_client'):
+        list(sources.synthetic_fedprox_clients(1.0, 1.0, 4, examples_per_client=0))
+
+
+def test_synthetic_spec_takes_a_heterogeneity():
+    assert sources.synthetic_params('synthetic') == (1.0, 1.0, 1.0)
+    assert sources.synthetic_params('synthetic:0.5,1') == (0.5, 1.0, 1.0)
+    assert sources.synthetic_params('synthetic:0,0,0.1') == (0.0, 0.0, 0.1)
+    pool = sources.load_source('synthetic:0,0,0.1', num_clients=3)
+    assert pool.name == 'synthetic(0,0,h=0.1)'
+    for bad in ('synthetic:0,0,1.5', 'synthetic:0', 'synthetic:0,0,0,0', 'synthetic:a,b'):
+        with pytest.raises(sources.DataError, match='synthetic'):
+            sources.synthetic_params(bad)
+    with pytest.raises(sources.DataError, match='heterogeneity'):
+        sources.synthetic_fedprox(0.0, 0.0, num_clients=2, heterogeneity=-0.1)

@@ -148,7 +148,7 @@ def prepare(
 
 
 def _prepare_synthetic(root, alpha_beta, num_clients, seed, split_fractions, layout) -> PreparedData:
-    """Synthetic(alpha, beta), natural partition, streamed: one client in memory at a time.
+    """Synthetic(alpha, beta[, heterogeneity]), natural partition, streamed: one client in memory at a time.
 
     Writes what the pooled path (`sources.synthetic_fedprox`, then
     `partition.split_client` with seed `seed + k` and `write_client_data`)
@@ -159,8 +159,9 @@ def _prepare_synthetic(root, alpha_beta, num_clients, seed, split_fractions, lay
     decides for them.
     """
     num_classes, histogram = 10, []
+    alpha, beta, heterogeneity = alpha_beta
     clients = sources.synthetic_fedprox_clients(
-        *alpha_beta, num_clients=num_clients, num_classes=num_classes, seed=seed
+        alpha, beta, num_clients=num_clients, num_classes=num_classes, seed=seed, heterogeneity=heterogeneity
     )
     with client_data.ClientDataWriter(root, feature_shape=(60,), encoding=client_data.FLOAT32, layout=layout) as writer:
         for index, (x, y) in enumerate(clients):
@@ -172,7 +173,9 @@ def _prepare_synthetic(root, alpha_beta, num_clients, seed, split_fractions, lay
             histogram.append(np.bincount(y, minlength=num_classes))
         spec = writer.finish(num_classes)
     return PreparedData(
-        spec=spec, class_histogram=np.asarray(histogram, np.int64), source_name=sources.synthetic_name(*alpha_beta)
+        spec=spec,
+        class_histogram=np.asarray(histogram, np.int64),
+        source_name=sources.synthetic_name(alpha, beta, heterogeneity),
     )
 
 

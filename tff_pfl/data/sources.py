@@ -21,7 +21,7 @@ _SYNTHETIC_MAX_CLIENT_SIZE = 5000
 _SOURCE_FORMS = (
     'npz:/path/file.npz, /path/file.npz, tfds:<name> (name in '
     + ', '.join(_TFDS_NAMES)
-    + '), folder:/path, synthetic, synthetic:<alpha>,<beta>'
+    + '), folder:/path, synthetic, synthetic:<alpha>,<beta>[,<heterogeneity>]'
 )
 
 
@@ -301,6 +301,7 @@ def synthetic_fedprox(
     dim: int = 60,
     num_classes: int = 10,
     seed: int = 0,
+    heterogeneity: float = 1.0,
 ) -> Pool:
     """Generates the Synthetic(alpha, beta) benchmark of FedProx.
 
@@ -320,6 +321,15 @@ def synthetic_fedprox(
     then all `u_k`, then all `B_k`, then per client `v_k`, `W_k`, `b_k` and
     the standard-normal noise of `x`.
 
+    `heterogeneity` h in [0, 1] (a project extension, docs/data.md) mixes a
+    model shared by every client into each client's labelling model:
+    `W_k = sqrt(1 - h) W_0 + sqrt(h) W_k'`, `b_k = sqrt(1 - h) b_0 + sqrt(h) b_k'`
+    with `W_0, b_0 ~ N(0, 1)` drawn once (from their own generator, seeded
+    by `seed`) and `W_k', b_k'` the paper's draws above. h = 1 is FedProx's
+    generator, draw for draw; h = 0 labels every client's data with one
+    model (only the feature means differ, by beta), which a single model
+    can learn. With alpha = 0 two clients' models have correlation 1 - h.
+
     Args:
       alpha: Variance of the model means `u_k`; controls how much local
         models differ. Must be >= 0.
@@ -329,17 +339,20 @@ def synthetic_fedprox(
       dim: Feature dimension.
       num_classes: Number of classes.
       seed: Random seed; equal seeds give equal pools.
+      heterogeneity: h, the share of each client's labelling model that is
+        its own (0: one model for all; 1: FedProx's per-client `W_k`).
 
     Returns:
       A `Pool` with float32 `x` of shape `[N, dim]` and `natural_partition`
       holding each client's consecutive index range.
 
     Raises:
-      DataError: If `alpha` or `beta` is negative, or `num_clients`, `dim`
-        or `num_classes` is too small.
+      DataError: If `alpha` or `beta` is negative, `heterogeneity` is
+        outside [0, 1], or `num_clients`, `dim` or `num_classes` is too
+        small.
     """
     xs, ys = [], []
-    for x, y in synthetic_fedprox_clients(alpha, beta, num_clients, dim, num_classes, seed):
+    for x, y in synthetic_fedprox_clients(alpha, beta, num_clients, dim, num_classes, seed, heterogeneity):
         xs.append(x)
         ys.append(y)
     bounds = np.concatenate([[0], np.cumsum([len(y) for y in ys])])
@@ -347,22 +360,26 @@ def synthetic_fedprox(
         x=np.concatenate(xs),
         y=np.concatenate(ys),
         num_classes=num_classes,
-        name=synthetic_name(alpha, beta),
+        name=synthetic_name(alpha, beta, heterogeneity),
         natural_partition=tuple(np.arange(start, end, dtype=np.int64) for start, end in zip(bounds[:-1], bounds[1:])),
     )
 
 
-def synthetic_name(alpha: float, beta: float) -> str:
-    """The name of a Synthetic(alpha, beta) pool, e.g. `synthetic(1,1)`.
+def synthetic_name(alpha: float, beta: float, heterogeneity: float = 1.0) -> str:
+    """The name of a Synthetic(alpha, beta) pool, e.g. `synthetic(1,1)` or `synthetic(0,0,h=0.1)`.
 
     Args:
       alpha: variance of the model means.
       beta: variance of the feature means.
+      heterogeneity: the share of each client's model that is its own (1:
+        FedProx's generator, not written in the name).
 
     Returns:
       The pool's name.
     """
-    return f'synthetic({alpha:g},{beta:g})'
+    if heterogeneity == 1.0:
+        return f'synthetic({alpha:g},{beta:g})'
+    return f'synthetic({alpha:g},{beta:g},h={heterogeneity:g})'
 
 
 def synthetic_fedprox_clients(
@@ -372,6 +389,8 @@ def synthetic_fedprox_clients(
     dim: int = 60,
     num_classes: int = 10,
     seed: int = 0,
+    heterogeneity: float = 1.0,
+    examples_per_client: int | None = None,
 ):
     """Generates the clients of `synthetic_fedprox` one at a time.
 
@@ -387,6 +406,11 @@ def synthetic_fedprox_clients(
       dim: Feature dimension.
       num_classes: Number of classes.
       seed: Random seed.
+      heterogeneity: h in [0, 1], the share of each client's labelling
+        model that is its own (`synthetic_fedprox`).
+      examples_per_client: every client's size instead of the power law
+        (the size draws are still made, so the other draws do not move):
+        a cross-device population of many small clients.
 
     Yields:
       `(x, y)` of each client in turn: float32 `[n_k, dim]`, int32 `[n_k]`.
@@ -397,48 +421,69 @@ def synthetic_fedprox_clients(
     """
     if alpha < 0 or beta < 0:
         raise DataError(f'synthetic alpha and beta must be >= 0, got {alpha}, {beta}')
+    if not 0.0 <= heterogeneity <= 1.0:
+        raise DataError(f'synthetic heterogeneity must be in [0, 1], got {heterogeneity}')
     if num_clients < 1 or dim < 1 or num_classes < 2:
         raise DataError(
             f'synthetic needs num_clients >= 1, dim >= 1 and num_classes >= 2, got {num_clients}, {dim}, {num_classes}'
         )
+    if examples_per_client is not None and examples_per_client < 1:
+        raise DataError(f'synthetic examples_per_client must be >= 1, got {examples_per_client}')
     rng = np.random.default_rng(seed)
     sizes = np.minimum(
         rng.lognormal(mean=4.0, sigma=2.0, size=num_clients).astype(np.int64) + 50,
         _SYNTHETIC_MAX_CLIENT_SIZE,
     )
+    if examples_per_client is not None:
+        sizes = np.full(num_clients, examples_per_client, np.int64)
     model_means = rng.normal(0.0, np.sqrt(alpha), size=num_clients)
     feature_means = rng.normal(0.0, np.sqrt(beta), size=num_clients)
     feature_std = np.arange(1, dim + 1, dtype=np.float64) ** -0.6
+    # The shared model, from a generator of its own: h = 1 draws what FedProx's does.
+    shared_rng = np.random.default_rng([seed, 0x5EED0])
+    shared_w = shared_rng.normal(0.0, 1.0, size=(dim, num_classes))
+    shared_b = shared_rng.normal(0.0, 1.0, size=num_classes)
+    own, common = np.sqrt(heterogeneity), np.sqrt(1.0 - heterogeneity)
     for k in range(num_clients):
         v = rng.normal(feature_means[k], 1.0, size=dim)
         w = rng.normal(model_means[k], 1.0, size=(dim, num_classes))
         b = rng.normal(model_means[k], 1.0, size=num_classes)
+        if heterogeneity != 1.0:
+            w = common * shared_w + own * w
+            b = common * shared_b + own * b
         x = v + rng.standard_normal((sizes[k], dim)) * feature_std
         yield x.astype(np.float32), np.argmax(x @ w + b, axis=1).astype(np.int32)
 
 
-def synthetic_params(spec: str) -> tuple[float, float] | None:
-    """`(alpha, beta)` of a `synthetic` or `synthetic:<alpha>,<beta>` source spec.
+def synthetic_params(spec: str) -> tuple[float, float, float] | None:
+    """`(alpha, beta, heterogeneity)` of a `synthetic`, `synthetic:<alpha>,<beta>` or
+    `synthetic:<alpha>,<beta>,<heterogeneity>` source spec.
 
     Args:
       spec: a source spec.
 
     Returns:
-      `(alpha, beta)`, or None when `spec` names another source.
+      `(alpha, beta, heterogeneity)` (heterogeneity 1 where the spec gives
+      none: FedProx's generator), or None when `spec` names another source.
 
     Raises:
       DataError: a malformed `synthetic:` spec.
     """
     if spec == 'synthetic':
-        return 1.0, 1.0
+        return 1.0, 1.0, 1.0
     kind, _, arg = spec.partition(':')
     if kind != 'synthetic':
         return None
     try:
-        alpha, beta = (float(v) for v in arg.split(','))
-    except ValueError as e:
-        raise DataError(f'bad synthetic spec {spec!r}; expected synthetic:<alpha>,<beta>') from e
-    return alpha, beta
+        values = [float(v) for v in arg.split(',')]
+    except ValueError:
+        values = []
+    if len(values) not in (2, 3):
+        raise DataError(f'bad synthetic spec {spec!r}; expected synthetic:<alpha>,<beta>[,<heterogeneity>]')
+    alpha, beta, heterogeneity = (*values, 1.0)[:3]
+    if not 0.0 <= heterogeneity <= 1.0:
+        raise DataError(f'bad synthetic spec {spec!r}: heterogeneity must be in [0, 1]')
+    return alpha, beta, heterogeneity
 
 
 def load_source(
@@ -452,8 +497,10 @@ def load_source(
     """Loads the data source described by `spec`.
 
     Accepted forms: `npz:/path/file.npz` (or a bare path ending in `.npz`),
-    `tfds:<name>`, `folder:/path`, `synthetic` (alpha = beta = 1) and
-    `synthetic:<alpha>,<beta>` (e.g. `synthetic:0.5,0.5`).
+    `tfds:<name>`, `folder:/path`, `synthetic` (alpha = beta = 1),
+    `synthetic:<alpha>,<beta>` (e.g. `synthetic:0.5,0.5`) and
+    `synthetic:<alpha>,<beta>,<heterogeneity>` (e.g. `synthetic:0,0,0.1`:
+    clients sharing nine tenths of one labelling model).
 
     Args:
       spec: The source specification.
@@ -477,7 +524,8 @@ def load_source(
         return load_image_folder(arg)
     synthetic = synthetic_params(spec)
     if synthetic is not None:
-        return synthetic_fedprox(*synthetic, num_clients=num_clients, seed=seed)
+        alpha, beta, heterogeneity = synthetic
+        return synthetic_fedprox(alpha, beta, num_clients=num_clients, seed=seed, heterogeneity=heterogeneity)
     if spec.endswith('.npz'):
         return load_npz(spec)
     raise DataError(f'unknown data source {spec!r}; accepted: {_SOURCE_FORMS}')
