@@ -21,7 +21,16 @@ state (it has not taken part).
 Every file is written to a temporary name, flushed to disk and renamed into
 place (`os.replace`), segments before the manifest that names them, so a crash
 while writing leaves the last good checkpoint intact; the newest two manifests
-are kept, with the segments they name. (`tff.program`'s
+are kept, with the segments they name.
+
+Loading checks a checkpoint whole before using it (`check_archive`): every
+member of the manifest and of each segment it names is read and its CRC-32
+compared, and the zip directory must account for every byte before it. A
+damaged checkpoint (empty, truncated, a flipped byte, a missing or damaged
+segment) is skipped for the newest intact one, and set aside (renamed
+`<name>.damaged`) so that it is neither chosen again nor counted among the
+kept ones; if none is intact, loading refuses (`CheckpointError`) and touches
+nothing. (`tff.program`'s
 FileProgramStateManager does the same with SavedModel directories, but each
 save made the driver's memory grow: benchmarks/results/memory_rounds.md.)
 
@@ -41,6 +50,7 @@ import dataclasses
 import json
 import os
 import re
+import struct
 import zipfile
 from collections.abc import Mapping, Sequence
 
@@ -53,10 +63,93 @@ KEEP = 2
 COMPACT_RATIO = 2.0
 _NAME = re.compile(r'^round_(\d+)\.npz$')
 _SEGMENT = re.compile(r'^clients_(\d+)\.npz$')
+_CLIENT_LEAF = re.compile(r'^client_(\d{4})$')
 
 # Numeric client leaves are written and read in pieces of at most this many
 # bytes, from and into the store's arrays (which may be memory-mapped).
 PIECE_BYTES = 16 * 2**20
+
+# A damaged checkpoint's files are renamed to `<name>` + this (never read, never deleted).
+DAMAGED_SUFFIX = '.damaged'
+
+
+class CheckpointError(ValueError):
+    """A run directory has checkpoints but none of them is intact."""
+
+
+class DamagedFile(Exception):
+    """A checkpoint file that cannot be read whole; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Damage:
+    """A checkpoint skipped because it cannot be read.
+
+    Attributes:
+      path: its manifest (`round_<N>.npz`).
+      why: what is wrong, naming the segment if the damage is in one.
+      files: the damaged files (the manifest, a segment, or both); those
+        present are set aside.
+    """
+
+    path: str
+    why: str
+    files: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f'checkpoint {self.path} is unreadable ({self.why})'
+
+
+def check_archive(path: str) -> None:
+    """Reads every member of the `.npz` at `path` in full; raises `DamagedFile` unless it is intact.
+
+    Each member's CRC-32 (`zipfile.ZipFile.testzip`) covers its bytes; the
+    layout check (each member starts where the previous one ends, and the
+    last ends where the zip directory starts) catches a directory that no
+    longer lists every member. What neither covers (timestamps, attributes,
+    unused size fields) does not change what is read.
+
+    Args:
+      path: the file.
+
+    Raises:
+      DamagedFile: if the file is missing, empty, truncated, not a zip, or
+        a member's bytes or the directory are damaged.
+    """
+    try:
+        if os.path.getsize(path) == 0:
+            raise DamagedFile('empty file')
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+            if bad is not None:
+                raise DamagedFile(f'bad CRC-32 in {bad}')
+            _check_layout(archive)
+    except FileNotFoundError:
+        raise DamagedFile('missing') from None
+    except zipfile.BadZipFile as e:
+        why = 'truncated or not a zip file' if str(e) == 'File is not a zip file' else f'damaged zip: {e}'
+        raise DamagedFile(why) from None
+    except DamagedFile:
+        raise
+    except Exception as e:  # a damaged file fails in many ways (struct.error, OverflowError, ...)
+        raise DamagedFile(f'{type(e).__name__}: {e}') from None
+
+
+def _check_layout(archive: zipfile.ZipFile) -> None:
+    """Raises `DamagedFile` unless the members fill the file up to the zip directory, in order."""
+    infos = sorted(archive.infolist(), key=lambda info: info.header_offset)
+    if any(info.flag_bits & 0x08 for info in infos):
+        return  # data descriptors after the members (not written here): sizes are in the directory only
+    end = 0
+    for info in infos:
+        if info.header_offset != end:
+            raise DamagedFile(f'zip directory does not match the members (at {info.filename})')
+        archive.fp.seek(info.header_offset)
+        header = archive.fp.read(30)
+        name_bytes, extra_bytes = struct.unpack('<HH', header[26:30])
+        end = info.header_offset + 30 + name_bytes + extra_bytes + info.compress_size
+    if end != archive.start_dir:
+        raise DamagedFile('zip directory does not list every member')
 
 
 def _scalar(value):
@@ -204,11 +297,7 @@ class Segment(collections.namedtuple('Segment', ['path', 'ids_key'])):
             `out` and `rows` need.
         """
         with zipfile.ZipFile(self.path) as archive, archive.open(f'client_{index:04d}.npy') as f:
-            version = np.lib.format.read_magic(f)
-            read_header = (
-                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-            )
-            shape, fortran_order, dtype = read_header(f)
+            shape, fortran_order, dtype = _npy_header(f)
             needed = (len(rows), *out.shape[1:])
             if tuple(shape) != needed or dtype != out.dtype or fortran_order:
                 raise ValueError(
@@ -224,7 +313,9 @@ class Segment(collections.namedtuple('Segment', ['path', 'ids_key'])):
 
 class Checkpoint(
     collections.namedtuple(
-        'Checkpoint', ['round_num', 'server_state', 'client_ids', 'rng_state', 'rows', 'path', 'segment_paths']
+        'Checkpoint',
+        ['round_num', 'server_state', 'client_ids', 'rng_state', 'rows', 'path', 'segment_paths', 'skipped'],
+        defaults=((),),
     )
 ):
     """A loaded checkpoint; the client states stay in their segments until read.
@@ -238,6 +329,8 @@ class Checkpoint(
       path: the manifest's file.
       segment_paths: the client-state segments, in the order they apply
         (a later one's state of a client replaces an earlier one's).
+      skipped: a `Damage` per newer checkpoint that was skipped, newest
+        first.
     """
 
     def segments(self) -> list[Segment]:
@@ -368,15 +461,23 @@ class RunCheckpoints:
             return [(name, int(size)) for name, size in json.loads(_text(archive['segments']))]
 
     def _drop_old(self) -> None:
-        """Removes manifests beyond the newest `KEEP`, and segments and temporary files no manifest needs."""
+        """Removes manifests beyond the newest `KEEP`, and segments and temporary files no manifest needs.
+
+        A kept manifest that cannot be read (damaged since it was written)
+        keeps every segment: what it needs is unknown.
+        """
         rounds = self.rounds()
         for old in rounds[:-KEEP]:
             os.remove(self._path(old))
         needed = set()
         for round_num in rounds[-KEEP:]:
-            needed.update(name for name, _ in self._manifest_segments(round_num))
+            try:
+                needed.update(name for name, _ in self._manifest_segments(round_num))
+            except Exception:  # a damaged manifest: the next load skips it; delete no segment now
+                needed = None
+                break
         for name in os.listdir(self.directory):
-            if (_SEGMENT.match(name) and name not in needed) or name.endswith('.npz.tmp'):
+            if (needed is not None and _SEGMENT.match(name) and name not in needed) or name.endswith('.npz.tmp'):
                 os.remove(os.path.join(self.directory, name))
 
     def latest_round(self) -> int | None:
@@ -388,39 +489,116 @@ class RunCheckpoints:
         rounds = self.rounds()
         return rounds[-1] if rounds else None
 
-    def load_latest(self, server_template) -> Checkpoint | None:
-        """The newest checkpoint, or None if there is none; its client states stay in their segments.
+    def _verify(self, round_num: int, num_server: int | None):
+        """`(manifest arrays, chain)` of the checkpoint of `round_num` if it can be read whole, else its `Damage`.
 
-        Later checkpoints saved by this object build on it.
+        The manifest and every segment it names are read in full
+        (`check_archive`); the manifest must hold its fields (and
+        `num_server` server leaves, if given) and its own round, and every
+        segment its ids and the same client leaves, one row per id.
+        """
+        path = self._path(round_num)
+        try:
+            check_archive(path)
+            with np.load(path, allow_pickle=False) as archive:
+                flat = {key: archive[key] for key in archive.files if not _CLIENT_LEAF.match(key)}
+            needed = ['round_num', 'client_ids', 'rng_state', 'rows']
+            needed += [f'server_{i:04d}' for i in range(num_server or 0)]
+            missing = [key for key in needed if key not in flat]
+            if missing:
+                raise DamagedFile(f'it has no {missing[0]}')
+            if int(flat['round_num']) != round_num:
+                raise DamagedFile(f'it holds round {int(flat["round_num"])}')
+            json.loads(_text(flat['rng_state']))
+            json.loads(_text(flat['rows']))
+            if 'segments' in flat:
+                chain = [(str(name), int(size)) for name, size in json.loads(_text(flat['segments']))]
+            else:  # an earlier version's manifest holds every client: its own only segment
+                chain = [(os.path.basename(path), -1)]
+        except DamagedFile as e:
+            return Damage(path, str(e), (path,))
+        except Exception as e:  # a damaged file fails in many ways
+            return Damage(path, f'{type(e).__name__}: {e}', (path,))
+        leaves = None
+        for name, _ in chain:
+            segment = os.path.join(self.directory, name)
+            if not os.path.exists(segment):
+                return Damage(path, f'client-state segment {name} is missing', (path,))
+            try:
+                if segment != path:
+                    check_archive(segment)
+                count = _segment_leaves(segment, 'client_ids' if segment == path else 'ids')
+                if leaves is not None and count != leaves:
+                    raise DamagedFile(f'it holds {count} client leaves, the segment before it {leaves}')
+                leaves = count
+            except DamagedFile as e:
+                return Damage(path, f'client-state segment {name}: {e}', (path, segment))
+            except Exception as e:  # a damaged file fails in many ways
+                return Damage(path, f'client-state segment {name}: {type(e).__name__}: {e}', (path, segment))
+        return flat, chain
+
+    def _newest_intact(self, num_server: int | None):
+        """`((round, arrays, chain) or None, [Damage of each newer checkpoint])`, newest first.
+
+        Raises:
+          CheckpointError: if there are checkpoints and none can be read whole.
+        """
+        damaged = []
+        for round_num in reversed(self.rounds()):
+            verified = self._verify(round_num, num_server)
+            if isinstance(verified, Damage):
+                damaged.append(verified)
+            else:
+                return (round_num, *verified), damaged
+        if damaged:
+            raise CheckpointError(f'no checkpoint in {self.directory} can be read: {"; ".join(map(str, damaged))}')
+        return None, []
+
+    def check(self) -> tuple[int | None, list[Damage]]:
+        """The round of the newest checkpoint that can be read whole, and the damaged ones newer than it.
+
+        Reads every file of those checkpoints in full; changes nothing.
+
+        Returns:
+          `(round or None if there is no checkpoint, [Damage, newest first])`.
+
+        Raises:
+          CheckpointError: if there are checkpoints and none can be read whole.
+        """
+        found, damaged = self._newest_intact(None)
+        return (None if found is None else found[0]), damaged
+
+    def load_latest(self, server_template) -> Checkpoint | None:
+        """The newest checkpoint that can be read whole, or None if there is none; client states stay in segments.
+
+        A newer checkpoint that cannot be read whole (empty, truncated, a
+        damaged byte, a missing or damaged segment: `_verify`) is skipped
+        and set aside: its damaged files are renamed `<name>.damaged`, so
+        it is neither loaded again nor kept in place of a good one. Later
+        checkpoints saved by this object build on the one loaded.
 
         Args:
           server_template: a server state of the run's process (for its structure).
 
         Returns:
-          The newest `Checkpoint`, or None.
+          The `Checkpoint` (its `skipped` the damaged ones), or None.
 
         Raises:
-          ValueError: if a segment the checkpoint names is missing.
+          CheckpointError: if there are checkpoints and none can be read
+            whole; then nothing is renamed or removed.
         """
-        round_num = self.latest_round()
-        if round_num is None:
-            return None
-        path = self._path(round_num)
         num_server = len(device_state.flatten(server_template))
-        with np.load(path, allow_pickle=False) as archive:
-            flat = {
-                key: archive[key]
-                for key in ['round_num', 'client_ids', 'rng_state', 'rows']
-                + [f'server_{i:04d}' for i in range(num_server)]
-            }
+        found, skipped = self._newest_intact(num_server)
+        if found is None:
+            return None
+        round_num, flat, chain = found
+        for damage in skipped:
+            for damaged_file in damage.files:
+                if os.path.exists(damaged_file):
+                    os.replace(damaged_file, damaged_file + DAMAGED_SUFFIX)
         server_state = device_state.fill(
             server_template, iter([_scalar(flat[f'server_{i:04d}']) for i in range(num_server)])
         )
-        chain = self._manifest_segments(round_num)
-        segment_paths = [os.path.join(self.directory, name) for name, _ in chain]
-        missing = [p for p in segment_paths if not os.path.exists(p)]
-        if missing:
-            raise ValueError(f'checkpoint {path} names a missing client-state segment {missing[0]}')
         # An earlier version's checkpoint (bytes -1): the next checkpoint writes every client.
         self._chain = None if chain[0][1] < 0 else chain
         return Checkpoint(
@@ -429,9 +607,34 @@ class RunCheckpoints:
             client_ids=[c.decode() if isinstance(c, bytes) else str(c) for c in flat['client_ids'].tolist()],
             rng_state=json.loads(_text(flat['rng_state'])),
             rows=json.loads(_text(flat['rows'])),
-            path=path,
-            segment_paths=segment_paths,
+            path=self._path(round_num),
+            segment_paths=[os.path.join(self.directory, name) for name, _ in chain],
+            skipped=tuple(skipped),
         )
+
+
+def _npy_header(f) -> tuple:
+    """`(shape, fortran_order, dtype)` of the `.npy` member open in `f`, which is left at the data."""
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read_header(f)
+
+
+def _segment_leaves(path: str, ids_key: str) -> int:
+    """How many client leaves the segment at `path` holds; `DamagedFile` unless each has a row per id."""
+    with zipfile.ZipFile(path) as archive:
+        with archive.open(f'{ids_key}.npy') as f:
+            num_ids = len(np.lib.format.read_array(f, allow_pickle=False))
+        names = [name.removesuffix('.npy') for name in archive.namelist()]
+        indices = sorted(int(m.group(1)) for m in map(_CLIENT_LEAF.match, names) if m)
+        if indices != list(range(len(indices))):
+            raise DamagedFile(f'client leaves {indices} are not numbered from 0')
+        for i in indices:
+            with archive.open(f'client_{i:04d}.npy') as f:
+                shape = _npy_header(f)[0]
+            if not shape or shape[0] != num_ids:
+                raise DamagedFile(f'client_{i:04d} has shape {list(shape)} for {num_ids} clients')
+    return len(indices)
 
 
 def _text(value) -> str:

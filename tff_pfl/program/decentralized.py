@@ -23,7 +23,7 @@ import numpy as np
 
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import training_loop
+from tff_pfl.program import health, training_loop
 
 
 def run(
@@ -44,6 +44,7 @@ def run(
     on_resume: Callable[[int, list], None] | None = None,
     spill_dir: str | None = None,
     stop_on_divergence: bool = False,
+    num_classes: int | None = None,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -73,6 +74,7 @@ def run(
       spill_dir: as in `training_loop.run`.
       stop_on_divergence: as in `training_loop.run`, for an interval whose
         mean training loss is NaN or infinite.
+      num_classes: as in `training_loop.run` (the `health.RunMonitor` tags).
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
@@ -99,6 +101,8 @@ def run(
     state, rows, first_interval = training_loop.resume(
         checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume
     )
+    monitor = health.RunMonitor(intervals, num_classes)
+    monitor.replay(rows)
     diverged_interval = None
     for interval in range(first_interval, intervals + 1):
         interval_start = time.monotonic()
@@ -153,6 +157,7 @@ def run(
                 row,
                 summaries if evaluate_now else {},
                 started,
+                monitor.observe(row),
             )
         )
         if diverged_interval is not None:
@@ -164,4 +169,5 @@ def run(
         clients=client_rows,
         summary=summaries,
         diverged_round=diverged_interval,
+        warnings=monitor.warnings,
     )

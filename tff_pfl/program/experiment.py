@@ -31,7 +31,7 @@ from tff_pfl import models, runtime
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import privacy as privacy_lib
 from tff_pfl.data import natural
-from tff_pfl.program import algorithms, checkpoints, reports, training_loop
+from tff_pfl.program import algorithms, checkpoints, health, reports, training_loop
 
 
 class ConfigError(settings_lib.SettingsError):
@@ -82,7 +82,8 @@ class ExperimentConfig(settings_lib.Settings):
     # Data.
     dataset: str = _setting(
         'synthetic',
-        'synthetic[:alpha,beta] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH; naturally federated: '
+        'synthetic[:alpha,beta[,heterogeneity]] | npz:PATH (Keras layout) | tfds:NAME | folder:PATH; '
+        'naturally federated: '
         'tff:NAME (shakespeare, emnist, emnist_digits, cifar100) | sqlite:PATH[#TRAIN,TEST] | clients:DIR '
         '(docs/data.md).',
     )
@@ -732,7 +733,8 @@ def run_experiment(
     Raises:
       ConfigError, sources.DataError, partition.PartitionError: bad input;
         raised before anything is written to `output_dir`. Also when
-        `output_dir` holds a run with another configuration.
+        `output_dir` holds a run with another configuration, or checkpoints
+        none of which can be read whole (nothing is touched then).
       RunComplete: `output_dir` holds this run, finished.
     """
     config.validate()
@@ -757,6 +759,13 @@ def run_experiment(
     if saved is not None:
         from tff_pfl.data import client_data
 
+        try:  # before anything is rewritten: with no readable checkpoint the directory stays as it is
+            checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')).check()
+        except checkpoints.CheckpointError as e:
+            raise ConfigError(
+                f'output_dir {out} cannot continue: {e}; nothing was changed: move the damaged files out of '
+                f'{os.path.join(out, "checkpoints")} to start again from round 1, or pass --overwrite to replace it'
+            ) from None
         spec = client_data.load_client_data_spec(os.path.join(out, 'client_data'))
         process = build_process(config, spec)
         log(f'continuing the run in {out}')
@@ -773,6 +782,10 @@ def run_experiment(
         spec, process = prepare_run(config, out, log)
     if on_process is not None:
         on_process(process)
+    # Settings that imply a model that barely moves: one line each, before round 1 (docs/reliability.md).
+    warnings = health.pre_run_warnings(config, health.dp_uploads(config, spec, process))
+    for line in warnings:
+        log(f'warning: {line}')
     metrics_path = os.path.join(out, 'metrics.csv')
     # Rounds are released through TFF's release managers as they finish; the
     # CSV manager rewrites the file whenever a row brings new columns
@@ -800,6 +813,8 @@ def run_experiment(
                 on_resume=on_resume,
                 # A large store is memory-mapped here (unlinked files).
                 spill_dir=out,
+                # The progress lines' STALLED / DIVERGING tags compare with chance (health.RunMonitor).
+                num_classes=spec.num_classes,
             )
             custom_run = algorithms.get(config.algorithm).run
             if custom_run is not None:
@@ -823,6 +838,7 @@ def run_experiment(
                     **loop,
                 )
             on_round.close()
+            result.warnings[:0] = [f'before round 1: {line}' for line in warnings]
             # Inside the runtime: reading the state of a client that never took
             # part makes its initial state with a TFF call.
             _write_results(out, config, spec, result, process)
@@ -989,6 +1005,20 @@ def divergence_lines(result: training_loop.RunResult) -> list[str]:
     ]
 
 
+def warning_lines(result: training_loop.RunResult) -> list[str]:
+    """The report's Warnings section: the pre-run warnings and the rounds' STALLED / DIVERGING findings.
+
+    Args:
+      result: the run's `RunResult` (its `warnings`).
+
+    Returns:
+      Lines of markdown, starting with an empty one (none without warnings).
+    """
+    if not result.warnings:
+        return []
+    return ['', '## Warnings', '', *(f'- {line}' for line in result.warnings)]
+
+
 def render_report(config, spec, result, extra_plots=()) -> str:
     """The markdown report of a run.
 
@@ -1015,6 +1045,7 @@ def render_report(config, spec, result, extra_plots=()) -> str:
         f'{last.get("train_loss", float("nan")):.4f}.',
         *divergence_lines(result),
         *privacy_lines(config, spec.num_clients, result.rounds),
+        *warning_lines(result),
         '',
         '## Test accuracy across clients (%)',
         '',

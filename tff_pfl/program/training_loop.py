@@ -18,6 +18,7 @@ import numpy as np
 from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import device_state, template
 from tff_pfl.program import checkpoints as checkpoints_lib
+from tff_pfl.program import health
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -684,6 +685,10 @@ class RunResult:
       diverged_round: the round whose mean training loss was NaN or
         infinite, where the run stopped (`diverged`); None: it ran every
         round.
+      warnings: what the run warned about, one line each: the pre-run
+        warnings (`health.pre_run_warnings`, added by
+        `experiment.run_experiment`), then the first `STALLED` and
+        `DIVERGING` finding of the rounds (`health.RunMonitor`).
     """
 
     state: object
@@ -692,6 +697,7 @@ class RunResult:
     clients: list
     summary: dict
     diverged_round: int | None = None
+    warnings: list = dataclasses.field(default_factory=list)
 
 
 def diverged(row: Mapping) -> bool:
@@ -809,8 +815,10 @@ def evaluate_all(process, state, store, row: dict, sample: np.ndarray | None = N
     return client_rows, summaries
 
 
-def progress_line(label: str, done: int, total: int, row: Mapping, summaries: Mapping, started: float) -> str:
-    """One progress line: training metrics, test accuracies if evaluated, time and ETA.
+def progress_line(
+    label: str, done: int, total: int, row: Mapping, summaries: Mapping, started: float, tags: Sequence[str] = ()
+) -> str:
+    """One progress line: training metrics, test accuracies if evaluated, time, ETA and warning tags.
 
     Args:
       label: e.g. `round 3/100`.
@@ -819,6 +827,8 @@ def progress_line(label: str, done: int, total: int, row: Mapping, summaries: Ma
       row: this step's metrics row (`train_loss`, `train_accuracy`, `round_seconds`).
       summaries: model name -> accuracy summary, empty when not evaluated.
       started: `time.monotonic()` at the start of the run.
+      tags: `health.RunMonitor.observe`'s findings for this step
+        (`STALLED: ...`, `DIVERGING: ...`), appended at the end.
 
     Returns:
       The line, without a trailing newline.
@@ -828,7 +838,8 @@ def progress_line(label: str, done: int, total: int, row: Mapping, summaries: Ma
     line += f'train_acc {row.get("train_accuracy", float("nan")):.4f}'
     for model_name, summary in summaries.items():
         line += f'  test_acc[{model_name}] {summary["mean"]:.4f}'
-    return line + f'  {row["round_seconds"]:.2f}s  ETA {_format_eta(eta)}'
+    line += f'  {row["round_seconds"]:.2f}s  ETA {_format_eta(eta)}'
+    return ''.join([line, *(f'  {tag}' for tag in tags)])
 
 
 def _format_eta(seconds: float) -> str:
@@ -872,7 +883,10 @@ def resume(
     log: Callable[[str], None],
     on_resume: Callable[[int, list], None] | None,
 ) -> tuple:
-    """Continues from the newest checkpoint, if there is one.
+    """Continues from the newest checkpoint that can be read whole, if there is one.
+
+    A newer damaged checkpoint costs its rounds: it is skipped with one log
+    line naming it and why, and set aside (`RunCheckpoints.load_latest`).
 
     Args:
       checkpoints: the run's checkpoints (None: none).
@@ -890,6 +904,8 @@ def resume(
 
     Raises:
       ValueError: if the checkpoint belongs to another run.
+      checkpoints.CheckpointError: if there are checkpoints and none can be
+        read whole.
     """
     restored = checkpoints.load_latest(state) if checkpoints is not None else None
     if restored is None:
@@ -901,6 +917,9 @@ def resume(
     store.restore(restored)
     rng.bit_generator.state = restored.rng_state
     rows = list(restored.rows)
+    for damage in restored.skipped:  # one line each; set aside by `load_latest`
+        aside = ', '.join(os.path.basename(f) + checkpoints_lib.DAMAGED_SUFFIX for f in damage.files)
+        log(f'{damage}; skipped (kept as {aside}), resuming from the checkpoint of {unit} {restored.round_num}')
     log(f'resuming after {unit} {restored.round_num} (checkpoint in {checkpoints.directory})')
     if on_resume is not None:
         on_resume(restored.round_num, rows)
@@ -926,6 +945,7 @@ def run(
     privacy: Callable[[int], Mapping] | None = None,
     eval_clients: int = 0,
     stop_on_divergence: bool = False,
+    num_classes: int | None = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -967,6 +987,9 @@ def run(
         infinite (`diverged`) becomes the last: the clients are personalized
         and evaluated as after the last round, and the run stops there
         (`RunResult.diverged_round`).
+      num_classes: the data's classes, for `health.RunMonitor`'s checks
+        against chance and a uniform guess (None: only the growth of the
+        training loss is checked).
 
     Returns:
       A `RunResult`.
@@ -979,6 +1002,8 @@ def run(
     state = store.initialize(process)
     started = time.monotonic()
     state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, 'round', log, on_resume)
+    monitor = health.RunMonitor(rounds, num_classes)
+    monitor.replay(rows)
     diverged_round = None
     for round_num in range(first_round, rounds + 1):
         round_start = time.monotonic()
@@ -1017,6 +1042,7 @@ def run(
                 row,
                 summaries if evaluate_now else {},
                 started,
+                monitor.observe(row),
             )
         )
         if diverged_round is not None:
@@ -1028,4 +1054,5 @@ def run(
         clients=client_rows,
         summary=summaries,
         diverged_round=diverged_round,
+        warnings=monitor.warnings,
     )
