@@ -157,9 +157,13 @@ def build_ditto_process(
     @tff.tensorflow.computation(weights_type, client_state_type)
     def evaluate_client(weights, client_state):
         client_id = client_state['client_id']
+        # A client that has not taken part yet has an untrained v_k: its personal model is w
+        # (docs/algorithms/baselines.md, Ditto: "clients that never took part").
+        trained = client_state['num_participations'] > 0
+        personal = [tf.where(trained, v, w) for v, w in zip(client_state['personal'], weights)]
         return collections.OrderedDict(
             global_model=client_evaluation(weights, client_id),
-            personalized_model=client_evaluation(client_state['personal'], client_id),
+            personalized_model=client_evaluation(personal, client_id),
         )
 
     return averaging.build_averaging_process(

@@ -302,7 +302,7 @@ def test_apfl_round_matches_algorithm_1(problem, tff_runtime):
 
 
 def test_per_client_evaluation_covers_unsampled_clients(problem, tff_runtime):
-    """Every client is evaluated with its own personalized model, sampled or not."""
+    """Every client is evaluated: a client that took part with its own v_k, one that never did with w."""
     spec, model_fn = problem
     process = ditto.build_ditto_process(spec, model_fn, ditto.DittoSettings(**LOCAL, ditto_lambda=0.1), seed=SEED)
     state, clients = _start(process, spec)
@@ -310,12 +310,14 @@ def test_per_client_evaluation_covers_unsampled_clients(problem, tff_runtime):
     all_states = list(output.client_states) + clients[1:]
     evaluation = process.evaluate(output.state, all_states)
     init = ref.as_float64(clients[1]['personal'])
-    for client_id, client_state, e in zip(spec.client_ids, all_states, evaluation):
+    w = ref.as_float64(output.state['model'])
+    for index, (client_id, client_state, e) in enumerate(zip(spec.client_ids, all_states, evaluation)):
         xt, yt = ref.read(spec, client_id, 'test')
-        assert float(e['personalized_model']['accuracy']) == pytest.approx(
-            ref.accuracy(ref.as_float64(client_state['personal']), xt, yt)
-        )
+        personal = ref.as_float64(client_state['personal']) if index == 0 else w
+        assert float(e['personalized_model']['accuracy']) == pytest.approx(ref.accuracy(personal, xt, yt))
+        assert float(e['global_model']['accuracy']) == pytest.approx(ref.accuracy(w, xt, yt))
     ref.assert_close(all_states[2]['personal'], init, atol=0, rtol=0)  # untouched
+    assert any(abs(a - b).max() > 1e-3 for a, b in zip(init, w))  # the two candidates differ
 
 
 # Each algorithm's builder with `local_steps` = 3 (and its settings otherwise the defaults).
