@@ -1,32 +1,57 @@
-"""Cross-device scale: setup, seconds per round, memory and checkpoints from 1,000 to 100,000 clients.
+"""Cross-device scale: setup, seconds per round, memory, checkpoints and final accuracy, 1,000 to 1,000,000 clients.
 
-Synthetic(1,1) (FedProx's generator: log-normal client sizes, 60 features,
-10 classes), logistic regression, 100 clients per round (activity rate
-100 / N), batch 10, eta 0.03, 20 local steps (Self-FL: at most 40, adapted
-to each client's uncertainty); FedAvg, Self-FL and PersFL (stage 2: one
-candidate, T = 1, lambda = 0.5, one epoch). Each run is `tff-pfl-train`'s
-code (`experiment.run_experiment`) in a process of its own, with a
-checkpoint every `--checkpoint_every` rounds and a seeded sample of
+Logistic regression, 100 clients per round (activity rate 100 / N), batch 10,
+eta 0.03, 20 local steps (Self-FL: at most 40, adapted to each client's
+uncertainty; smoothing weight 0.1, `selffl_paper` the paper's C, `selffl_w1`
+1); FedAvg, Self-FL, PersFL (stage 2: one candidate, T = 1, lambda = 0.5, one
+epoch) and Ditto (lambda 0.1, 20 steps for each model). Each run is
+`tff-pfl-train`'s code (`experiment.run_experiment`) in a process of its own,
+with a checkpoint every `--checkpoint_every` rounds and a seeded sample of
 `--eval_clients` clients evaluated every `--eval_every` rounds.
 
+Populations (`--data`):
+- `shared` (the learnable cross-device population, `shared_population.py`):
+  Synthetic(0,0) whose clients share 1 - h of one labelling model
+  (`--heterogeneity` h, default 0.1), 6 examples per client (4 train, 1
+  validation, 1 test); written once per population into `--population_dir`
+  as a `clients:DIR` source (what the runs name as their dataset) and, in the
+  same pass, through `client_data.ClientDataWriter` as the run's client files,
+  hard-linked into each run instead of converted again (the same bytes);
+- `mnist`, `fashion_mnist`: that file split by the FedProx power-law
+  generator (`ds3`, two classes per client, 2 base examples per class);
+- `synthetic`: Synthetic(1,1) (every client labels with a model of its own:
+  nothing can be learned; the first version of this benchmark);
+- `small_iid`: 6 Gaussian examples per client, one labelling model, iid.
+
 Measured per run:
-- setup: from the start of the run to the start of round 1 (data
-  generation, partition, client files, the process, the client-state store);
+- setup: from the start of the run to the start of round 1 (partition,
+  client files, the process, the client-state store);
 - s/round: median over rounds 2..R of the training round alone;
 - memory every 20 rounds: the driver's RssAnon (heap) and RssFile (mapped
   files, which the kernel can drop), the TFF worker's RSS;
 - every checkpoint: seconds, bytes written, clients stored;
-- the final stage (personalization and evaluation of every client). With
-  `--final_clients=M`, the last round personalizes and evaluates only the
-  first M clients, and the report gives the seconds per client (the stage is
-  per-client work: it grows with N by construction).
+- the final stage: personalization (PersFL) and evaluation of every client up
+  to `--final_clients` (10,000), above that of a seeded sample of that many
+  (`training_loop.evaluation_sample(seed, rounds, N, n)`); the mean test
+  accuracy of the global and the personalized model over the scored clients
+  with the half-width of the 95 % interval of the population's mean
+  (`metrics.sample_mean_interval`, 0 when every client is scored), and the
+  seconds per client (the stage is per-client work).
 
-With `--data=mnist` or `--data=fashion_mnist` the population is that file
-split by the FedProx power-law generator (`ds3`) instead.
+The results in benchmarks/results/ (run one at a time, from the repository root):
 
-    uv run python benchmarks/scale_population.py
-    uv run python benchmarks/scale_population.py --data=mnist --num_clients=10000 \
-        --out=benchmarks/results/scale_population_ds3
+    C="--data=shared --rounds=100 --eval_every=50 --checkpoint_every=20 --workdir=/tmp/scale_work \\
+       --population_dir=/tmp/scale_work/populations --out=benchmarks/results/scale_population_shared --append"
+    uv run --locked python benchmarks/scale_population.py $C --num_clients=1000000 --algorithms=fedavg
+    uv run --locked python benchmarks/scale_population.py $C --num_clients=1000,10000,100000 \\
+        --algorithms=fedavg,selffl,persfl,ditto
+    uv run --locked python benchmarks/scale_population.py $C --num_clients=1000000 \\
+        --algorithms=selffl,persfl,ditto,selffl_paper
+    uv run --locked python benchmarks/scale_population.py $C --num_clients=1000,10000,100000,1000000 \\
+        --algorithms=selffl_w1
+    uv run --locked python benchmarks/scale_population.py --data=mnist --data_dir=../shared/data \\
+        --num_clients=10000 --algorithms=fedavg,selffl,selffl_w1,persfl,ditto --rounds=100 --eval_every=50 \\
+        --checkpoint_every=20 --workdir=/tmp/scale_work --out=benchmarks/results/scale_population_mnist10k
 """
 
 import json
@@ -40,36 +65,55 @@ import time
 
 import numpy as np
 import process_memory  # benchmarks/, the script's own directory
+import shared_population
 from absl import app, flags
 
+from tff_pfl import metrics
 from tff_pfl.program import checkpoints, experiment, training_loop
 
 _ROUNDS = flags.DEFINE_integer('rounds', 200, 'Training rounds per run.')
 _ACTIVE = flags.DEFINE_integer('active', 100, 'Clients per round.')
 _SIZES = flags.DEFINE_list('num_clients', ['1000', '100000'], 'Populations.')
-_ALGORITHMS = flags.DEFINE_list('algorithms', ['fedavg', 'selffl', 'persfl'], 'Algorithms.')
+_ALGORITHMS = flags.DEFINE_list('algorithms', ['fedavg', 'selffl', 'persfl', 'ditto'], 'Algorithms (ALGORITHMS).')
 _CHECKPOINT_EVERY = flags.DEFINE_integer('checkpoint_every', 20, 'Rounds between checkpoints.')
 _EVAL_EVERY = flags.DEFINE_integer('eval_every', 50, 'Rounds between sampled evaluations.')
 _EVAL_CLIENTS = flags.DEFINE_integer('eval_clients', 500, 'Clients of a sampled evaluation.')
-_FINAL_CLIENTS = flags.DEFINE_integer('final_clients', 0, 'Clients of the final stage (0: every client).')
+_FINAL_CLIENTS = flags.DEFINE_integer(
+    'final_clients',
+    10000,
+    'The final stage personalizes and evaluates a seeded sample of this many clients when the population is '
+    'larger (training_loop.evaluation_sample with the run seed and the last round); 0: every client.',
+)
 _JOB = flags.DEFINE_integer('job', -1, 'Internal: run only this job and write its record into --workdir.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where runs go (default: a temporary directory here).')
 _APPEND = flags.DEFINE_bool('append', False, 'Add the records to those already in --out.json.')
+_REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Run nothing: write --out.md again from --out.json.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/scale_population', 'Result path prefix (.json, .md).')
 _DATA = flags.DEFINE_enum(
     'data',
     'synthetic',
-    ['synthetic', 'mnist', 'fashion_mnist', 'small_iid'],
-    'synthetic: Synthetic(1,1) generated per client; mnist, fashion_mnist: the Keras-layout file in --data_dir '
-    'split by the FedProx power-law generator (ds3, two classes per client, 2 base examples per class); '
-    'small_iid: SMALL_IID_EXAMPLES Gaussian examples per client, labelled by one random linear model, split iid '
-    '(a population whose data fit on disk at 1,000,000 clients).',
+    ['synthetic', 'shared', 'mnist', 'fashion_mnist', 'small_iid'],
+    'synthetic: Synthetic(1,1) generated per client; shared: 6 examples per client of '
+    'Synthetic(0,0) whose clients share 1 - --heterogeneity of one labelling model (a learnable cross-device '
+    'population, written once per population in --population_dir and read as clients:DIR); mnist, '
+    'fashion_mnist: the Keras-layout file in --data_dir split by the FedProx power-law generator (ds3, two '
+    'classes per client, 2 base examples per class); small_iid: SMALL_IID_EXAMPLES Gaussian examples per client, '
+    'labelled by one random linear model, split iid.',
 )
 _DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data', 'Folder of mnist.npz and fashion_mnist.npz.')
+_HETEROGENEITY = flags.DEFINE_float(
+    'heterogeneity', 0.1, "--data=shared: h, the share of each client's labelling model that is its own."
+)
+_POPULATION_DIR = flags.DEFINE_string(
+    'population_dir',
+    os.path.join(tempfile.gettempdir(), 'tff_pfl_scale_populations'),
+    '--data=shared: where each population is written once and kept for later runs.',
+)
 
 COMMON = dict(model='logistic', batch_size=10, client_learning_rate=0.03)
 DATA_NAMES = {
     'synthetic': 'Synthetic(1,1)',
+    'shared': 'shared: ' + shared_population.DESCRIPTION,
     'mnist': 'MNIST split by the FedProx power-law generator (ds3, 2 base examples per class)',
     'fashion_mnist': 'Fashion-MNIST split by the FedProx power-law generator (ds3, 2 base examples per class)',
     'small_iid': 'small_iid (6 Gaussian examples per client: 4 train, 1 validation, 1 test)',
@@ -88,9 +132,16 @@ def _write_small_iid(path, num_clients):
     np.savez(path, **arrays)
 
 
+def _population_root(num_clients):
+    """Where the --data=shared population of `num_clients` lives (`shared_population.write`)."""
+    return shared_population.root(_POPULATION_DIR.value, _HETEROGENEITY.value, num_clients)
+
+
 def _data_settings(num_clients=None, workdir=None):
     if _DATA.value == 'synthetic':
         return dict(dataset='synthetic')
+    if _DATA.value == 'shared':
+        return dict(dataset=shared_population.dataset(_population_root(num_clients or 'N')), partition='natural')
     if _DATA.value == 'small_iid':
         if workdir is None:
             return dict(dataset='npz:small_iid_N.npz', partition='iid')
@@ -104,16 +155,34 @@ def _data_settings(num_clients=None, workdir=None):
 
 ALGORITHMS = {
     'fedavg': dict(algorithm='fedavg', local_steps=20),
-    'selffl': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20),
+    # Self-FL's smoothing weight 0.1 in place of the paper's activity rate C = 100 / N (1e-4 at 1,000,000
+    # clients, where its global model hardly moves: docs/algorithms/selffl.md); selffl_paper keeps C.
+    'selffl': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20, selffl_smoothing=0.1),
+    'selffl_paper': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20),
+    # Smoothing weight 1: the global model is the round's precision-weighted estimate (what w = 0.1 slows down).
+    'selffl_w1': dict(algorithm='selffl', selffl_max_steps=40, selffl_default_steps=20, selffl_smoothing=1.0),
     'persfl': dict(algorithm='persfl', local_steps=20, temperatures=(1.0,), imitations=(0.5,), distill_epochs=1),
+    # Ditto: w and every personal model v_k take 20 steps a round; lambda its default (0.1).
+    'ditto': dict(algorithm='ditto', local_steps=20),
 }
 
 
 class _RecordingStore(training_loop.ClientStateStore):
-    """The run's store: kept for its size; the final stage limited to `final_clients` and timed."""
+    """The run's store: kept for its size; the final stage on a seeded sample of `final_clients`, timed and scored.
+
+    Above `final_clients` clients the last round personalizes and evaluates the
+    sample `training_loop.evaluation_sample(seed, rounds, N, final_clients)` (the
+    run seed and the last round: the draw of the sampled evaluations, so the same
+    clients for every algorithm of a population); up to it, every client. The
+    mean test accuracy of each model over the scored clients is recorded with the
+    half-width of its 95 % interval (`metrics.sample_mean_interval`: 0 when every
+    client is scored, the mean is then the population's).
+    """
 
     last = None
     final_clients = 0
+    seed = 0
+    final_round = 0
     final = {}
 
     def __init__(self, *args, **kwargs):
@@ -121,7 +190,9 @@ class _RecordingStore(training_loop.ClientStateStore):
         _RecordingStore.last = self
 
     def _final_ids(self):
-        return self.ids()[: self.final_clients] if self.final_clients else self.ids()
+        ids = self.ids()
+        sample = training_loop.evaluation_sample(self.seed, self.final_round, len(ids), self.final_clients)
+        return ids if sample is None else [ids[i] for i in sample]
 
     def personalize(self, process, state):
         ids, start = self._final_ids(), time.monotonic()
@@ -136,7 +207,12 @@ class _RecordingStore(training_loop.ClientStateStore):
         results = super().evaluate(process, state, ids)
         _RecordingStore.final['evaluate_seconds'] = time.monotonic() - start
         _RecordingStore.final['evaluated_clients'] = len(ids)
-        return results  # the run's clients.csv then lists the first M clients
+        for model in [k for k, v in results[0].items() if isinstance(v, dict) and 'accuracy' in v]:
+            accuracies = [float(r[model]['accuracy']) for r in results]
+            _RecordingStore.final[model] = dict(
+                mean=float(np.mean(accuracies)), ci95=metrics.sample_mean_interval(accuracies, len(self.ids()))
+            )
+        return results  # the run's clients.csv then lists the scored clients
 
 
 def _run(name, num_clients, workdir):
@@ -201,6 +277,7 @@ def _run(name, num_clients, workdir):
     record = dict(
         name=name,
         data=_DATA.value,
+        dataset=config.dataset,
         num_clients=num_clients,
         active=_ACTIVE.value,
         setup_seconds=setup,
@@ -215,6 +292,7 @@ def _run(name, num_clients, workdir):
         ],
         checkpoints=saves,
         final=dict(_RecordingStore.final),
+        final_row={k: v for k, v in rounds[-1].items() if isinstance(v, (int, float))},
         sampled_accuracy=[
             dict(
                 round=r['round'],
@@ -225,7 +303,10 @@ def _run(name, num_clients, workdir):
             for r in rounds[:-1]
             if 'eval_clients' in r
         ],
+        warnings=list(result.warnings),  # the run's pre-run warnings and STALLED / DIVERGING findings
     )
+    if _DATA.value == 'shared':
+        record['population'] = shared_population.write(_population_root(num_clients), num_clients, _HETEROGENEITY.value)
     print(json.dumps({k: v for k, v in record.items() if k not in ('round_seconds', 'checkpoints')}), flush=True)
     return record
 
@@ -236,30 +317,117 @@ def _jobs():
 
 def _flag_args():
     holders = (_ROUNDS, _ACTIVE, _SIZES, _ALGORITHMS, _CHECKPOINT_EVERY, _EVAL_EVERY, _EVAL_CLIENTS, _FINAL_CLIENTS)
-    holders += (_DATA, _DATA_DIR) if _DATA.value != 'synthetic' else ()
+    holders += (_DATA,) if _DATA.value != 'synthetic' else ()
+    holders += (_DATA_DIR,) if _DATA.value in ('mnist', 'fashion_mnist') else ()
+    holders += (_HETEROGENEITY, _POPULATION_DIR) if _DATA.value == 'shared' else ()
     return [flags.FLAGS[h.name].serialize() for h in holders]
 
 
-def _report(records):
-    lines = [
-        '# Cross-device scale: setup, seconds per round, memory and checkpoints against the population',
+LEARNS_ABOVE = 0.25  # a final mean test accuracy below this (chance: 0.10) is named in the report's first line
+WHY_NOT = {
+    ('selffl_paper', 'global_model'): "Self-FL with the paper's smoothing weight C = {active} / N = {rate:g} moves "
+    'its global model by C of the round estimate per round, so it stays near the initial model '
+    '(docs/algorithms/selffl.md)',
+    ('selffl_paper', 'personalized_model'): "Self-FL with the paper's C: a client that never took part is scored "
+    'with the global model, which does not move',
+    ('selffl', 'global_model'): "Self-FL's global model moves w = 0.1 of the way to the round's precision-weighted "
+    'estimate per round (the smoothing average; FedAvg moves all the way), too slow for {rounds} rounds: with w = 1 '
+    '(the selffl_w1 rows) the same clients make a global model that learns',
+    ('selffl', 'personalized_model'): 'Self-FL scores a client that never took part ({active} clients a round '
+    'reach at most {reached:,} of the {n:,}) with its global model, which does not learn (above)',
+}
+
+
+def _accuracy(final, model, num_clients):
+    """`mean +- ci95` in percent; `(all)` when every client was scored (the population's mean, no interval)."""
+    if model not in final:
+        return '-'
+    cell = f'{100 * final[model]["mean"]:.1f}'
+    if final.get('evaluated_clients', num_clients) >= num_clients:
+        return cell + ' (all)'
+    return cell + f' +- {100 * final[model]["ci95"]:.1f}'
+
+
+def _first_line(records):
+    """What did not learn and why (a final mean accuracy below LEARNS_ABOVE), or that everything learned."""
+    failures = {}
+    for r in records:
+        for model in ('global_model', 'personalized_model'):
+            value = r['final'].get(model, {}).get('mean')
+            if value is not None and value < LEARNS_ABOVE:
+                failures.setdefault((r['name'], model), []).append((r['num_clients'], value))
+    if not failures:
+        above = f'{100 * LEARNS_ABOVE:.0f} %'
+        return f'Every algorithm learns here: every final mean test accuracy is above {above} (chance: 10 %).'
+    parts = []
+    for (name, model), rows in failures.items():
+        where = ', '.join(f'{100 * v:.1f} % at {n:,} clients' for n, v in rows)
+        n = max(n for n, _ in rows)
+        reached = min(n, _ROUNDS.value * _ACTIVE.value)
+        why = WHY_NOT.get((name, model), 'not explained')
+        why = why.format(active=_ACTIVE.value, reached=reached, n=n, rate=_ACTIVE.value / n, rounds=_ROUNDS.value)
+        parts.append(f"{name}'s {model.replace('_', ' ')} ({where}): {why}")
+    return (
+        f'**Not learned** (final mean test accuracy below {100 * LEARNS_ABOVE:.0f} %; chance 10 %): '
+        + '; '.join(parts)
+        + '.'
+    )
+
+
+def _population_lines(records):
+    """What writing the --data=shared populations took (once each, outside the runs' setup)."""
+    written = {r['num_clients']: r['population'] for r in records if 'population' in r}
+    if not written:
+        return []
+    cells = ', '.join(f'{n:,} clients {p["seconds"]:.0f} s' for n, p in sorted(written.items()))
+    return [
+        f'Each population was written once before its runs ({cells}: the clients:DIR npz files and, in the same '
+        "pass, the client files `client_data.ClientDataWriter` makes of them); a run's setup hard-links those "
+        'client files (the bytes `pipeline.prepare` writes from clients:DIR, which costs about 1.3 ms per client: '
+        '22 min at 1,000,000 clients).',
         '',
-        '`uv run python benchmarks/scale_population.py '
-        + ' '.join(_flag_args())
-        + '`'
-        + ('; these rows added to the earlier ones (--append)' if _APPEND.value else ''),
+    ]
+
+
+def _report(records):
+    order = list(ALGORITHMS)
+    records = sorted(records, key=lambda r: (r.get('data', 'synthetic'), r['num_clients'], order.index(r['name'])))
+    lines = [
+        _first_line(records),
+        '',
+        '# Cross-device scale: setup, seconds per round, memory, checkpoints and final accuracy against the population',
+        '',
+        '`uv run --locked python benchmarks/scale_population.py '
+        + ' '.join(a for a in _flag_args() if not a.startswith(('--num_clients=', '--algorithms=')))
+        + ' --num_clients=N --algorithms=A'
+        + (' --append`' if _APPEND.value else '`')
+        + ", one invocation per group of rows (the exact ones: the script's docstring); here N in "
+        + ', '.join(f'{n:,}' for n in sorted({r['num_clients'] for r in records}))
+        + ', A in '
+        + ', '.join(n for n in ALGORITHMS if any(r['name'] == n for r in records))
+        + '.',
         '',
         '; '.join(dict.fromkeys(DATA_NAMES[r.get('data', 'synthetic')] for r in records))
         + f'; logistic regression, {_ACTIVE.value} clients per round, {_ROUNDS.value} rounds, batch 10, '
         'eta 0.03, 20 local steps (Self-FL: adaptive, at most 40); PersFL stage 2 with one candidate (T 1, lambda '
         f'0.5, one epoch). A checkpoint every {_CHECKPOINT_EVERY.value} rounds; a sampled evaluation of '
-        f'{_EVAL_CLIENTS.value} clients every {_EVAL_EVERY.value} rounds. Each run in a process of its own, beside '
-        'other work on a 2-core machine: compare rows of one table, not across tables.',
+        f'{_EVAL_CLIENTS.value} clients every {_EVAL_EVERY.value} rounds. Self-FL with smoothing weight 0.1 '
+        "(selffl_paper: the paper's, the activity rate C; selffl_w1: 1); Ditto lambda 0.1, 20 steps for each "
+        'model. The final '
+        f'stage personalizes (PersFL) and evaluates every client up to {_FINAL_CLIENTS.value:,} clients, above that '
+        f'a seeded sample of {_FINAL_CLIENTS.value:,} (the same clients for every algorithm of a population). Each run '
+        'in a process of its own, beside other work on a 2-core machine: compare rows of one table, not across tables.',
+        '',
+        *_population_lines(records),
+        "Final mean test accuracy over the scored clients, in %: `(all)`, every client scored (the population's "
+        "mean); `+- x`, the half-width of the 95 % interval of the population's mean from the sample "
+        "(`metrics.sample_mean_interval`). Personalized: the algorithm's per-client model (PersFL's stage 2, "
+        "Self-FL's theta_m, Ditto's v_k); FedAvg has none.",
         '',
         '| data | algorithm | clients | setup s | s/round | stored clients | store MB '
         '| driver RssAnon MB: round 20 / last | driver RssFile MB (last) | worker MB: round 20 / last '
-        '| final stage s per client | total s |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+        '| global model % | personalized % | final stage ms per client (clients) | total s |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in records:
         memory = {m['round']: m for m in r['memory_by_round']}
@@ -274,7 +442,9 @@ def _report(records):
             f'{r["stored_clients"]} | {r["store_mb"]:.1f} | '
             f'{first["driver_anon_mb"]:.0f} / {last["driver_anon_mb"]:.0f} | '
             f'{last["driver_file_mb"]:.0f} | {first["worker_mb"]:.0f} / {last["worker_mb"]:.0f} | '
-            f'{1000 * per_client:.2f} ms ({clients} clients) | {r["total_seconds"]:.0f} |'
+            f'{_accuracy(final, "global_model", r["num_clients"])} | '
+            f'{_accuracy(final, "personalized_model", r["num_clients"])} | '
+            f'{1000 * per_client:.2f} ({clients}) | {r["total_seconds"]:.0f} |'
         )
     lines += [
         '',
@@ -291,8 +461,8 @@ def _report(records):
         lines.append(f'| {r.get("data", "synthetic")} {r["name"]} | {r["num_clients"]} | ' + ' | '.join(cells) + ' |')
     lines += [
         '',
-        'Sampled evaluations (mean test accuracy of the global model +- the 95 % interval, clients scored) and '
-        'the final evaluation of every client:',
+        'Sampled evaluations before the last round (mean test accuracy of the global model +- the 95 % interval, '
+        'clients scored), then the final one (global / personalized):',
         '',
     ]
     for r in records:
@@ -300,7 +470,18 @@ def _report(records):
             f'round {s["round"]}: {100 * s["mean"]:.1f} +- {100 * (s["ci95"] or 0):.1f} ({s["clients"]})'
             for s in r['sampled_accuracy']
         ]
-        lines.append(f'- {r.get("data", "synthetic")} {r["name"]}, {r["num_clients"]} clients: ' + '; '.join(cells))
+        final = r['final']
+        if 'global_model' in final:
+            cells.append(
+                f'round {_ROUNDS.value}: {_accuracy(final, "global_model", r["num_clients"])} / '
+                f'{_accuracy(final, "personalized_model", r["num_clients"])} ({final["evaluated_clients"]})'
+            )
+        warned = '; '.join(r.get('warnings', []))  # recorded since the runs of 2026-11-28
+        lines.append(
+            f'- {r.get("data", "synthetic")} {r["name"]}, {r["num_clients"]} clients: '
+            + '; '.join(cells)
+            + (f'; the run warned: {warned}' if warned else '')
+        )
     return lines
 
 
@@ -310,14 +491,27 @@ def main(argv):
         name, num_clients = _jobs()[_JOB.value]
         training_loop.ClientStateStore = _RecordingStore
         _RecordingStore.final_clients = _FINAL_CLIENTS.value
+        _RecordingStore.final_round = _ROUNDS.value
+        from tff_pfl.data import pipeline
+
+        pipeline.prepare = shared_population.prepare_linked(pipeline.prepare)
         record = _run(name, num_clients, _WORKDIR.value)
         with open(os.path.join(_WORKDIR.value, f'record_{_JOB.value}.json'), 'w') as f:
             json.dump(record, f)
         return
     records = []
+    if _REPORT_ONLY.value:
+        with open(_OUT.value + '.json') as f:
+            lines = _report(json.load(f)['records'])
+        with open(_OUT.value + '.md', 'w') as f:
+            f.write('\n'.join(lines) + '\n')
+        return
     if _APPEND.value and os.path.exists(_OUT.value + '.json'):
         with open(_OUT.value + '.json') as f:
             records = json.load(f)['records']
+    if _DATA.value == 'shared':  # each population once, before the runs (not in their setup or memory)
+        for n in dict.fromkeys(int(n) for n in _SIZES.value):
+            shared_population.write(_population_root(n), n, _HETEROGENEITY.value)
     with tempfile.TemporaryDirectory(dir=_WORKDIR.value or '.') as workdir:
         for index in range(len(_jobs())):
             subprocess.run(
@@ -328,6 +522,8 @@ def main(argv):
                 records.append(json.load(f))
             with open(_OUT.value + '.json', 'w') as f:
                 common = dict(COMMON, **_data_settings())
+                if _DATA.value == 'shared':
+                    common.update(heterogeneity=_HETEROGENEITY.value, examples_per_client=shared_population.EXAMPLES)
                 json.dump({'common': common, 'algorithms': ALGORITHMS, 'records': records}, f, indent=1)
             lines = _report(records)
             with open(_OUT.value + '.md', 'w') as f:

@@ -30,6 +30,7 @@ def test_selffl_at_the_paper_activity_rate_of_a_million_clients_warns_and_names_
     config = _config(algorithm='selffl', num_clients=1_000_000, client_fraction=1e-4, rounds=200)
     (line,) = health.pre_run_warnings(config)
     assert line.startswith('selffl_smoothing:') and 'w = 0.0001' in line and 'client_fraction 0.0001' in line
+    assert line.endswith("set selffl_smoothing, e.g. 1 (the round's estimate as it is)")
     # 1 - (1 - 1e-4)^200 = 1.98 % of the way.
     assert f'{100 * (1 - (1 - 1e-4) ** 200):.3g} %' == '1.98 %' and '= 1.98 % of the way in 200 rounds' in line
     config = _config(algorithm='selffl', num_clients=1_000_000, client_fraction=1e-4, rounds=200, selffl_smoothing=0.1)

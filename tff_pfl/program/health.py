@@ -118,7 +118,8 @@ def _server_step_warnings(config) -> list[str]:
             found.append(
                 f"selffl_smoothing: the global model moves by w = {w:g} ({source}) of each round's estimate, "
                 f'1 - (1 - w)^{config.rounds} = {100 * share:.3g} % of the way in {config.rounds} rounds '
-                f'(below {100 * MIN_SHARE_MOVED:g} %): it will barely move; set selffl_smoothing, e.g. 0.1'
+                f'(below {100 * MIN_SHARE_MOVED:g} %): it will barely move; set selffl_smoothing, e.g. 1 '
+                "(the round's estimate as it is)"
             )
     for name, what in SERVER_STEPS.items():
         value = getattr(config.settings, name, None)
