@@ -452,6 +452,7 @@ def main(argv=None) -> int:
 
     from tff_pfl import runtime
 
+    runtime.refuse_implicit_runtime()
     workers = tuple(w for w in args.workers.split(',') if w)
     if not workers:  # a local worker: keep its port out of reach (docs/runtime.md#security)
         runtime.isolate_network('deploy.loader', ['-m', 'deploy.loader', *(sys.argv[1:] if argv is None else argv)])
@@ -480,6 +481,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == '__main__':
+    from tff_pfl import runtime as _runtime
+
+    _runtime.refuse_implicit_runtime()  # first: a refusal exits with its one line alone (tff_pfl/cli/common.py)
     if os.environ.get('BUILD_WORKING_DIRECTORY'):  # `bazel run`: paths relative to the user's directory
         os.chdir(os.environ['BUILD_WORKING_DIRECTORY'])
     raise SystemExit(main())

@@ -6,6 +6,10 @@ import pytest
 from tff_pfl import runtime
 from tff_pfl.data import client_data
 
+# A test that invokes a computation outside `tff_runtime` fails instead of starting TFF's own,
+# never reaped worker (the library leaves that choice to its user: tff_pfl/runtime.py).
+runtime.refuse_implicit_runtime()
+
 
 @pytest.fixture(scope='session')
 def tff_runtime():

@@ -43,6 +43,16 @@ SCRIPT = textwrap.dedent(
                 sys.exit(3)
 
     if mode == 'no_runtime':
+        runtime.refuse_implicit_runtime()
+        try:
+            add_one(1.0)
+        except RuntimeError as e:
+            print('refused:', e, flush=True)
+        sys.exit(0)
+    if mode == 'refuse_inside':
+        with runtime.local_runtime():
+            runtime.refuse_implicit_runtime()  # as a binary's main run inside a test's runtime does
+            assert add_one(1.0) == 2.0
         try:
             add_one(1.0)
         except RuntimeError as e:
@@ -56,6 +66,58 @@ SCRIPT = textwrap.dedent(
         body()
     """
 )
+
+
+# Imports the modules of tff_pfl, processes and deploy named by argv[1] ('library': all but the
+# binaries that define clashing absl flags, i.e. tff_pfl.cli.bench; else a comma-separated list),
+# checks TFF's execution context is the object TFF installed, runs a computation in it (TFF's own
+# worker), then ends that worker (TFF never does: tff_pfl/runtime.py) and prints what it ran.
+IMPORT_SCRIPT = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+    import numpy as np
+    import psutil
+    import tensorflow_federated as tff
+
+    before = tff.framework.get_context_stack().current
+    if sys.argv[1] == 'library':
+        names = []
+        for package in ('tff_pfl', 'processes', 'deploy'):
+            names.append(package)
+            path = importlib.import_module(package).__path__
+            names += [m.name for m in pkgutil.walk_packages(path, package + '.')]
+        names = [n for n in names if n != 'tff_pfl.cli.bench']
+    else:
+        names = sys.argv[1].split(',')
+    for name in names:
+        importlib.import_module(name)
+    assert tff.framework.get_context_stack().current is before, type(tff.framework.get_context_stack().current)
+
+    @tff.tensorflow.computation(np.float32)
+    def add_one(x):
+        return x + 1.0
+
+    assert add_one(1.0) == 2.0
+    workers = psutil.Process().children(recursive=True)
+    print(len(names), ' '.join(sorted({w.name() for w in workers})), flush=True)
+    for worker in workers:
+        worker.kill()
+    psutil.wait_procs(workers, timeout=10)
+    """
+)
+
+
+@pytest.mark.parametrize('modules', ['library', 'tff_pfl.cli.bench'])
+def test_importing_the_library_leaves_tffs_default_context(modules, tmp_path):
+    script = tmp_path / 'importer.py'
+    script.write_text(IMPORT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    done = subprocess.run([sys.executable, str(script), modules], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, ran_on = done.stdout.split(maxsplit=1)
+    # TFF's own context ran the computation: on the worker_binary it started.
+    assert 'worker_binary' in ran_on
+    assert int(count) >= (40 if modules == 'library' else 1)
 
 
 def _gone(pid, timeout=10.0):
@@ -103,8 +165,10 @@ def test_worker_reaped_on_exit(mode, expected_code, tmp_path):
     assert _gone(pid), f'worker {pid} outlived the driver ({mode})'
 
 
-def test_computations_refuse_to_run_without_a_runtime(tmp_path):
-    process = _start('no_runtime', tmp_path)
+@pytest.mark.parametrize('mode', ['no_runtime', 'refuse_inside'])
+def test_computations_refuse_to_run_without_a_runtime(mode, tmp_path):
+    # refuse_inside: called inside a runtime, it leaves that runtime's context and takes effect after it.
+    process = _start(mode, tmp_path)
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 0
     assert out.startswith('refused: no TFF runtime is running'), out

@@ -3,8 +3,8 @@
 `import tensorflow_federated` installs a local C++ context that starts TFF's
 `worker_binary` lazily, lets it inherit stdout/stderr, and kills it only in a
 `__del__` that fails at interpreter exit, so the worker outlives the Python
-process (and keeps any pipe open). This module starts the worker itself and
-installs an equivalent execution context in its place:
+process (and keeps any pipe open). This module starts the worker itself and,
+while it runs, installs an equivalent execution context in TFF's place:
 
 * the worker is started eagerly, from the calling (main) thread, with its
     output sent to a log file (or discarded), never to our stdout/stderr;
@@ -14,6 +14,11 @@ installs an equivalent execution context in its place:
     it as a context manager), and an `atexit` hook covers the rest;
 * SIGTERM is turned into `SystemExit` by `install_sigterm_handler()`, so the
     same clean-up runs.
+
+Importing this module (or any of the library) changes no TFF state: outside a
+runtime, TFF's own default context stays in place. `refuse_implicit_runtime()`
+replaces it by one that refuses to run anything; the binaries and the tests
+call it, so that no code path of theirs starts TFF's unreaped worker.
 
 Typical use:
 
@@ -57,8 +62,8 @@ class RuntimeStartError(RuntimeError):
 class NoRuntimeContext(tff.framework.SyncContext):
     """Default context while no `LocalRuntime` is open: invoking fails clearly.
 
-    Installed when this module is imported, replacing TFF's lazily started,
-    never reaped local worker.
+    Installed by `refuse_implicit_runtime()` (the binaries, the tests) in place
+    of TFF's lazily started, never reaped local worker.
     """
 
     def invoke(self, comp, arg):
@@ -75,7 +80,24 @@ class NoRuntimeContext(tff.framework.SyncContext):
         raise RuntimeError('no TFF runtime is running: wrap the calls in `with tff_pfl.runtime.local_runtime():`')
 
 
-tff.framework.set_default_context(NoRuntimeContext())
+# The runtimes whose context is installed, oldest first (they close LIFO): the oldest one puts
+# back the context of "outside any runtime".
+_OPEN_RUNTIMES: list = []
+
+
+def refuse_implicit_runtime() -> None:
+    """Makes a computation invoked outside a runtime fail, instead of starting TFF's own worker.
+
+    Sets `NoRuntimeContext` as TFF's default context; called while runtimes
+    are open (e.g. a binary's `main` run inside a test's runtime), it leaves
+    theirs in place and becomes what the oldest one puts back when it closes.
+    Not called on import: a user's process keeps TFF's default context unless
+    it calls this.
+    """
+    if _OPEN_RUNTIMES:
+        _OPEN_RUNTIMES[0]._previous_context = NoRuntimeContext()
+    else:
+        tff.framework.set_default_context(NoRuntimeContext())
 
 
 def worker_binary_path() -> str:
@@ -355,10 +377,13 @@ class RemoteRuntime:
             )
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
+        _OPEN_RUNTIMES.append(self)
 
     def close(self) -> None:
         """Puts back the context that was there before; safe to call twice."""
         previous, self._previous_context = self._previous_context, None
+        if self in _OPEN_RUNTIMES:
+            _OPEN_RUNTIMES.remove(self)
         if previous is not None:
             tff.framework.set_default_context(previous)
 
@@ -436,6 +461,7 @@ class LocalRuntime:
         self.context = _execution_context(stub)
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
+        _OPEN_RUNTIMES.append(self)
 
     @property
     def alive(self) -> bool:
@@ -451,9 +477,13 @@ class LocalRuntime:
         if process is not None:
             end_process(process)
             self.pid = None
-            # Back to what was there before (nested runtimes close LIFO).
+            # Back to what was there before (nested runtimes close LIFO); None: the
+            # worker failed to start, the context was never changed.
             previous = getattr(self, '_previous_context', None)
-            tff.framework.set_default_context(previous or NoRuntimeContext())
+            if self in _OPEN_RUNTIMES:
+                _OPEN_RUNTIMES.remove(self)
+            if previous is not None:
+                tff.framework.set_default_context(previous)
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -137,6 +137,7 @@ def main(argv) -> None:
     if _ISOLATE_NETWORK.value:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.bench', *sys.argv[1:]])
     runtime.install_sigterm_handler()
+    runtime.refuse_implicit_runtime()
     try:
         if _REPORT_ONLY.value and not _RESULTS_DIR.value:
             bench_report.write_report(suite, output_dir, log=_log)
@@ -165,6 +166,7 @@ def main(argv) -> None:
 def run() -> None:
     """Console-script entry point."""
     common.use_invocation_directory()
+    common.refuse_implicit_runtime()
     app.run(main, flags_parser=common.flags_parser(_PROG))
 
 

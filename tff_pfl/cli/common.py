@@ -48,3 +48,15 @@ def flags_parser(prog: str) -> Callable[[list], list]:
             fail(prog, str(e).splitlines()[0])
 
     return parse
+
+
+def refuse_implicit_runtime() -> None:
+    """A binary's first step: TFF's default context out, `runtime.NoRuntimeContext` in.
+
+    Before the flags are parsed, so that a run refused in one line exits with
+    that line alone: TFF's default context, left in place until the
+    interpreter exits, prints a traceback from its `__del__` then.
+    """
+    from tff_pfl import runtime
+
+    runtime.refuse_implicit_runtime()

@@ -39,10 +39,12 @@ def main(argv) -> None:
         common.fail(_PROG, f'unexpected arguments: {" ".join(argv[1:])}')
     if not flags.FLAGS['output_dir'].value:
         common.fail(_PROG, '--output_dir is required')
+    from tff_pfl import runtime
     from tff_pfl.data import partition, sources
     from tff_pfl.program import export
 
     logging.set_verbosity(logging.WARNING)
+    runtime.refuse_implicit_runtime()  # exporting traces and serializes; nothing may start TFF's worker
     try:
         config = train.config_from_flags()
         manifest = export.export(config, overwrite=flags.FLAGS['overwrite'].value)
@@ -60,6 +62,7 @@ def main(argv) -> None:
 def run() -> None:
     """Console-script entry point."""
     common.use_invocation_directory()
+    common.refuse_implicit_runtime()
     app.run(main, flags_parser=common.flags_parser(_PROG))
 
 

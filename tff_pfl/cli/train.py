@@ -84,6 +84,7 @@ def main(argv) -> None:
     if _ISOLATE_NETWORK.value and not config.workers and not config.download:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.train', *sys.argv[1:]])
     runtime.install_sigterm_handler()
+    runtime.refuse_implicit_runtime()
     try:
         result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
     except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
@@ -112,6 +113,7 @@ def main(argv) -> None:
 def run() -> None:
     """Console-script entry point."""
     common.use_invocation_directory()
+    common.refuse_implicit_runtime()
     app.run(main, flags_parser=common.flags_parser(_PROG))
 
 
