@@ -262,3 +262,92 @@ def test_char_gru_parameters_and_shapes():
     assert not model.non_trainable_weights
     with pytest.raises(ValueError, match='sequences of ids'):
         models.get('char_gru')((28, 28, 1), 10)
+
+
+# --- logits out: a model ending in probabilities is refused at build time -----------------------
+
+
+def _softmax_models(shape=(4,), classes=3):
+    inputs = tf.keras.Input(shape)
+    functional = tf.keras.Model(inputs, tf.keras.layers.Dense(classes, activation='softmax')(inputs), name='functional')
+    return {
+        'dense_softmax': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes, activation='softmax')], name='dense_softmax'
+        ),
+        'softmax_layer': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes), tf.keras.layers.Softmax()], name='softmax_layer'
+        ),
+        'activation_layer': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes), tf.keras.layers.Activation('softmax')],
+            name='activation_layer',
+        ),
+        'sigmoid': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes, activation='sigmoid')], name='sigmoid'
+        ),
+        'functional': functional,
+        'nested': tf.keras.Sequential([tf.keras.Input(shape), functional], name='nested'),
+    }
+
+
+@pytest.mark.parametrize(
+    'kind', ['dense_softmax', 'softmax_layer', 'activation_layer', 'sigmoid', 'functional', 'nested']
+)
+def test_a_model_ending_in_probabilities_is_refused_in_one_line(kind):
+    from tff_pfl.computations import local_training
+
+    model = _softmax_models()[kind]
+    with pytest.raises(ValueError, match=r'ends in a (softmax|sigmoid) \(layer ') as caught:
+        local_training.check_logits(model)
+    assert '\n' not in str(caught.value) and 'take logits' in str(caught.value)
+
+
+def test_logits_pass_the_check_log_softmax_included():
+    from tff_pfl.computations import local_training
+
+    log_softmax = tf.keras.Sequential(
+        [tf.keras.Input((4,)), tf.keras.layers.Dense(3), tf.keras.layers.Activation(tf.nn.log_softmax)]
+    )
+    local_training.check_logits(log_softmax)
+    local_training.check_logits(tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)]))
+
+
+@pytest.mark.parametrize('name', models.names())
+def test_every_registered_model_outputs_logits(name):
+    from tff_pfl.computations import local_training
+
+    shape = (20,) if name == 'char_gru' else (28, 28, 1)
+    local_training.check_logits(models.get(name)(shape, 10))
+
+
+# KT-pFL, FedDF and pFedDF build their clients' models from registered names (--architectures), not
+# from the model function a builder is given.
+BY_NAME = {'feddf', 'pfeddf', 'ktpfl'}
+
+
+def test_every_builder_given_a_model_refuses_one_ending_in_softmax(tmp_path):
+    from tests.conftest import make_linear_problem
+    from tff_pfl.program import algorithms, experiment
+
+    spec = make_linear_problem(tmp_path / 'data', public_examples=12)
+
+    def model_fn():  # two layers with weights: FedPer keeps one shared
+        return tf.keras.Sequential(
+            [
+                tf.keras.Input(spec.feature_shape),
+                tf.keras.layers.Dense(8, activation='relu'),
+                tf.keras.layers.Dense(spec.num_classes, activation='softmax'),
+            ],
+            name='mine',
+        )
+
+    built = set()
+    for name in algorithms.names():
+        extra = {'architectures': ('logistic',)} if name == 'ktpfl' else {}
+        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **extra).validate()
+        try:
+            algorithms.build(name, config.settings, spec, model_fn, config)
+        except ValueError as e:
+            assert str(e).startswith("model 'mine' ends in a softmax (layer 'dense_1')"), (name, str(e))
+        else:
+            built.add(name)
+    assert built == BY_NAME

@@ -189,6 +189,7 @@ class Architectures:
         with tf.Graph().as_default():
             for fn in self.model_fns:
                 model = fn()
+                local_training.check_logits(model)
                 if model.non_trainable_weights:
                     raise ValueError(f'model {model.name!r} has non-trainable weights')
                 self.shapes.append([tuple(v.shape) for v in model.trainable_weights])

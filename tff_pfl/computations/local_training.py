@@ -28,6 +28,44 @@ LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Te
 Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples', 'num_steps'], defaults=(0.0,))
 
 
+# Output activations that turn logits into probabilities: a model ending in one would be trained
+# and distilled as if its probabilities were logits (the losses apply softmax themselves).
+PROBABILITY_ACTIVATIONS = ('softmax', 'sigmoid')
+
+
+def check_logits(model: tf.keras.Model) -> None:
+    """Refuses a Keras model whose output layer turns its logits into probabilities.
+
+    Looks at the last layer (into a nested model ending another): a `Softmax`
+    layer, or a layer whose `activation` is softmax or sigmoid (`Dense(...,
+    activation='softmax')`, `Activation('softmax')`). `log_softmax` passes: its
+    softmax is the logits' softmax. A subclassed model without layers is not
+    checked.
+
+    Args:
+      model: a freshly built Keras model.
+
+    Raises:
+      ValueError: in one line, naming the model, the layer and the fix.
+    """
+    layers = getattr(model, 'layers', None) or []
+    if not layers:
+        return
+    last = layers[-1]
+    if isinstance(last, tf.keras.Model):
+        check_logits(last)
+        return
+    if isinstance(last, tf.keras.layers.Softmax):
+        name = 'softmax'
+    else:
+        name = getattr(getattr(last, 'activation', None), '__name__', None)
+    if name in PROBABILITY_ACTIVATIONS:
+        raise ValueError(
+            f'model {model.name!r} ends in a {name} (layer {last.name!r}): its outputs are probabilities, and the '
+            f'losses and distillation here take logits; build it without the final {name} (e.g. activation=None)'
+        )
+
+
 def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
     """The TFF type of a model's trainable weights: a list of float tensors.
 
@@ -41,10 +79,12 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
 
     Raises:
       ValueError: if the model has non-trainable weights (batch-norm
-        statistics and the like are not averaged by these algorithms).
+        statistics and the like are not averaged by these algorithms), or
+        ends in a softmax or sigmoid (`check_logits`).
     """
     with tf.Graph().as_default():
         model = model_fn()
+        check_logits(model)
         if model.non_trainable_weights:
             raise ValueError(f'model {model.name!r} has non-trainable weights, which are not supported')
         variables = model.trainable_weights
