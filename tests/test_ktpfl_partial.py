@@ -355,7 +355,10 @@ def test_only_soft_predictions_cross_with_or_without_sampling(spec):
     assert all(s in ((10, 3), (4,), ()) for s in shapes), shapes  # no weights (mnist_dnn: thousands)
 
 
-def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path):
+def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path, tff_runtime):
+    # tff_runtime: result.client_states makes a never-sampled client's initial state by a TFF call
+    # after run_experiment's own runtime has closed (training_loop.RunResult); without it the test
+    # passed only when an earlier test of its pytest worker had opened the session's runtime.
     for algorithm, settings in (
         ('ktpfl', ktpfl.KTpFLSettings(local_steps=2, architectures=('logistic',), public_examples=40, public_batch=20)),
         ('ktpfl_homo', ktpfl.KTpFLHomoSettings(local_steps=2)),
