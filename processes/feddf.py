@@ -388,6 +388,9 @@ def build_feddf_process(
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         device=device,
+        no_global_model=(
+            'FedDF keeps one prototype model per architecture, packed into one vector, not one global model'
+        ),
         architectures=architectures,
         communication=collections.OrderedDict(
             parameter_bytes_up_per_client=parameter_bytes,

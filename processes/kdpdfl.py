@@ -547,4 +547,5 @@ def build_kdpdfl_process(
         max_neighbours=max_neighbours,
         initial_client_state=initial_client_state,
         evaluate=evaluate,
+        no_global_model='KD-PDFL is serverless: each client keeps its own model and there is no global one',
     )

@@ -1151,6 +1151,10 @@ def _personalized_process(stages: _Stages, capacity: int, **declared) -> templat
         initial_client_state=initial_client_state,
         evaluate=building_blocks.build_client_states_evaluation(server_state_type, stages.evaluate_client),
         device=_device_process(stages, capacity),
+        no_global_model=(
+            "KT-pFL's server holds the knowledge-coefficient matrix; each client keeps its own model "
+            '(the personalized model is the client state)'
+        ),
         **declared,
     )
 

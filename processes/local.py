@@ -113,5 +113,10 @@ def build_local_process(
     )
     evaluate = building_blocks.build_client_states_evaluation(server_state_type, evaluate_client)
     return template.PersonalizedProcess(
-        initialize, next_fn, initial_client_state=initial_client_state, evaluate=evaluate, device=device
+        initialize,
+        next_fn,
+        initial_client_state=initial_client_state,
+        evaluate=evaluate,
+        device=device,
+        no_global_model='local-only training has no server model; each client trains its own',
     )

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow_federated as tff
 
 from tff_pfl.computations import template
 from tff_pfl.program import algorithms, experiment
@@ -13,6 +14,19 @@ from tff_pfl.program import algorithms, experiment
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = algorithms.names()
 LOCAL_STEPS = 3
+# The algorithms whose server state holds one global model (`get_model_weights`).
+GLOBAL_MODEL = {
+    'apfl',
+    'ditto',
+    'fedavg',
+    'fedavg_ft',
+    'perfedavg_fo',
+    'perfedavg_hf',
+    'persfl',
+    'persfl_gd',
+    'pfedme',
+    'selffl',
+}
 
 
 @pytest.mark.parametrize('algorithm', ALGORITHMS)
@@ -38,6 +52,16 @@ def test_runs_from_its_defaults_and_takes_exactly_the_local_steps_asked(algorith
     assert isinstance(process, template.PersonalizedProcess)
     # Declared outputs only: nothing is assigned to a process after construction.
     assert [k for k in vars(process) if not k.startswith('_')] == []
+    # TFF's tools read the global model where there is one; elsewhere one line says why not.
+    assert process.has_global_model == (algorithm in GLOBAL_MODEL)
+    if process.has_global_model:
+        weights_type = process.get_model_weights.type_signature.result
+        assert weights_type.python_container is tff.learning.models.ModelWeights
+        assert weights_type.trainable.is_equivalent_to(process.initialize.type_signature.result.member['model'])
+    else:
+        with pytest.raises(ValueError, match='has no global model: ') as raised:
+            process.get_model_weights  # noqa: B018 (the property raises)
+        assert '\n' not in str(raised.value)
     assert os.path.exists(tmp_path / 'run' / 'report.md')
     with open(tmp_path / 'run' / 'metrics.csv') as f:
         rows = list(csv.DictReader(f))

@@ -21,7 +21,7 @@ from tff_pfl.computations import building_blocks, device_state, local_training, 
 
 # The keyword arguments of `template.PersonalizedProcess` this module sets itself;
 # any other one is a declared output the caller may pass through.
-_SET_HERE = ('initial_client_state', 'evaluate', 'personalize', 'device')
+_SET_HERE = ('initial_client_state', 'evaluate', 'personalize', 'device', 'global_model', 'no_global_model')
 
 # How the clients' updates are aggregated: weighted (by examples) or unweighted (user-level DP).
 Aggregator = tff.aggregators.WeightedAggregationFactory | tff.aggregators.UnweightedAggregationFactory
@@ -255,5 +255,10 @@ def build_averaging_process(
         evaluate=evaluate,
         personalize=personalize,
         device=device,
+        global_model='model' if shared_indices is None else None,
+        no_global_model=(
+            'its server holds only the shared layers of the model; each client keeps the others '
+            '(the personalized model is the client state)'
+        ),
         **declared_outputs,
     )

@@ -11,7 +11,10 @@ A `PersonalizedProcess` is a `tff.templates.IterativeProcess` with:
   its own test split, of the global model and, where the algorithm has one,
   of its personalized model;
 * `personalize` (optional): a clients-only stage that yields personalized
-  models into the client states, e.g. PersFL's distillation.
+  models into the client states, e.g. PersFL's distillation;
+* `get_model_weights: S -> tff.learning.models.ModelWeights` and
+  `set_model_weights: (S, ModelWeights) -> S`, as on TFF's `LearningProcess`,
+  where the server state holds one global model (`has_global_model`).
 
 Client states are pass-in/pass-out (TFF's stateful-clients pattern): the
 driver keeps them in a store keyed by client id, passes the sampled clients'
@@ -81,6 +84,8 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         grid_candidates: Sequence[tuple[float, float]] = (),
         architectures: Sequence[str] = (),
         communication: Mapping[str, int] | None = None,
+        global_model: str | None = None,
+        no_global_model: str = 'its server holds no global model',
     ):
         """Builds the process; see the module docstring for the signatures.
 
@@ -99,9 +104,16 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
             algorithms whose clients have their own architectures.
           communication: bytes exchanged per client and round, by name, for
             algorithms that report them (KT-pFL, FedDF).
+          global_model: the field of the server state that holds the global
+            model's trainable weights, in the order of the model's
+            `trainable_weights` (`get_model_weights`); None: the algorithm
+            has no such model.
+          no_global_model: why not, when `global_model` is None (completes
+            "<process> has no global model: ...").
 
         Raises:
-          TypeError: if the client state types of the computations disagree.
+          TypeError: if the client state types of the computations disagree,
+            or `global_model` is not a field of the server state.
         """
         super().__init__(initialize_fn, next_fn, next_is_multi_arg=True)
         client_state_type = initial_client_state.type_signature.result
@@ -121,6 +133,14 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._grid_candidates = tuple((float(t), float(lam)) for t, lam in grid_candidates)
         self._architectures = tuple(architectures)
         self._communication = collections.OrderedDict(communication or {})
+        self._global_model = global_model
+        self._no_global_model = no_global_model
+        self._model_weights_fns = None
+        if global_model is not None:
+            server_state_type = initialize_fn.type_signature.result.member
+            names = [name for name, _ in tff.structure.iter_elements(server_state_type)]
+            if global_model not in names:
+                raise TypeError(f'global_model {global_model!r} is not a field of the server state (fields {names})')
 
     @property
     def client_state_type(self) -> tff.Type:
@@ -185,6 +205,64 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
     def communication(self) -> Mapping[str, int]:
         """Bytes exchanged per client and round, by name; empty when not reported."""
         return self._communication
+
+    @property
+    def has_global_model(self) -> bool:
+        """Whether the server state holds one global model (`get_model_weights`)."""
+        return self._global_model is not None
+
+    def _model_weights_computations(self):
+        if self._global_model is None:
+            raise ValueError(f'{type(self).__name__} has no global model: {self._no_global_model}')
+        if self._model_weights_fns is None:
+            field = self._global_model
+            state_type = self.initialize.type_signature.result.member
+            trainable_type = state_type[field]
+            weights_type = tff.StructWithPythonType(
+                [('trainable', trainable_type), ('non_trainable', tff.StructWithPythonType([], list))],
+                tff.learning.models.ModelWeights,
+            )
+
+            @tff.tensorflow.computation(state_type)
+            def get_model_weights(state):
+                return tff.learning.models.ModelWeights(trainable=state[field], non_trainable=[])
+
+            @tff.tensorflow.computation(state_type, weights_type)
+            def set_model_weights(state, weights):
+                updated = collections.OrderedDict((name, state[name]) for name in state)
+                updated[field] = weights.trainable
+                return updated
+
+            self._model_weights_fns = get_model_weights, set_model_weights
+        return self._model_weights_fns
+
+    @property
+    def get_model_weights(self) -> tff.Computation:
+        """`S -> tff.learning.models.ModelWeights`: the global model of a server state.
+
+        As `tff.learning.templates.LearningProcess.get_model_weights`: the
+        weights go to TFF's evaluation (`tff.learning.algorithms.build_fed_eval`),
+        checkpoint and program tools. `trainable` is the list of the model's
+        trainable weights in Keras order; `non_trainable` is empty (the
+        builders refuse models with non-trainable weights).
+
+        Raises:
+          ValueError: if the algorithm has no global model (one line, why).
+        """
+        return self._model_weights_computations()[0]
+
+    @property
+    def set_model_weights(self) -> tff.Computation:
+        """`(S, ModelWeights) -> S`: the server state with its global model replaced.
+
+        E.g. to start from weights trained elsewhere (a `tff.learning`
+        process's `get_model_weights`, or a Keras model's
+        `ModelWeights.from_model`); every other part of the state is kept.
+
+        Raises:
+          ValueError: if the algorithm has no global model (one line, why).
+        """
+        return self._model_weights_computations()[1]
 
 
 class ServerlessProcess(PersonalizedProcess):
