@@ -71,6 +71,8 @@ def build_apfl_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: APFLSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -83,6 +85,10 @@ def build_apfl_process(
         (`client_learning_rate`), the server learning rate, the initial alpha
         and eta_alpha (default 0.01, smaller than usual local learning rates
         on purpose: see docs/algorithms/baselines.md); None: `APFLSettings()`.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.server_learning_rate`.
+      client_optimizer: not taken (ValueError if given): APFL's client step updates w, v and alpha
+        together with SGD (Deng et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed; v_i starts from the same initial model as w.
@@ -95,6 +101,18 @@ def build_apfl_process(
       SettingsError: a setting out of range (one line).
     """
     settings = (APFLSettings() if settings is None else settings).validate()
+    building_blocks.refuse_unused(
+        'build_apfl_process',
+        dict(
+            client_optimizer=(
+                "APFL's client step updates w, v and alpha together with SGD (Deng et al., 2020, Algorithm 1)"
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     local_config = settings.training_config()
     initial_alpha, alpha_learning_rate = settings.apfl_alpha, settings.apfl_alpha_learning_rate
     eta = local_config.learning_rate
@@ -166,7 +184,7 @@ def build_apfl_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=settings.server_optimizer(),
+        server_optimizer=server_optimizer or settings.server_optimizer(),
         model_aggregator=model_aggregator,
         seed=seed,
     )

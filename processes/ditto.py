@@ -93,6 +93,8 @@ def build_ditto_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: DittoSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -103,6 +105,11 @@ def build_ditto_process(
       model_fn: no-arg function returning a fresh Keras model (logits out).
       settings: local training of both models, the server learning rate,
         lambda and the personal epochs; None: `DittoSettings()`.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
@@ -117,10 +124,14 @@ def build_ditto_process(
       SettingsError: a setting out of range (one line).
     """
     settings = (DittoSettings() if settings is None else settings).validate()
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     ditto_lambda = settings.ditto_lambda
     personal_config = settings.personal_training_config()
     weights_type = local_training.weights_type(model_fn)
-    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
+    client_training = building_blocks.build_client_training(
+        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+    )
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -142,6 +153,7 @@ def build_ditto_process(
                 personal_config,
                 seed=local_training.client_seed(seed, round_num, client_id, salt=1),
                 loss_fn=proximal_loss(weights, ditto_lambda),
+                optimizer=client_optimizer,
             )
         with tf.control_dependencies(list(stats)):
             personal = local_training.get_weights(model)
@@ -171,7 +183,7 @@ def build_ditto_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=settings.server_optimizer(),
+        server_optimizer=server_optimizer or settings.server_optimizer(),
         model_aggregator=model_aggregator,
         seed=seed,
     )

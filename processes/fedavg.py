@@ -67,6 +67,8 @@ def build_fedavg_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: FedAvgSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -78,6 +80,12 @@ def build_fedavg_process(
         whose outputs are logits.
       settings: a `FedAvgSettings` (plain FedAvg) or a `FedAvgFTSettings`
         (FedAvg + fine-tuning: adds `personalize`); None: `FedAvgSettings()`.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+        Fine-tuning (FedAvg + fine-tuning) keeps SGD.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates
         (`averaging.build_averaging_process`); default the example-weighted
         mean. The program passes `privacy.DPConfig.factory()` under DP.
@@ -93,17 +101,22 @@ def build_fedavg_process(
       mean_local_steps>`.
 
     Raises:
-      TypeError: if `settings` is not a `FedAvgSettings`.
+      TypeError: if `settings` is not a `FedAvgSettings`, or an optimizer
+        is not a `tff.learning.optimizers.Optimizer`.
       SettingsError: on a bad setting (`settings.validate()`).
     """
     settings = FedAvgSettings() if settings is None else settings
     if not isinstance(settings, FedAvgSettings):
         raise TypeError(f'build_fedavg_process takes FedAvgSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
     local_config = settings.training_config()
     weights_type = local_training.weights_type(model_fn)
-    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    client_training = building_blocks.build_client_training(
+        spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
+    )
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -167,7 +180,7 @@ def build_fedavg_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=settings.server_optimizer(),
+        server_optimizer=server_optimizer or settings.server_optimizer(),
         model_aggregator=model_aggregator,
         personalize_builder=personalize_builder,
         seed=seed,

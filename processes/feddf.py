@@ -128,6 +128,11 @@ def build_feddf_process(
     *,
     dp: privacy.DPConfig | None = None,
     secure: bool = False,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedDF (and, with `PFedDFSettings`, pFedDF's evaluation) over heterogeneous clients.
@@ -149,6 +154,13 @@ def build_feddf_process(
         prototypes themselves (post-processing), not the clients' logits.
         None: none.
       secure: with `dp`, sum the clipped updates through secure sums.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: not taken (ValueError if given): FedDF's server step is ensemble
+        distillation on public data (Lin et al., 2020), with its own settings.
+      model_aggregator: not taken (ValueError if given): FedDF sums updates per architecture with
+        its own aggregator; pass dp= and secure= for DP and secure aggregation.
       seed: run seed.
 
     Returns:
@@ -169,6 +181,22 @@ def build_feddf_process(
     if not isinstance(settings, FedDFSettings):
         raise TypeError(f'build_feddf_process takes FedDFSettings or PFedDFSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.refuse_unused(
+        'build_feddf_process',
+        dict(
+            server_optimizer=(
+                "FedDF's server step is ensemble distillation on public data (Lin et al., 2020), with its own settings"
+            ),
+            model_aggregator=(
+                'FedDF sums updates per architecture with its own aggregator; pass dp= and secure= for DP '
+                'and secure aggregation'
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     training = settings.training_config()
     public_batch = heterogeneous.public_batch_for(settings, spec)
     architectures = heterogeneous.client_architectures(settings.architectures, spec)
@@ -228,6 +256,7 @@ def build_feddf_process(
             training,
             seed=local_training.client_seed(seed, round_num, client_id),
             outputs=lambda model: model(x_public, training=False),
+            optimizer=client_optimizer,
         )
         slot = tf.one_hot(architecture, num_archs)
         if dp is not None:  # the update alone, in its architecture's slot (clipped by the aggregator)

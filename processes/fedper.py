@@ -85,6 +85,8 @@ def build_fedper_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: FedPerSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -96,6 +98,11 @@ def build_fedper_process(
       settings: local training, the server learning rate (applied to the
         mean base-layer update) and `personal_layers`; None:
         `FedPerSettings()`.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
@@ -111,9 +118,13 @@ def build_fedper_process(
         line, `split_layers`).
     """
     settings = (FedPerSettings() if settings is None else settings).validate()
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
     base_type = local_training.weights_type(model_fn, base_indices)
-    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
+    client_training = building_blocks.build_client_training(
+        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+    )
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)
@@ -151,7 +162,7 @@ def build_fedper_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=settings.server_optimizer(),
+        server_optimizer=server_optimizer or settings.server_optimizer(),
         shared_indices=base_indices,
         model_aggregator=model_aggregator,
         seed=seed,

@@ -320,6 +320,11 @@ def build_kdpdfl_process(
     settings: ServerlessSettings | None = None,
     *,
     mode: str = 'kdpdfl',
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
 ) -> template.ServerlessProcess:
     """Builds KD-PDFL (or decentralized FedAvg, or local learning) as a `ServerlessProcess`.
@@ -345,6 +350,13 @@ def build_kdpdfl_process(
       mode: one of `MODES`: 'kdpdfl' (Eqs. 2-4), 'fedavg' (the star takes the
         plain mean of its own and the received models) or 'local' (no
         exchange: `next` changes nothing and the driver never calls it).
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: not taken (ValueError if given): KD-PDFL is serverless: there is no server
+        step.
+      model_aggregator: not taken (ValueError if given): KD-PDFL is serverless: each star node
+        weighs its neighbours itself.
       seed: run seed (initial model, batch orders, distance batches).
 
     Returns:
@@ -361,6 +373,17 @@ def build_kdpdfl_process(
     expected = MODE_SETTINGS[mode]
     settings = expected() if settings is None else settings
     settings.validate()
+    building_blocks.refuse_unused(
+        'build_kdpdfl_process',
+        dict(
+            server_optimizer='KD-PDFL is serverless: there is no server step',
+            model_aggregator='KD-PDFL is serverless: each star node weighs its neighbours itself',
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     if not isinstance(settings, expected):
         raise ValueError(f'mode={mode!r} takes {expected.__name__}, got {type(settings).__name__}')
     local_config = settings.training_config()  # one slot of local work
@@ -510,6 +533,7 @@ def build_kdpdfl_process(
                 learning_rate=local_config.learning_rate,
                 seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8),
                 max_steps=None if local_config.max_steps is None else slots * local_config.max_steps,
+                optimizer=client_optimizer,
             )
         with tf.control_dependencies(list(stats)):
             new_state = collections.OrderedDict((k, state[k]) for k in state)

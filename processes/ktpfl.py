@@ -388,6 +388,11 @@ def build_ktpfl_process(
     settings: KTpFLSettings = KTpFLSettings(),
     *,
     dp: privacy.DPConfig | None = None,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
@@ -404,6 +409,13 @@ def build_ktpfl_process(
         'similarity' (Sim-pFL), 'topk' (TopK-pFL, with `kt_top_k`)).
       dp: local DP of the soft predictions (fixed clip; `_local_output`);
         None: none.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: not taken (ValueError if given): KT-pFL's server learns its knowledge-
+        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_lr).
+      model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
+        client by the coefficient matrix, not into one mean; pass dp= for its local DP.
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N);
         a round with more clients fails at an assertion.
@@ -428,6 +440,23 @@ def build_ktpfl_process(
     if not isinstance(settings, KTpFLSettings):
         raise TypeError(f'build_ktpfl_process takes KTpFLSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.refuse_unused(
+        'build_ktpfl_process',
+        dict(
+            server_optimizer=(
+                "KT-pFL's server learns its knowledge-coefficient matrix by its own gradient step (Zhang et"
+                ' al., 2021, Eq. 7, kt_coefficient_lr)'
+            ),
+            model_aggregator=(
+                "KT-pFL mixes the clients' uploads per client by the coefficient matrix, not into one mean;"
+                ' pass dp= for its local DP'
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     _check_local_dp(dp)
     training = settings.training_config()
     num_clients = spec.num_clients
@@ -473,6 +502,7 @@ def build_ktpfl_process(
             training,
             seed=local_training.client_seed(seed, round_num, state['client_id']),
             outputs=lambda model: soft(model, x_public),
+            optimizer=client_optimizer,
         )
         return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, predictions=predictions)
 
@@ -733,6 +763,11 @@ def build_ktpfl_homogeneous_process(
     settings: KTpFLHomoSettings = KTpFLHomoSettings(),
     *,
     dp: privacy.DPConfig | None = None,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
@@ -756,6 +791,13 @@ def build_ktpfl_homogeneous_process(
         lambda.
       dp: local DP of the uploaded parameters (fixed clip;
         `_local_output`); None: none.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: not taken (ValueError if given): KT-pFL's server learns its knowledge-
+        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_lr).
+      model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
+        client by the coefficient matrix, not into one mean; pass dp= for its local DP.
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N).
         The server holds the round's K models, `[K, D]`, and sends them
@@ -777,6 +819,23 @@ def build_ktpfl_homogeneous_process(
     if not isinstance(settings, KTpFLHomoSettings):
         raise TypeError(f'build_ktpfl_homogeneous_process takes KTpFLHomoSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.refuse_unused(
+        'build_ktpfl_homogeneous_process',
+        dict(
+            server_optimizer=(
+                "KT-pFL's server learns its knowledge-coefficient matrix by its own gradient step (Zhang et"
+                ' al., 2021, Eq. 7, kt_coefficient_lr)'
+            ),
+            model_aggregator=(
+                "KT-pFL mixes the clients' uploads per client by the coefficient matrix, not into one mean;"
+                ' pass dp= for its local DP'
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     _check_local_dp(dp)
     training = settings.training_config()
     transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
@@ -805,6 +864,7 @@ def build_ktpfl_homogeneous_process(
             private,
             training,
             seed=local_training.client_seed(seed, round_num, state['client_id']),
+            optimizer=client_optimizer,
         )
         return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, params=params)
 

@@ -34,6 +34,11 @@ def build_local_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: LocalSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds local-only training as a `PersonalizedProcess`.
@@ -43,6 +48,12 @@ def build_local_process(
       model_fn: no-arg function returning a fresh Keras model (logits out).
       settings: local epochs or steps per round, batch size and learning
         rate; None: `LocalSettings()`.
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: not taken (ValueError if given): local-only training has no server step.
+      model_aggregator: not taken (ValueError if given): local-only training uploads no model to
+        aggregate.
       seed: run seed; fixes the common initial model and the batch orders.
 
     Returns:
@@ -55,7 +66,20 @@ def build_local_process(
       SettingsError: a setting out of range (one line).
     """
     settings = (LocalSettings() if settings is None else settings).validate()
-    client_training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=seed)
+    building_blocks.refuse_unused(
+        'build_local_process',
+        dict(
+            server_optimizer='local-only training has no server step',
+            model_aggregator='local-only training uploads no model to aggregate',
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
+    client_training = building_blocks.build_client_training(
+        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+    )
     client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
 
     @tff.tensorflow.computation(np.str_)

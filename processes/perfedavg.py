@@ -94,6 +94,8 @@ def build_perfedavg_process(
     settings: PerFedAvgSettings | None = None,
     *,
     variant: str = 'fo',
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -107,6 +109,10 @@ def build_perfedavg_process(
         (`client_learning_rate`), alpha, and for HF delta: the variant's
         `VARIANT_SETTINGS` class; None: its defaults.
       variant: 'fo' (Per-FedAvg FO) or 'hf' (Per-FedAvg HF).
+      server_optimizer: applied to the aggregated update; None: SGD at
+        learning rate 1.0 (the plain average of the paper).
+      client_optimizer: not taken (ValueError if given): Per-FedAvg's client step is a MAML step
+        with its own alpha and beta (Fallah et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
@@ -123,6 +129,18 @@ def build_perfedavg_process(
         raise ValueError(f'variant must be one of {VARIANTS}, got {variant!r}')
     expected = VARIANT_SETTINGS[variant]
     settings = (expected() if settings is None else settings).validate()
+    building_blocks.refuse_unused(
+        'build_perfedavg_process',
+        dict(
+            client_optimizer=(
+                "Per-FedAvg's client step is a MAML step with its own alpha and beta (Fallah et al., 2020, Algorithm 1)"
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     if type(settings) is not expected:
         raise ValueError(f'variant={variant!r} takes {expected.__name__}, got {type(settings).__name__}')
     batches_per_step = 3 if variant == 'hf' else 2
@@ -203,6 +221,7 @@ def build_perfedavg_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
+        server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
         seed=seed,
     )

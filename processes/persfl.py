@@ -106,6 +106,8 @@ def build_persfl_process(
     settings: PersFLSettings | None = None,
     *,
     soft_loss: str = 'kl',
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -117,6 +119,11 @@ def build_persfl_process(
         (logits out) of layers `tff_pfl.models.stacked` supports.
       settings: a `PersFLSettings`; None: `PersFLSettings()`.
       soft_loss: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+      client_optimizer: the clients' local optimizer, a
+        `tff.learning.optimizers.Optimizer` started fresh for each client's
+        local training; None: SGD at `settings.client_learning_rate`.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
@@ -140,6 +147,8 @@ def build_persfl_process(
     if not isinstance(settings, PersFLSettings):
         raise TypeError(f'build_persfl_process takes PersFLSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.check_optimizer('client_optimizer', client_optimizer)
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     if soft_loss not in SOFT_LOSSES:
         raise ValueError(f"soft_loss must be 'kl' or 'ce', got {soft_loss!r}")
     local_config = settings.training_config()
@@ -154,7 +163,9 @@ def build_persfl_process(
             raise ValueError(f"--model: PersFL's distillation grid cannot train {model.name!r} ({e})") from None
 
     weights_type = local_training.weights_type(model_fn)
-    client_training = building_blocks.build_client_training(spec, model_fn, local_config, seed=seed)
+    client_training = building_blocks.build_client_training(
+        spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
+    )
     test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
     val_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'val')
 
@@ -242,7 +253,7 @@ def build_persfl_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=settings.server_optimizer(),
+        server_optimizer=server_optimizer or settings.server_optimizer(),
         personalize_builder=averaging.broadcast_personalize(client_personalize),
         model_aggregator=model_aggregator,
         seed=seed,

@@ -80,6 +80,8 @@ def build_pfedme_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: PFedMeSettings | None = None,
     *,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
@@ -92,6 +94,10 @@ def build_pfedme_process(
         (`batch_size`), eta (`client_learning_rate`, the local model's
         learning rate), lambda, K, the personal learning rate and beta;
         None: `PFedMeSettings()`.
+      server_optimizer: applied to the aggregated update; None: SGD at
+        `settings.pfedme_beta` (pFedMe's beta).
+      client_optimizer: not taken (ValueError if given): pFedMe's client solves its Moreau-envelope
+        problem with its own inner steps (Dinh et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
       seed: run seed.
@@ -105,6 +111,19 @@ def build_pfedme_process(
       SettingsError: a setting out of range (one line).
     """
     settings = (PFedMeSettings() if settings is None else settings).validate()
+    building_blocks.refuse_unused(
+        'build_pfedme_process',
+        dict(
+            client_optimizer=(
+                "pFedMe's client solves its Moreau-envelope problem with its own inner steps (Dinh et al., "
+                '2020, Algorithm 1)'
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     local_config = settings.training_config()
     pfedme_lambda, inner_steps = settings.pfedme_lambda, settings.pfedme_inner_steps
     personal_learning_rate = settings.pfedme_personal_learning_rate
@@ -176,7 +195,7 @@ def build_pfedme_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=settings.pfedme_beta),
+        server_optimizer=server_optimizer or tff.learning.optimizers.build_sgdm(learning_rate=settings.pfedme_beta),
         model_aggregator=model_aggregator,
         seed=seed,
     )

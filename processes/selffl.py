@@ -213,6 +213,11 @@ def build_selffl_process(
     gaussian_noise_var: float | None = None,
     dp: privacy.DPConfig | None = None,
     secure: bool = False,
+    client_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None = None,
+    model_aggregator: tff.aggregators.WeightedAggregationFactory
+    | tff.aggregators.UnweightedAggregationFactory
+    | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Self-FL.
@@ -236,6 +241,13 @@ def build_selffl_process(
       dp: user-level DP of everything the clients upload, with a fixed clip
         (`aggregators.PrecisionWeightedMeanFactory`); None: none.
       secure: sum the DP records through secure sums (needs `dp`).
+      server_optimizer: applied to the aggregated update; None: SGD at
+        the smoothing weight w (`settings.selffl_smoothing`, or the activity rate).
+      client_optimizer: not taken (ValueError if given): Self-FL sets each client's number of local
+        SGD steps from its uncertainty (Chen et al., 2022, Eq. 8), derived for SGD.
+      model_aggregator: not taken (ValueError if given): Self-FL's server sums one bounded record
+        per client (update, precision weight, variance statistics) with its own aggregator; pass dp=
+        and secure= for DP and secure aggregation.
       seed: run seed.
 
     Returns:
@@ -255,6 +267,23 @@ def build_selffl_process(
     if not isinstance(settings, SelfFLSettings):
         raise TypeError(f'build_selffl_process takes SelfFLSettings, got {type(settings).__name__}')
     settings.validate()
+    building_blocks.refuse_unused(
+        'build_selffl_process',
+        dict(
+            client_optimizer=(
+                "Self-FL sets each client's number of local SGD steps from its uncertainty (Chen et al., "
+                '2022, Eq. 8), derived for SGD'
+            ),
+            model_aggregator=(
+                "Self-FL's server sums one bounded record per client (update, precision weight, variance "
+                'statistics) with its own aggregator; pass dp= and secure= for DP and secure aggregation'
+            ),
+        ),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
+    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     if loss not in LOSSES:
         raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
     if loss == 'gaussian' and not (gaussian_noise_var and gaussian_noise_var > 0):
@@ -410,7 +439,7 @@ def build_selffl_process(
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
         # theta^t = theta^{t-1} - w * mean(theta^{t-1} - theta_m^t): the smoothing average (w = C by default).
-        server_optimizer=tff.learning.optimizers.build_sgdm(learning_rate=smoothing),
+        server_optimizer=server_optimizer or tff.learning.optimizers.build_sgdm(learning_rate=smoothing),
         model_aggregator=aggregator,
         server_info=server_info,
         seed=seed,

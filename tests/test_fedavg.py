@@ -24,14 +24,39 @@ def _softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
-def numpy_fedavg_round(weights, spec, client_ids, round_num, settings):
+class NumpyAdam:
+    """Adam as `tff.learning.optimizers.build_adam` states it (its docstring's rule), in float64.
+
+    acc = beta_1 acc + (1 - beta_1) g; s = beta_2 s + (1 - beta_2) g^2;
+    w -= lr sqrt(1 - beta_2^t) / (1 - beta_1^t) acc / (sqrt(s) + eps).
+    """
+
+    def __init__(self, lr, beta_1=0.9, beta_2=0.999, eps=1e-7):
+        self.lr, self.beta_1, self.beta_2, self.eps = lr, beta_1, beta_2, eps
+        self.t, self.acc, self.s = 0, None, None
+
+    def step(self, params, grads):
+        if self.acc is None:
+            self.acc = [np.zeros_like(p) for p in params]
+            self.s = [np.zeros_like(p) for p in params]
+        self.t += 1
+        lr_t = self.lr * np.sqrt(1 - self.beta_2**self.t) / (1 - self.beta_1**self.t)
+        self.acc = [a + (g - a) * (1 - self.beta_1) for a, g in zip(self.acc, grads)]
+        self.s = [v + (g * g - v) * (1 - self.beta_2) for v, g in zip(self.s, grads)]
+        return [p - lr_t * a / (np.sqrt(v) + self.eps) for p, a, v in zip(params, self.acc, self.s)]
+
+
+def numpy_fedavg_round(weights, spec, client_ids, round_num, settings, client_adam=None, server_adam=None):
     """One FedAvg round of multinomial logistic regression in float64 numpy.
 
     Only the example order of each epoch is taken from the project (the
     stateless permutation); gradients, SGD steps, the stop after
     `local_steps` steps and weighted averaging are computed here
-    independently. Returns the new weights, each client's step count and the
-    number of examples the clients' steps saw.
+    independently. `client_adam`: the learning rate of a fresh `NumpyAdam`
+    per client instead of SGD; `server_adam`: a `NumpyAdam` kept across
+    rounds, stepped with the mean update (initial - trained) as its
+    gradient, instead of the server's SGD. Returns the new weights, each
+    client's step count and the number of examples the clients' steps saw.
     """
     w, b = (np.asarray(a, np.float64) for a in weights)
     epochs = settings.local_steps or settings.local_epochs
@@ -45,6 +70,7 @@ def numpy_fedavg_round(weights, spec, client_ids, round_num, settings):
         seed = local_training.client_seed(SEED, tf.constant(round_num), tf.constant(client_id))
         perms = local_training.epoch_permutations(seed, epochs, n).numpy()
         cw, cb = w.copy(), b.copy()
+        adam = NumpyAdam(client_adam) if client_adam else None
         taken = 0
         for epoch in range(epochs):
             for start in range(0, n, batch):
@@ -54,8 +80,11 @@ def numpy_fedavg_round(weights, spec, client_ids, round_num, settings):
                 xb, yb = x[idx], y[idx]
                 p = _softmax(xb @ cw + cb)
                 p[np.arange(len(yb)), yb] -= 1.0
-                cw -= lr * xb.T @ p / len(yb)
-                cb -= lr * p.sum(axis=0) / len(yb)
+                gw, gb = xb.T @ p / len(yb), p.sum(axis=0) / len(yb)
+                if adam is None:
+                    cw, cb = cw - lr * gw, cb - lr * gb
+                else:
+                    cw, cb = adam.step([cw, cb], [gw, gb])
                 taken += 1
                 seen += len(yb)
         deltas.append((cw - w, cb - b))
@@ -64,6 +93,8 @@ def numpy_fedavg_round(weights, spec, client_ids, round_num, settings):
     counts = np.asarray(counts, np.float64)
     mean_dw = sum(c * d[0] for c, d in zip(counts, deltas)) / counts.sum()
     mean_db = sum(c * d[1] for c, d in zip(counts, deltas)) / counts.sum()
+    if server_adam is not None:
+        return tuple(server_adam.step([w, b], [-mean_dw, -mean_db])), steps, seen
     server_lr = settings.server_learning_rate
     return (w + server_lr * mean_dw, b + server_lr * mean_db), steps, seen
 
@@ -109,6 +140,48 @@ def test_fedavg_matches_numpy(problem, tff_runtime, settings):
     assert output.metrics['num_clients'] == 2
     if not settings.local_steps:
         assert seen == settings.local_epochs * (37 + 23)
+
+
+@pytest.mark.parametrize('client_adam, server_adam', [(0.05, None), (None, 0.1), (0.05, 0.1)])
+def test_tff_adam_optimizers_change_the_round_as_a_numpy_adam_does(problem, tff_runtime, client_adam, server_adam):
+    """`client_optimizer` / `server_optimizer` = `tff.learning.optimizers.build_adam`: three rounds
+    equal FedAvg with a numpy Adam in the clients' steps (fresh per client and round) and in the
+    server's step (kept across rounds)."""
+    spec, model_fn = problem
+    settings = fedavg.FedAvgSettings(local_epochs=2, batch_size=8, client_learning_rate=0.3)
+    process = fedavg.build_fedavg_process(
+        spec,
+        model_fn,
+        settings,
+        client_optimizer=tff.learning.optimizers.build_adam(client_adam) if client_adam else None,
+        server_optimizer=tff.learning.optimizers.build_adam(server_adam) if server_adam else None,
+        seed=SEED,
+    )
+    state = process.initialize()
+    sampled = [spec.client_ids[0], spec.client_ids[2]]
+    client_states = process.initial_client_states(sampled)
+    expected = [np.asarray(a, np.float64) for a in state['model']]
+    sgd_round = [np.asarray(a, np.float64) for a in state['model']]
+    sgd_round, _, _ = numpy_fedavg_round(sgd_round, spec, sampled, 0, settings)
+    numpy_server = NumpyAdam(server_adam) if server_adam else None
+    for round_num in range(3):
+        expected, steps, _ = numpy_fedavg_round(
+            expected, spec, sampled, round_num, settings, client_adam=client_adam, server_adam=numpy_server
+        )
+        state, client_states, metrics = process.next(state, client_states)
+        for got, want in zip(state['model'], expected):
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+        assert metrics['mean_local_steps'] == np.mean(steps)
+        if round_num == 0:  # Adam moved the model somewhere SGD does not
+            assert max(np.abs(g - w).max() for g, w in zip(state['model'], sgd_round)) > 1e-3
+
+
+def test_an_optimizer_that_is_not_tffs_is_refused_naming_the_argument(problem):
+    spec, model_fn = problem
+    with pytest.raises(TypeError, match=r'^client_optimizer must be a tff.learning.optimizers.Optimizer'):
+        fedavg.build_fedavg_process(spec, model_fn, client_optimizer=tf.keras.optimizers.Adam(0.01))
+    with pytest.raises(TypeError, match=r'^server_optimizer must be a tff.learning.optimizers.Optimizer'):
+        fedavg.build_fedavg_process(spec, model_fn, server_optimizer='adam')
 
 
 @pytest.mark.parametrize('settings_cls', [fedavg.FedAvgSettings, fedavg.FedAvgFTSettings])

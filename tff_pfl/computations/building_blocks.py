@@ -168,8 +168,9 @@ def build_client_training(
     *,
     seed: int,
     split: str = 'train',
+    optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> tff.Computation:
-    """Local SGD from given weights on a client's own split.
+    """Local SGD (or `optimizer`) from given weights on a client's own split.
 
     Args:
       spec: the partition on disk.
@@ -178,6 +179,8 @@ def build_client_training(
       seed: run seed; with the round number and client id it fixes the
         batch order.
       split: which split to train on.
+      optimizer: optional client optimizer (`local_training.train`); None:
+        SGD at `config.learning_rate`.
 
     Returns:
       A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
@@ -193,7 +196,7 @@ def build_client_training(
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             stats = local_training.train_with(
-                model, data, config, seed=local_training.client_seed(seed, round_num, client_id)
+                model, data, config, seed=local_training.client_seed(seed, round_num, client_id), optimizer=optimizer
             )
         with tf.control_dependencies(list(stats)):
             trained = local_training.get_weights(model)
@@ -350,3 +353,47 @@ def build_evaluation_at(evaluate_client: tff.Computation, input_type=np.int32) -
         return evaluate_client(client_state)
 
     return evaluate_at
+
+
+# The keyword arguments every `build_<algo>_process` takes (docs/architecture.md, "One builder contract").
+CONTRACT_KEYWORDS = ('client_optimizer', 'server_optimizer', 'model_aggregator')
+
+
+def refuse_unused(builder: str, reasons: dict[str, str], **given) -> None:
+    """Refuses, in one line, a contract keyword the algorithm cannot use.
+
+    Every builder takes `client_optimizer`, `server_optimizer` and
+    `model_aggregator`; one whose algorithm has no place for one of them
+    (e.g. a serverless algorithm and a server optimizer) says so instead of
+    ignoring it.
+
+    Args:
+      builder: the builder's name, e.g. 'build_selffl_process'.
+      reasons: keyword -> why the algorithm cannot use it (completes
+        "<builder> takes no <keyword>: ...").
+      **given: the keywords' values as passed (None: not given).
+
+    Raises:
+      ValueError: for the first keyword given a value that has a reason.
+    """
+    for name, value in given.items():
+        if value is not None and name in reasons:
+            raise ValueError(f'{builder} takes no {name}: {reasons[name]}')
+
+
+def check_optimizer(name: str, value) -> None:
+    """Checks that a `client_optimizer` / `server_optimizer` is a TFF optimizer.
+
+    Args:
+      name: the argument's name.
+      value: its value (None passes: the algorithm's default).
+
+    Raises:
+      TypeError: if `value` is neither None nor a
+        `tff.learning.optimizers.Optimizer`.
+    """
+    if value is not None and not isinstance(value, tff.learning.optimizers.Optimizer):
+        raise TypeError(
+            f'{name} must be a tff.learning.optimizers.Optimizer (e.g. tff.learning.optimizers.build_adam(0.01)), '
+            f'got {type(value).__name__}'
+        )

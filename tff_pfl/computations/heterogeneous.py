@@ -302,8 +302,9 @@ def train_packed(
     *,
     seed: tf.Tensor,
     outputs: Callable | None = None,
+    optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> tuple:
-    """Local SGD on the client's own architecture, from packed weights (TF code).
+    """Local SGD (or `optimizer`) on the client's own architecture, from packed weights (TF code).
 
     Args:
       archs: the `Architectures`.
@@ -315,6 +316,8 @@ def train_packed(
       seed: the batch-order seed (`local_training.client_seed`).
       outputs: optional `model -> nest of tensors` (TF code), run on the
         trained model, e.g. its predictions on the public batch.
+      optimizer: optional client optimizer (`local_training.train`); None:
+        SGD at `config.learning_rate`.
 
     Returns:
       `(params, outputs, stats)`: the packed trained weights, what `outputs`
@@ -322,7 +325,7 @@ def train_packed(
     """
 
     def work(model):
-        stats = local_training.train_with(model, data, config, seed=seed)
+        stats = local_training.train_with(model, data, config, seed=seed, optimizer=optimizer)
         with tf.control_dependencies(list(stats)):
             if outputs is None:
                 return archs.pack(model.trainable_weights), stats

@@ -377,8 +377,9 @@ def train(
     seed: tf.Tensor,
     loss_fn: LossFn = supervised_loss,
     max_steps=None,
+    optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> Stats:
-    """Mini-batch SGD on whole tensors, in place on `model`'s variables.
+    """Mini-batch SGD (or `optimizer`) on whole tensors, in place on `model`'s variables.
 
     Each epoch visits the examples in a fresh permutation drawn from
     `seed` (`batch_stream`); the last batch of an epoch may be smaller than
@@ -393,17 +394,42 @@ def train(
       seed: int64 tensor of shape [2], for the stateless permutations.
       loss_fn: `(model, x_batch, y_batch) -> (mean loss, logits)`.
       max_steps: optional cap on the number of SGD steps (None: no cap).
+      optimizer: optional; a `tff.learning.optimizers.Optimizer` whose
+        `next` takes each step instead of plain SGD (`learning_rate` is then
+        unused: the optimizer holds its own). Its state starts fresh
+        (`initialize`) at every call: one client's local training.
 
     Returns:
       `Stats` summed over every example seen during training (with the
       weights as they were before each step).
     """
+    if optimizer is None:
 
-    def step(batches, carry):
+        def step(batches, carry):
+            x, y, n = batches[0]
+            return carry, sgd_step(model, x, y, n, learning_rate, loss_fn)
+
+        _, stats = sgd_steps(data, step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps)
+        return stats
+
+    variables = model.trainable_variables
+    initial_state = optimizer.initialize([tf.TensorSpec(v.shape, v.dtype) for v in variables])
+
+    def optimizer_step(batches, state):
         x, y, n = batches[0]
-        return carry, sgd_step(model, x, y, n, learning_rate, loss_fn)
+        with tf.GradientTape() as tape:
+            loss, logits = loss_fn(model, x, y)
+        grads = tape.gradient(loss, variables)
+        stats = batch_stats(loss, logits, y, n)  # before the step, as sgd_step reports them
+        with tf.control_dependencies(stats[:3]):
+            state, new_weights = optimizer.next(state, [tf.identity(v) for v in variables], grads)
+        assigned = [v.assign(w) for v, w in zip(variables, new_weights)]
+        with tf.control_dependencies(assigned):
+            return tf.nest.map_structure(tf.identity, state), Stats(*(tf.identity(t) for t in stats[:3]))
 
-    _, stats = sgd_steps(data, step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps)
+    _, stats = sgd_steps(
+        data, optimizer_step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps, carry=initial_state
+    )
     return stats
 
 
@@ -414,6 +440,7 @@ def train_with(
     *,
     seed: tf.Tensor,
     loss_fn: LossFn = supervised_loss,
+    optimizer: tff.learning.optimizers.Optimizer | None = None,
 ) -> Stats:
     """`train` with a `TrainingConfig`: its epochs, batch size, learning rate and step cap.
 
@@ -426,6 +453,8 @@ def train_with(
       config: the local training settings.
       seed: int64 tensor of shape [2], for the stateless permutations.
       loss_fn: `(model, x_batch, y_batch) -> (mean loss, logits)`.
+      optimizer: optional client optimizer, as for `train` (None: SGD at
+        `config.learning_rate`).
 
     Returns:
       The training's `Stats`, as `train` returns them.
@@ -439,6 +468,7 @@ def train_with(
         seed=seed,
         loss_fn=loss_fn,
         max_steps=config.max_steps,
+        optimizer=optimizer,
     )
 
 
