@@ -121,8 +121,11 @@ def test_documented_training_commands_are_valid_configurations():
     from tff_pfl.cli import train
     from tff_pfl.program import experiment
 
+    from tff_pfl import models
+
     refused = []
     commands = list(_train_commands())
+    built_in = set(models.names())
     try:
         for path, args in commands:
             flags.FLAGS.unparse_flags()
@@ -133,6 +136,8 @@ def test_documented_training_commands_are_valid_configurations():
                 refused.append(f'{path.relative_to(REPO)}: {" ".join(args)}: {e}')
     finally:
         flags.FLAGS.unparse_flags()
+        for name in set(models.names()) - built_in:  # registered by a documented --model_modules
+            models.unregister(name)
     assert not refused, '\n'.join(refused)
     assert commands
 

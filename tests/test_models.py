@@ -1,10 +1,14 @@
 """Model builders: architectures as the papers state them."""
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tff_pfl import models
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _params(model):
@@ -351,3 +355,96 @@ def test_every_builder_given_a_model_refuses_one_ending_in_softmax(tmp_path):
         else:
             built.add(name)
     assert built == BY_NAME
+
+
+USER_MODELS = (
+    open(os.path.join(REPO, 'docs', 'examples', 'my_models.py')).read().replace("'small_mlp'", "'user_small_mlp'")
+)
+
+
+def test_register_makes_a_model_available_by_name_and_guards_the_built_in_ones():
+    def builder(input_shape, num_classes):
+        return models.logistic_regression(input_shape, num_classes)
+
+    models.register('user_test_model', builder)
+    try:
+        assert 'user_test_model' in models.names()
+        assert models.get('user_test_model') is builder
+        with pytest.raises(ValueError, match="'user_test_model' is registered already; pass replace=True"):
+            models.register('user_test_model', builder)
+        models.register('user_test_model', builder, replace=True)
+    finally:
+        models.unregister('user_test_model')
+    assert 'user_test_model' not in models.names()
+    with pytest.raises(ValueError, match="'mnist_dnn' is a built-in model"):
+        models.register('mnist_dnn', builder)
+    with pytest.raises(ValueError, match='^name must be lower-case'):
+        models.register('My Model', builder)
+    with pytest.raises(TypeError, match='^builder must be a function'):
+        models.register('user_not_callable', 3)
+    with pytest.raises(ValueError, match='not a model registered by register'):
+        models.unregister('logistic')
+
+
+def test_model_modules_registers_a_users_model_for_model_and_architectures(tmp_path):
+    from tff_pfl.program import experiment
+
+    path = tmp_path / 'my_models.py'
+    path.write_text(USER_MODELS)
+    try:
+        config = experiment.make_config(
+            output_dir=str(tmp_path / 'run'), model='user_small_mlp', model_modules=(str(path),)
+        ).validate()
+        assert config.model_name() == 'user_small_mlp'
+        experiment.make_config(
+            output_dir=str(tmp_path / 'run'),
+            algorithm='ktpfl',
+            architectures=('user_small_mlp', 'logistic'),
+            model_modules=(str(path),),
+        ).validate()
+    finally:
+        models.unregister('user_small_mlp')
+    with pytest.raises(experiment.ConfigError, match="unknown model 'user_small_mlp'"):
+        experiment.make_config(output_dir=str(tmp_path / 'run'), model='user_small_mlp').validate()
+
+
+@pytest.mark.parametrize(
+    'module, message',
+    [
+        ('no_such_module_anywhere', "--model_modules: cannot import 'no_such_module_anywhere': ModuleNotFoundError"),
+        ('missing.py', '--model_modules: no file missing.py'),
+        ('broken.py', "--model_modules: cannot import 'broken.py': ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_model_module_that_cannot_be_imported_is_one_line_and_exit_2(
+    module, message, tmp_path, train_in_process, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'broken.py').write_text('1 / 0\n')
+    code, stderr = train_in_process(f'--model_modules={module}', f'--output_dir={tmp_path / "run"}')
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith(f'tff-pfl-train: error: {message}'), lines[0]
+    assert not (tmp_path / 'run').exists()
+
+
+def test_tff_pfl_train_runs_a_users_registered_model(tmp_path, train_in_process):
+    path = tmp_path / 'my_models.py'
+    path.write_text(USER_MODELS)
+    out = tmp_path / 'run'
+    try:
+        code, stderr = train_in_process(
+            f'--model_modules={path}',
+            '--model=user_small_mlp',
+            '--rounds=2',
+            '--num_clients=4',
+            '--eval_every=0',
+            f'--output_dir={out}',
+        )
+    finally:
+        models.unregister('user_small_mlp')
+    assert code == 0, stderr[-3000:]
+    with open(out / 'config.json') as f:
+        config = f.read()
+    assert '"model": "user_small_mlp"' in config and 'my_models.py' in config
+    assert 'small_mlp' in (out / 'report.md').read_text()

@@ -8,8 +8,13 @@ model on every call (variables are created only inside computations).
 """
 
 import contextlib
+import importlib
+import importlib.util
 import math
+import os
 import random
+import re
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -524,6 +529,89 @@ def default_architectures(feature_shape: Sequence[int]) -> tuple[str, ...]:
     if len(shape) == 3 and min(shape[:2]) >= _SMALLEST_IMAGE:
         return PAPER_IMAGE_ARCHITECTURES
     return VECTOR_ARCHITECTURES
+
+
+_BUILT_IN = frozenset(_REGISTRY)
+_NAME = re.compile(r'^[a-z][a-z0-9_]*$')
+
+
+def register(name: str, builder: ModelBuilder, *, replace: bool = False) -> None:
+    """Makes a model of your own available by name, as the built-in ones are.
+
+    A registered name works everywhere a model name does: `get`,
+    `tff-pfl-train --model=NAME` and KT-pFL / FedDF `--architectures`
+    (through `--model_modules=your.module`, a module that calls `register`
+    when imported), and the bench suites. The builder must return a fresh,
+    un-compiled Keras model whose outputs are logits (a final softmax or
+    sigmoid is refused when a process is built).
+
+    Args:
+      name: lower-case letters, digits and underscores, starting with a
+        letter; not one of the built-in names.
+      builder: `(input_shape, num_classes) -> tf.keras.Model`.
+      replace: allow replacing a name registered earlier by `register`.
+
+    Raises:
+      ValueError: for a malformed or built-in name, or a name registered
+        before without `replace`.
+      TypeError: if `builder` is not callable.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f'name must be lower-case letters, digits and underscores, from a letter; got {name!r}')
+    if name in _BUILT_IN:
+        raise ValueError(f'name {name!r} is a built-in model; register yours under another name')
+    if not callable(builder):
+        raise TypeError(f'builder must be a function (input_shape, num_classes) -> tf.keras.Model, got {builder!r}')
+    if name in _REGISTRY and not replace:
+        raise ValueError(f'model {name!r} is registered already; pass replace=True to replace it')
+    _REGISTRY[name] = builder
+
+
+def unregister(name: str) -> None:
+    """Removes a model registered by `register` (built-in ones stay).
+
+    Args:
+      name: a name given to `register`.
+
+    Raises:
+      ValueError: for a built-in or unknown name.
+    """
+    if name in _BUILT_IN or name not in _REGISTRY:
+        raise ValueError(f'{name!r} is not a model registered by register()')
+    del _REGISTRY[name]
+
+
+def import_module(module: str) -> str | None:
+    """Imports a module of the user's that registers models (`register`).
+
+    Args:
+      module: a dotted module name importable from `sys.path`, or the path
+        of a `.py` file.
+
+    Returns:
+      None once imported (again: a no-op), else one line saying why not.
+    """
+    try:
+        if module.endswith('.py'):
+            path = os.path.abspath(module)
+            if not os.path.isfile(path):
+                return f'no file {module}'
+            name = 'tff_pfl_user_models_' + re.sub(r'\W', '_', path)
+            if name not in sys.modules:
+                spec = importlib.util.spec_from_file_location(name, path)
+                loaded = importlib.util.module_from_spec(spec)
+                sys.modules[name] = loaded
+                try:
+                    spec.loader.exec_module(loaded)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+        else:
+            importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 (the user's module: any error is reported in one line)
+        first = (str(e).strip().splitlines() or [''])[0]
+        return f'cannot import {module!r}: {type(e).__name__}: {first}'
+    return None
 
 
 def names() -> list[str]:

@@ -112,6 +112,11 @@ class ExperimentConfig(settings_lib.Settings):
     )
     split_fractions: tuple[float, ...] = _setting((0.6, 0.2, 0.2), 'Train, validation, test fractions of each client.')
     model: str | None = _setting(None, 'Model name; default: chosen from the dataset (and the algorithm).')
+    model_modules: tuple[str, ...] = _setting(
+        (),
+        'Python modules (dotted names, or .py files) imported before the run is checked: modules that call '
+        'tff_pfl.models.register(name, builder) make their models usable as --model and --architectures.',
+    )
     # The run.
     rounds: int = _setting(100, 'Training rounds (serverless algorithms: exchange intervals).')
     client_fraction: float = _setting(1.0, 'Clients sampled per round, in (0, 1].')
@@ -442,6 +447,10 @@ class ExperimentConfig(settings_lib.Settings):
         """
         if self.algorithm not in algorithms.names():
             raise ConfigError(f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}')
+        for module in self.model_modules:
+            problem = models.import_module(module)
+            if problem:
+                raise ConfigError(f'--model_modules: {problem}')
         entry = algorithms.get(self.algorithm)
         if type(self.settings) is not entry.settings:
             raise ConfigError(f'{self.algorithm} takes {entry.settings.__name__}, got {type(self.settings).__name__}')
