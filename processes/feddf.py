@@ -177,7 +177,9 @@ def build_feddf_process(
         partition has too little public data, or `secure` without `dp`.
     """
     if secure and dp is None:
-        raise ValueError(SECURE_NEEDS_DP)
+        raise ValueError(
+            "secure=True needs dp: FedDF's plain round averages raw parameters and logits, whose range is unbounded"
+        )
     if not isinstance(settings, FedDFSettings):
         raise TypeError(f'build_feddf_process takes FedDFSettings or PFedDFSettings, got {type(settings).__name__}')
     settings.validate()

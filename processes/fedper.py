@@ -70,7 +70,7 @@ def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -
         if not 1 <= personal_layers < len(layers):
             count = f'{len(layers)} layer{"" if len(layers) == 1 else "s"}'
             raise ValueError(
-                f'--personal_layers={personal_layers} leaves no shared layer: model {model.name!r} has {count} '
+                f'personal_layers={personal_layers} leaves no shared layer: model {model.name!r} has {count} '
                 f'with weights; FedPer needs at least personal_layers + 1 = {personal_layers + 1}'
             )
         personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}

@@ -399,7 +399,7 @@ def build_kdpdfl_process(
             layers = stacked.plan(model_fn())
         if distance_layer != -1 and not 1 <= distance_layer <= len(layers):
             raise ValueError(
-                f'--kd_distance_layer={distance_layer} is not a layer of the model: it has {len(layers)} layers '
+                f'kd_distance_layer={distance_layer} is not a layer of the model: it has {len(layers)} layers '
                 f'(use -1 for the output or 1..{len(layers)})'
             )
         mid_layers = layers if distance_layer == -1 else layers[:distance_layer]

@@ -954,7 +954,10 @@ LOCAL_DP_SECURE = (
 
 def _check_local_dp(dp) -> None:
     if dp is not None and dp.adaptive:
-        raise ValueError(LOCAL_DP_ADAPTIVE)
+        raise ValueError(
+            "dp: the KT-pFL family's DP is local (each client noises its own upload): give it a fixed clip, not an "
+            'adaptive one (that would need the server to see the norms)'
+        )
 
 
 def _local_output(state, num_clients, params, stats, num_examples, /, dp=None, **upload) -> collections.OrderedDict:

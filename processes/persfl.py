@@ -160,7 +160,7 @@ def build_persfl_process(
         try:
             layers = stacked.plan(model)
         except ValueError as e:
-            raise ValueError(f"--model: PersFL's distillation grid cannot train {model.name!r} ({e})") from None
+            raise ValueError(f"model_fn: PersFL's distillation grid cannot train {model.name!r} ({e})") from None
 
     weights_type = local_training.weights_type(model_fn)
     client_training = building_blocks.build_client_training(

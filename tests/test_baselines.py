@@ -133,14 +133,14 @@ def test_fedper_refuses_personal_layers_that_leave_nothing_shared(problem):
     with pytest.raises(ValueError) as caught:
         fedper.build_fedper_process(spec, model_fn, fedper.FedPerSettings(personal_layers=2))
     assert str(caught.value) == (
-        "--personal_layers=2 leaves no shared layer: model 'mnist_dnn' has 2 layers with weights; "
+        "personal_layers=2 leaves no shared layer: model 'mnist_dnn' has 2 layers with weights; "
         'FedPer needs at least personal_layers + 1 = 3'
     )
     logistic = functools.partial(models.get('logistic'), spec.feature_shape, spec.num_classes)
     with pytest.raises(ValueError) as caught:
         fedper.split_layers(logistic, 1)
     assert str(caught.value) == (
-        "--personal_layers=1 leaves no shared layer: model 'logistic_regression' has 1 layer with weights; "
+        "personal_layers=1 leaves no shared layer: model 'logistic_regression' has 1 layer with weights; "
         'FedPer needs at least personal_layers + 1 = 2'
     )
 

@@ -118,10 +118,9 @@ def _train_commands():
 def test_documented_training_commands_are_valid_configurations():
     from absl import flags
 
+    from tff_pfl import models
     from tff_pfl.cli import train
     from tff_pfl.program import experiment
-
-    from tff_pfl import models
 
     refused = []
     commands = list(_train_commands())

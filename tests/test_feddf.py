@@ -167,10 +167,10 @@ def test_bad_arguments(spec):
         feddf.build_feddf_process(spec, _small(feddf.PFedDFSettings, pfeddf_finetune_epochs=-1))
     with pytest.raises(TypeError, match='FedDFSettings'):
         feddf.build_feddf_process(spec, settings.LocalTraining())
-    with pytest.raises(ValueError, match=r'^--architectures=resnet_small cannot take') as e:
+    with pytest.raises(ValueError, match=r'^architectures: resnet_small cannot take') as e:
         feddf.build_feddf_process(_vector_spec(spec), _small(architectures=('resnet_small',)))
     assert '(36,)' in str(e.value) and '\n' not in str(e.value)
-    with pytest.raises(ValueError, match=r"^--public_batch=30 exceeds the partition's 20 public examples$"):
+    with pytest.raises(ValueError, match=r"^public_batch=30 exceeds the partition's 20 public examples$"):
         feddf.build_feddf_process(_public_size(spec, 20), _small(public_batch=30))
 
 

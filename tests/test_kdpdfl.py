@@ -299,7 +299,7 @@ def test_distances_at_a_hidden_layer(problem, tff_runtime):
 
     want = ((hidden(states[3]) - hidden(states[0])) ** 2).sum(-1).mean()
     np.testing.assert_allclose(output.metrics['mean_distance'], want, rtol=1e-4)
-    with pytest.raises(ValueError, match=r'^--kd_distance_layer=9 is not a layer of the model: it has 3 layers'):
+    with pytest.raises(ValueError, match=r'^kd_distance_layer=9 is not a layer of the model: it has 3 layers'):
         kdpdfl.build_kdpdfl_process(spec, model_fn, dataclasses.replace(settings, kd_distance_layer=9))
 
 

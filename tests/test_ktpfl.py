@@ -248,10 +248,10 @@ def test_bad_arguments(process):
     with pytest.raises(TypeError, match='KTpFLSettings'):
         ktpfl.build_ktpfl_process(spec, ktpfl.KTpFLHomoSettings())
     # The tiny images are 6x6x1: LeNet's two conv + pool stages need 16x16.
-    with pytest.raises(ValueError, match=r'^--architectures=lenet cannot take features of shape \(6, 6, 1\)') as e:
+    with pytest.raises(ValueError, match=r'^architectures: lenet cannot take features of shape \(6, 6, 1\)') as e:
         ktpfl.build_ktpfl_process(spec, _small(architectures=('logistic', 'lenet')))
     assert '\n' not in str(e.value)
-    with pytest.raises(ValueError, match=r"^--public_batch=50 exceeds the partition's 40 public examples$"):
+    with pytest.raises(ValueError, match=r"^public_batch=50 exceeds the partition's 40 public examples$"):
         ktpfl.build_ktpfl_process(spec, _small(public_examples=50, public_batch=50))
 
 

@@ -132,7 +132,7 @@ def test_a_seeded_subset_of_clients(shakespeare_cache, tmp_path):
     again = _prepare(tmp_path / 'b', 'tff:shakespeare', 2, data_dir=str(shakespeare_cache)).spec
     assert one.source_ids == again.source_ids and len(set(one.source_ids)) == 2
     assert set(one.source_ids) <= {'LEAR_CORDELIA', 'LEAR_GONERIL', 'LEAR_LEAR'}
-    with pytest.raises(PartitionError, match='--num_clients=4 but tff:shakespeare has 3 clients'):
+    with pytest.raises(PartitionError, match='num_clients=4 but tff:shakespeare has 3 clients'):
         _prepare(tmp_path / 'c', 'tff:shakespeare', 4, data_dir=str(shakespeare_cache))
     assert not (tmp_path / 'c').exists()
 

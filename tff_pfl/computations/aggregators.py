@@ -101,9 +101,12 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         if fixed_sigma0_sq is not None and fixed_sigma0_sq <= 0:
             raise ValueError(f'fixed_sigma0_sq must be > 0, got {fixed_sigma0_sq}')
         if dp is not None and dp.adaptive:
-            raise ValueError(SELFFL_ADAPTIVE)
+            raise ValueError(
+                "dp: Self-FL's DP record bounds its scalar parts by the clip, which the clients must know: give it a "
+                'fixed clip, not an adaptive one'
+            )
         if secure and dp is None:
-            raise ValueError(SELFFL_SECURE)
+            raise ValueError("secure=True needs dp: Self-FL's sums need a bounded range, which its DP record gives")
         self._num_clients = num_clients
         self._fixed = fixed_sigma0_sq
         self._ddof = ddof

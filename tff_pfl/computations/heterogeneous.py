@@ -127,12 +127,12 @@ def public_batch_for(settings: PublicKnowledge, spec) -> int:
         public examples than `public_batch`.
     """
     if not spec.public_size:
-        raise ValueError('no public data in the partition: prepare it with --public_examples > 0')
+        raise ValueError('no public data in the partition: prepare it with public_examples > 0')
     if settings.public_batch is None:
         return spec.public_size
     if settings.public_batch > spec.public_size:
         raise ValueError(
-            f"--public_batch={settings.public_batch} exceeds the partition's {spec.public_size} public examples"
+            f"public_batch={settings.public_batch} exceeds the partition's {spec.public_size} public examples"
         )
     return settings.public_batch
 
@@ -170,7 +170,7 @@ def client_architectures(architectures: Sequence[str], spec) -> tuple[str, ...]:
     for name in dict.fromkeys(names):
         problem = _why_not(name, shape, spec.num_classes)
         if problem:
-            raise ValueError(f'--architectures={name} cannot take features of shape {shape}: {problem}')
+            raise ValueError(f'architectures: {name} cannot take features of shape {shape}: {problem}')
     return in_turn(names, spec.num_clients)
 
 

@@ -227,7 +227,7 @@ def secure_mean_factory(max_weight: float) -> tff.aggregators.WeightedAggregatio
     """
     if max_weight > SECURE_WEIGHT_LIMIT:
         raise PrivacyError(
-            f'--secure_aggregation: a client weighs {max_weight:g} (its training examples), more than the secure '
+            f'secure aggregation: a client weighs {max_weight:g} (its training examples), more than the secure '
             f'sum of weights holds ({SECURE_WEIGHT_LIMIT})'
         )
     return tff.learning.secure_aggregator(zeroing=False, clipping=False, weighted=True)

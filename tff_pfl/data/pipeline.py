@@ -260,9 +260,7 @@ def prepare_natural(
     available = len(source.client_ids)
     if num_clients > available:
         left_out = f' ({source.excluded} more lack two training or a test example)' if source.excluded else ''
-        raise partition.PartitionError(
-            f'--num_clients={num_clients} but {source.name} has {available} clients{left_out}'
-        )
+        raise partition.PartitionError(f'num_clients={num_clients} but {source.name} has {available} clients{left_out}')
     public = None
     if public_examples:
         if source.task == 'next_char':
