@@ -30,6 +30,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +124,7 @@ def build_ditto_process(
     Raises:
       SettingsError: a setting out of range (one line).
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = (DittoSettings() if settings is None else settings).validate()
     building_blocks.check_optimizer('client_optimizer', client_optimizer)
     building_blocks.check_optimizer('server_optimizer', server_optimizer)

@@ -33,6 +33,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,7 @@ def build_fedavg_process(
         is not a `tff.learning.optimizers.Optimizer`.
       SettingsError: on a bad setting (`settings.validate()`).
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = FedAvgSettings() if settings is None else settings
     if not isinstance(settings, FedAvgSettings):
         raise TypeError(f'build_fedavg_process takes FedAvgSettings, got {type(settings).__name__}')

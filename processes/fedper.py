@@ -28,6 +28,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ def build_fedper_process(
       ValueError: `personal_layers` leaves the model no shared layer (one
         line, `split_layers`).
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = (FedPerSettings() if settings is None else settings).validate()
     building_blocks.check_optimizer('client_optimizer', client_optimizer)
     building_blocks.check_optimizer('server_optimizer', server_optimizer)

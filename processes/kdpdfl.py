@@ -50,7 +50,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data
-from tff_pfl.models import stacked
+from tff_pfl.models import adapters, stacked
 
 MODES = ('kdpdfl', 'fedavg', 'local')
 BROADCASTS = ('adopt', 'keep')
@@ -368,6 +368,7 @@ def build_kdpdfl_process(
       ValueError: an unknown mode, settings of another mode, or a
         `kd_distance_layer` the model does not have.
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     if mode not in MODES:
         raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
     expected = MODE_SETTINGS[mode]

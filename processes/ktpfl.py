@@ -61,6 +61,7 @@ from tff_pfl.computations import (
     template,
 )
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
 # Baselines of the paper's Table 1 that differ from KT-pFL only in c:
@@ -816,6 +817,7 @@ def build_ktpfl_homogeneous_process(
       TypeError: `settings` is not a `KTpFLHomoSettings`.
       ValueError: `dp` clips adaptively.
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     if not isinstance(settings, KTpFLHomoSettings):
         raise TypeError(f'build_ktpfl_homogeneous_process takes KTpFLHomoSettings, got {type(settings).__name__}')
     settings.validate()

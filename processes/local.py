@@ -22,6 +22,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, device_state, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,7 @@ def build_local_process(
     Raises:
       SettingsError: a setting out of range (one line).
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = (LocalSettings() if settings is None else settings).validate()
     building_blocks.refuse_unused(
         'build_local_process',

@@ -37,6 +37,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 VARIANTS = ('fo', 'hf')
 
@@ -125,6 +126,7 @@ def build_perfedavg_process(
       SettingsError: a setting out of range (one line).
       ValueError: an unknown variant, or the settings of the other variant.
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     if variant not in VARIANTS:
         raise ValueError(f'variant must be one of {VARIANTS}, got {variant!r}')
     expected = VARIANT_SETTINGS[variant]

@@ -31,7 +31,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, distillation, local_training, template
 from tff_pfl.data import client_data
-from tff_pfl.models import stacked
+from tff_pfl.models import adapters, stacked
 
 TEACHERS = ('optimal', 'final')
 SEARCHES = ('grid', 'halving')
@@ -143,6 +143,7 @@ def build_persfl_process(
       ValueError: on a bad soft loss, or a model with layers the stacked grid
         cannot run.
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = PersFLSettings() if settings is None else settings
     if not isinstance(settings, PersFLSettings):
         raise TypeError(f'build_persfl_process takes PersFLSettings, got {type(settings).__name__}')

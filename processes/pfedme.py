@@ -36,6 +36,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 _setting = settings_lib.setting
 
@@ -110,6 +111,7 @@ def build_pfedme_process(
     Raises:
       SettingsError: a setting out of range (one line).
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = (PFedMeSettings() if settings is None else settings).validate()
     building_blocks.refuse_unused(
         'build_pfedme_process',

@@ -34,6 +34,7 @@ import tensorflow_federated as tff
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, privacy, template
 from tff_pfl.data import client_data
+from tff_pfl.models import adapters
 
 LOSSES = ('cross_entropy', 'gaussian')
 
@@ -263,6 +264,7 @@ def build_selffl_process(
       ValueError: on a bad `activity_rate`, `loss` or `gaussian_noise_var`,
         adaptive clipping, or `secure` without `dp`.
     """
+    model_fn = adapters.keras_model_fn(model_fn)
     settings = SelfFLSettings() if settings is None else settings
     if not isinstance(settings, SelfFLSettings):
         raise TypeError(f'build_selffl_process takes SelfFLSettings, got {type(settings).__name__}')

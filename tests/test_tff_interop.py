@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedper, local, persfl
+from processes import fedavg, fedper, local, persfl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.data import client_data
@@ -123,3 +123,52 @@ def test_global_model_must_name_a_server_state_field(problem):
             evaluate=process.evaluate,
             global_model='weights',
         )
+
+
+def _fedavg_rounds(spec, model, rounds=2):
+    process = fedavg.build_fedavg_process(
+        spec, model, fedavg.FedAvgSettings(local_steps=3, batch_size=8, client_learning_rate=0.5), seed=3
+    )
+    state = process.initialize()
+    clients = process.initial_client_states(spec.client_ids)
+    for _ in range(rounds):
+        state, clients, _ = process.next(state, clients)
+    return [np.asarray(w) for w in state['model']], process.evaluate(state, clients)
+
+
+def test_a_functional_model_and_a_variable_model_train_as_the_keras_model_does(problem, tff_runtime):
+    """FedAvg from `functional_model_from_keras` (started at the Keras run's initial weights) and
+    from a `from_keras_model` function gives the Keras model function's rounds."""
+    spec, model_fn = problem
+    expected, expected_eval = _fedavg_rounds(spec, model_fn)
+    initial = fedavg.build_fedavg_process(spec, model_fn, seed=3).initialize()['model']
+    keras_model = model_fn()
+    for variable, value in zip(keras_model.trainable_weights, initial):
+        variable.assign(value)
+    input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    functional = tff.learning.models.functional_model_from_keras(keras_model, loss, input_spec)
+    got, got_eval = _fedavg_rounds(spec, functional)
+    for g, w in zip(got, expected):
+        np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+    assert [float(r['global_model']['accuracy']) for r in got_eval] == pytest.approx(
+        [float(r['global_model']['accuracy']) for r in expected_eval]
+    )
+    tff_learning_fn = _tff_learning_model_fn(spec, model_fn)  # a VariableModel function, seeded as model_fn
+    got, _ = _fedavg_rounds(spec, tff_learning_fn)
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_model_the_algorithm_cannot_take_is_refused_in_one_line(problem):
+    spec, model_fn = problem
+    input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
+    functional = tff.learning.models.functional_model_from_keras(
+        model_fn(), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), input_spec
+    )
+    with pytest.raises(ValueError, match=r"^model_fn: PersFL's distillation grid cannot train 'functional_model'"):
+        persfl.build_persfl_process(spec, functional, SETTINGS)
+    with pytest.raises(TypeError, match='^model_fn must be a function that builds a new model on each call'):
+        fedavg.build_fedavg_process(spec, model_fn())
+    with pytest.raises(TypeError, match='^model_fn must return a tf.keras.Model or a tff.learning.models.Var'):
+        fedavg.build_fedavg_process(spec, lambda: 'a model')

@@ -29,7 +29,8 @@ def plan(model: tf.keras.Model) -> list:
       input layer, in order.
 
     Raises:
-      ValueError: for a layer kind `forward` does not implement.
+      ValueError: for a layer kind `forward` does not implement, or
+        weights held outside the model's layers (a subclassed model).
     """
     layers = []
     for layer in model.layers:
@@ -54,6 +55,12 @@ def plan(model: tf.keras.Model) -> list:
             layers.append(Layer(kind, config, 3 if config['use_bias'] else 2))
         elif kind != 'InputLayer':
             raise ValueError(f'layer {layer.name!r} of kind {kind} is not supported for stacked training')
+    counted = sum(layer.num_weights for layer in layers)
+    if counted != len(model.trainable_weights):
+        raise ValueError(
+            f'its layers hold {counted} of its {len(model.trainable_weights)} weights: stacked training needs a '
+            'Sequential Keras model (not a subclassed or wrapped one, e.g. a FunctionalModel)'
+        )
     return layers
 
 

@@ -1,0 +1,107 @@
+"""Models as TFF users write them, turned into the Keras model functions the builders run.
+
+Every builder trains a Keras model made fresh inside its computations: its
+trainable variables are the weights that are broadcast, averaged and kept
+per client. `keras_model_fn` accepts, besides such a no-argument Keras model
+function,
+
+* a `tff.learning.models.FunctionalModel` (e.g. from
+  `tff.learning.models.functional_model_from_keras`): a Keras model whose
+  variables start at the functional model's `initial_weights` and whose
+  output is its `predict_on_batch`;
+* a no-argument function returning a `tff.learning.models.VariableModel`
+  (e.g. `tff.learning.models.from_keras_model(...)`): a Keras model over the
+  variable model's own trainable variables, whose output is its
+  `predict_on_batch`.
+
+Either way the output must be logits, as for a Keras model. The model's own
+loss and metrics are not used: the builders' losses and accuracies apply
+(docs/models.md). Models with non-trainable weights are refused, as for Keras
+models. PersFL's distillation grid needs a Sequential Keras model (it stacks
+the grid's candidates layer by layer) and refuses these in one line.
+"""
+
+from collections.abc import Callable
+
+import tensorflow as tf
+import tensorflow_federated as tff
+
+
+class _FunctionalKerasModel(tf.keras.Model):
+    """A Keras model over a `FunctionalModel`'s weights (variables made from its initial weights)."""
+
+    def __init__(self, functional: tff.learning.models.FunctionalModel):
+        super().__init__(name='functional_model')
+        self._functional = functional
+        trainable, non_trainable = functional.initial_weights
+        if len(non_trainable):
+            raise ValueError(
+                f'model: the FunctionalModel has {len(non_trainable)} non-trainable weights, which are not supported'
+            )
+        self.weights_list = [tf.Variable(w, trainable=True, name=f'weight_{i}') for i, w in enumerate(trainable)]
+
+    def call(self, inputs, training=False):
+        return self._functional.predict_on_batch((list(self.weights_list), []), inputs, training)
+
+
+class _VariableKerasModel(tf.keras.Model):
+    """A Keras model over a `VariableModel`'s trainable variables."""
+
+    def __init__(self, variable_model: tff.learning.models.VariableModel):
+        super().__init__(name='variable_model')
+        self._variable_model = variable_model
+        if list(variable_model.non_trainable_variables):
+            raise ValueError(
+                f'model: the VariableModel has {len(variable_model.non_trainable_variables)} non-trainable '
+                'variables, which are not supported'
+            )
+        self.weights_list = list(variable_model.trainable_variables)
+
+    def call(self, inputs, training=False):
+        return self._variable_model.predict_on_batch(inputs, training=training)
+
+
+def keras_model_fn(model, *, argument: str = 'model_fn') -> Callable[[], tf.keras.Model]:
+    """A builder's model argument as a no-argument Keras model function.
+
+    Args:
+      model: a no-argument function returning a `tf.keras.Model` (returned
+        as it is, checked when first called) or a
+        `tff.learning.models.VariableModel`; or a
+        `tff.learning.models.FunctionalModel`.
+      argument: the argument's name, for errors.
+
+    Returns:
+      A no-argument function returning a fresh `tf.keras.Model`.
+
+    Raises:
+      TypeError: `model` is none of these (one line naming `argument`).
+    """
+    if isinstance(model, tff.learning.models.FunctionalModel):
+        return lambda: _FunctionalKerasModel(model)
+    if isinstance(model, (tf.keras.Model, tff.learning.models.VariableModel)):
+        raise TypeError(
+            f'{argument} must be a function that builds a new model on each call (TFF makes variables inside '
+            f'its computations), got a {type(model).__name__} instance; pass e.g. lambda: build_model()'
+        )
+    if not callable(model):
+        raise TypeError(
+            f'{argument} must be a no-argument function returning a tf.keras.Model or a '
+            f'tff.learning.models.VariableModel, or a tff.learning.models.FunctionalModel; got {type(model).__name__}'
+        )
+
+    def model_fn():
+        built = model()
+        if isinstance(built, tf.keras.Model):
+            return built
+        if isinstance(built, tff.learning.models.VariableModel):
+            return _VariableKerasModel(built)
+        raise TypeError(
+            f'{argument} must return a tf.keras.Model or a tff.learning.models.VariableModel, '
+            f'got {type(built).__name__}'
+        )
+
+    if getattr(model, '_tff_pfl_keras_model_fn', False):
+        return model
+    model_fn._tff_pfl_keras_model_fn = True
+    return model_fn
