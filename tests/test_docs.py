@@ -155,3 +155,16 @@ def test_the_checks_catch_a_broken_link_and_an_unknown_flag(tmp_path):
     assert 'noisolate_network' in _defined_flags('tff_pfl/cli/train.py')
     assert {'rounds', 'nodownload', 'distill_epochs', 'kd_mu1'} <= _settings_flags()
     assert 'distil_epochs' not in _settings_flags()
+
+
+def test_the_api_reference_is_generated_from_the_current_docstrings():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location('gen_api', REPO / 'docs' / 'gen_api.py')
+    gen_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_api)
+    expected = gen_api.render()
+    current = (REPO / 'docs' / 'api.md').read_text()
+    assert current == expected, 'docs/api.md is stale: uv run --locked python docs/gen_api.py > docs/api.md'
+    for module_name, names in gen_api.PUBLIC:  # every public name is documented
+        assert all(f'`{name}' in expected for name in names), module_name

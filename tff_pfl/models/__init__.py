@@ -539,7 +539,7 @@ def register(name: str, builder: ModelBuilder, *, replace: bool = False) -> None
     """Makes a model of your own available by name, as the built-in ones are.
 
     A registered name works everywhere a model name does: `get`,
-    `tff-pfl-train --model=NAME` and KT-pFL / FedDF `--architectures`
+    tff-pfl-train's `--model` and KT-pFL / FedDF `--architectures`
     (through `--model_modules=your.module`, a module that calls `register`
     when imported), and the bench suites. The builder must return a fresh,
     un-compiled Keras model whose outputs are logits (a final softmax or
