@@ -397,7 +397,14 @@ def build_kdpdfl_process(
         mu1, mu2, c_base = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base
         distance_batch, distance_layer = settings.kd_distance_batch, settings.kd_distance_layer
         with tf.Graph().as_default():
-            layers = stacked.plan(model_fn())
+            model = model_fn()
+            try:
+                layers = stacked.plan(model)
+            except ValueError as e:
+                raise ValueError(
+                    f"model_fn: KD-PDFL's logit distances run the neighbours' models stacked and cannot run "
+                    f'{model.name!r} ({e})'
+                ) from None
         if distance_layer != -1 and not 1 <= distance_layer <= len(layers):
             raise ValueError(
                 f'kd_distance_layer={distance_layer} is not a layer of the model: it has {len(layers)} layers '

@@ -9,6 +9,7 @@ import pkgutil
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_federated as tff
 
 import processes
@@ -177,3 +178,36 @@ def test_the_client_optimizer_trains_the_clients_models(data, tff_runtime, run):
     adam = run(spec, model_fn, client_optimizer=tff.learning.optimizers.build_adam(0.05))
     np.testing.assert_allclose(sgd, default, atol=1e-6, rtol=0)
     assert np.abs(adam - default).max() > 1e-3
+
+
+# The builders that take a model function, and what a FunctionalModel does there.
+FUNCTIONAL = {
+    'build_fedavg_process': None,
+    'build_ditto_process': None,
+    'build_local_process': None,
+    'build_apfl_process': None,
+    'build_perfedavg_process': None,
+    'build_pfedme_process': None,
+    'build_selffl_process': None,
+    'build_ktpfl_homogeneous_process': None,
+    'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
+    'build_kdpdfl_process': "model_fn: KD-PDFL's logit distances run the neighbours' models stacked and cannot run",
+}
+
+
+@pytest.mark.parametrize('builder', sorted(FUNCTIONAL))
+def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
+    spec, model_fn = data
+    build, _ = _builders()[builder]
+    input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
+    functional = tff.learning.models.functional_model_from_keras(
+        model_fn(), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), input_spec
+    )
+    refusal = FUNCTIONAL[builder]
+    if refusal is None:
+        process = build(spec, functional)
+        assert process.initialize.type_signature.result.placement is tff.SERVER
+    else:
+        with pytest.raises(ValueError, match=f'^{refusal}') as raised:
+            build(spec, functional)
+        assert '\n' not in str(raised.value)
