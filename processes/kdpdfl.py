@@ -182,6 +182,26 @@ class ServerlessLocalSettings(ServerlessSettings):
 MODE_SETTINGS = {'kdpdfl': KDPDFLSettings, 'fedavg': ServerlessFedAvgSettings, 'local': ServerlessLocalSettings}
 
 
+def mode_of(settings: ServerlessSettings) -> str:
+    """The mode a settings object selects (its type is the variant).
+
+    Args:
+      settings: a `KDPDFLSettings`, `ServerlessFedAvgSettings` (or its FedAvg+
+        subclass) or `ServerlessLocalSettings`.
+
+    Returns:
+      'kdpdfl', 'fedavg' or 'local'.
+
+    Raises:
+      TypeError: for settings of none of these types.
+    """
+    for mode, cls in MODE_SETTINGS.items():
+        if isinstance(settings, cls):
+            return mode
+    names = ', '.join(cls.__name__ for cls in MODE_SETTINGS.values())
+    raise TypeError(f'build_kdpdfl_process takes {names}, got {type(settings).__name__}')
+
+
 def draw_neighbours(
     rng: np.random.Generator,
     num_clients: int,
@@ -319,7 +339,6 @@ def build_kdpdfl_process(
     model_fn,
     settings: ServerlessSettings | None = None,
     *,
-    mode: str = 'kdpdfl',
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: tff.aggregators.WeightedAggregationFactory
@@ -344,12 +363,12 @@ def build_kdpdfl_process(
       spec: the partition on disk.
       model_fn: no-arg builder of every client's model (a Sequential model
         `models.stacked` supports).
-      settings: the mode's settings (`MODE_SETTINGS[mode]`: `KDPDFLSettings`,
-        `ServerlessFedAvgSettings` or its FedAvg+ subclass,
-        `ServerlessLocalSettings`); None: that class's defaults.
-      mode: one of `MODES`: 'kdpdfl' (Eqs. 2-4), 'fedavg' (the star takes the
-        plain mean of its own and the received models) or 'local' (no
-        exchange: `next` changes nothing and the driver never calls it).
+      settings: its type is the mode (`mode_of`): `KDPDFLSettings` 'kdpdfl'
+        (Eqs. 2-4), `ServerlessFedAvgSettings` or its FedAvg+ subclass
+        'fedavg' (the star takes the plain mean of its own and the received
+        models), `ServerlessLocalSettings` 'local' (no exchange: `next`
+        changes nothing and the driver never calls it); None:
+        `KDPDFLSettings()`.
       client_optimizer: the clients' local optimizer, a
         `tff.learning.optimizers.Optimizer` started fresh for each client's
         local training; None: SGD at `settings.client_learning_rate`.
@@ -365,14 +384,12 @@ def build_kdpdfl_process(
 
     Raises:
       SettingsError: a setting out of range (one line).
-      ValueError: an unknown mode, settings of another mode, or a
-        `kd_distance_layer` the model does not have.
+      TypeError: settings of no serverless mode.
+      ValueError: a `kd_distance_layer` the model does not have.
     """
     model_fn = adapters.keras_model_fn(model_fn)
-    if mode not in MODES:
-        raise ValueError(f'mode must be one of {MODES}, got {mode!r}')
-    expected = MODE_SETTINGS[mode]
-    settings = expected() if settings is None else settings
+    settings = KDPDFLSettings() if settings is None else settings
+    mode = mode_of(settings)
     settings.validate()
     building_blocks.refuse_unused(
         'build_kdpdfl_process',
@@ -385,8 +402,6 @@ def build_kdpdfl_process(
         model_aggregator=model_aggregator,
     )
     building_blocks.check_optimizer('client_optimizer', client_optimizer)
-    if not isinstance(settings, expected):
-        raise ValueError(f'mode={mode!r} takes {expected.__name__}, got {type(settings).__name__}')
     local_config = settings.training_config()  # one slot of local work
     exchanging = mode != 'local'
     max_neighbours = settings.kd_max_neighbours if exchanging else 1

@@ -39,8 +39,6 @@ from tff_pfl.computations import averaging, building_blocks, local_training, tem
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
-VARIANTS = ('fo', 'hf')
-
 
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgSettings(settings_lib.LocalTraining):
@@ -78,6 +76,18 @@ class PerFedAvgHFSettings(PerFedAvgSettings):
 VARIANT_SETTINGS = {'fo': PerFedAvgSettings, 'hf': PerFedAvgHFSettings}
 
 
+def variant_of(settings: PerFedAvgSettings) -> str:
+    """The variant a settings object selects: 'hf' for `PerFedAvgHFSettings`, else 'fo'.
+
+    Args:
+      settings: a `PerFedAvgSettings`.
+
+    Returns:
+      'fo' or 'hf'.
+    """
+    return 'hf' if isinstance(settings, PerFedAvgHFSettings) else 'fo'
+
+
 def _gradients(model, x, y):
     with tf.GradientTape() as tape:
         loss, logits = local_training.supervised_loss(model, x, y)
@@ -94,7 +104,6 @@ def build_perfedavg_process(
     model_fn: Callable[[], tf.keras.Model],
     settings: PerFedAvgSettings | None = None,
     *,
-    variant: str = 'fo',
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
@@ -107,9 +116,9 @@ def build_perfedavg_process(
       model_fn: no-arg function returning a fresh Keras model (logits out).
       settings: tau meta steps (`local_steps`, or epochs: a step consumes
         two batches (FO) or three (HF)), the batch size, beta
-        (`client_learning_rate`), alpha, and for HF delta: the variant's
-        `VARIANT_SETTINGS` class; None: its defaults.
-      variant: 'fo' (Per-FedAvg FO) or 'hf' (Per-FedAvg HF).
+        (`client_learning_rate`), alpha, and for HF delta. The settings type
+        is the variant: `PerFedAvgSettings` Per-FedAvg FO,
+        `PerFedAvgHFSettings` Per-FedAvg HF; None: FO's defaults.
       server_optimizer: applied to the aggregated update; None: SGD at
         learning rate 1.0 (the plain average of the paper).
       client_optimizer: not taken (ValueError if given): Per-FedAvg's client step is a MAML step
@@ -124,13 +133,16 @@ def build_perfedavg_process(
 
     Raises:
       SettingsError: a setting out of range (one line).
-      ValueError: an unknown variant, or the settings of the other variant.
+      TypeError: `settings` is not a `PerFedAvgSettings`.
     """
     model_fn = adapters.keras_model_fn(model_fn)
-    if variant not in VARIANTS:
-        raise ValueError(f'variant must be one of {VARIANTS}, got {variant!r}')
-    expected = VARIANT_SETTINGS[variant]
-    settings = (expected() if settings is None else settings).validate()
+    settings = PerFedAvgSettings() if settings is None else settings
+    if not isinstance(settings, PerFedAvgSettings):
+        raise TypeError(
+            f'build_perfedavg_process takes PerFedAvgSettings or PerFedAvgHFSettings, got {type(settings).__name__}'
+        )
+    settings = settings.validate()
+    variant = variant_of(settings)
     building_blocks.refuse_unused(
         'build_perfedavg_process',
         dict(
@@ -143,8 +155,6 @@ def build_perfedavg_process(
         model_aggregator=model_aggregator,
     )
     building_blocks.check_optimizer('server_optimizer', server_optimizer)
-    if type(settings) is not expected:
-        raise ValueError(f'variant={variant!r} takes {expected.__name__}, got {type(settings).__name__}')
     batches_per_step = 3 if variant == 'hf' else 2
     alpha = settings.perfedavg_alpha
     delta = settings.perfedavg_delta if variant == 'hf' else None

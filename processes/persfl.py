@@ -35,7 +35,6 @@ from tff_pfl.models import adapters, stacked
 
 TEACHERS = ('optimal', 'final')
 SEARCHES = ('grid', 'halving')
-SOFT_LOSSES = ('kl', 'ce')
 
 _setting = settings_lib.setting
 
@@ -44,8 +43,8 @@ _setting = settings_lib.setting
 class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
     """PersFL's settings: stage 1 is FedAvg (local SGD, server step); stage 2 the distillation grid.
 
-    Shared by PersFL and PersFL-GD (the soft loss is the algorithm, not a
-    setting). Defaults and where they come from: docs/algorithms/persfl.md,
+    PersFL-GD's are `PersFLGDSettings`, the same fields (the soft loss is the
+    algorithm, given by the settings type, not a setting). Defaults and where they come from: docs/algorithms/persfl.md,
     "Settings".
     """
 
@@ -99,26 +98,44 @@ class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         """
         return settings_lib.TrainingConfig(self.distill_epochs, self.distill_batch_size, self.distill_learning_rate)
 
+    @property
+    def soft_loss(self) -> str:
+        """Stage 2's soft loss: 'kl' (PersFL, Eq. 3); `PersFLGDSettings`: 'ce'."""
+        return 'kl'
+
+
+@dataclasses.dataclass(frozen=True)
+class PersFLGDSettings(PersFLSettings):
+    """PersFL-GD: PersFL's settings, with cross-entropy instead of KL as stage 2's soft loss (Eq. 7).
+
+    The variant is the settings type, as for every algorithm with variants.
+    """
+
+    @property
+    def soft_loss(self) -> str:
+        """'ce': cross-entropy to the teacher's tempered predictions (Eq. 7)."""
+        return 'ce'
+
 
 def build_persfl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],
     settings: PersFLSettings | None = None,
     *,
-    soft_loss: str = 'kl',
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
-    """Builds PersFL (soft_loss='kl') or PersFL-GD (soft_loss='ce').
+    """Builds PersFL (`PersFLSettings`) or PersFL-GD (`PersFLGDSettings`).
 
     Args:
       spec: the client partition on disk.
       model_fn: no-arg function returning a fresh Keras Sequential model
         (logits out) of layers `tff_pfl.models.stacked` supports.
-      settings: a `PersFLSettings`; None: `PersFLSettings()`.
-      soft_loss: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+      settings: a `PersFLSettings` (PersFL, KL, Eq. 3) or a
+        `PersFLGDSettings` (PersFL-GD, cross-entropy, Eq. 7); None:
+        `PersFLSettings()`.
       client_optimizer: the clients' local optimizer, a
         `tff.learning.optimizers.Optimizer` started fresh for each client's
         local training; None: SGD at `settings.client_learning_rate`.
@@ -140,7 +157,7 @@ def build_persfl_process(
     Raises:
       TypeError: if `settings` is not a `PersFLSettings`.
       SettingsError: on a bad setting (`settings.validate()`).
-      ValueError: on a bad soft loss, or a model with layers the stacked grid
+      ValueError: a model with layers the stacked grid
         cannot run.
     """
     model_fn = adapters.keras_model_fn(model_fn)
@@ -150,8 +167,7 @@ def build_persfl_process(
     settings.validate()
     building_blocks.check_optimizer('client_optimizer', client_optimizer)
     building_blocks.check_optimizer('server_optimizer', server_optimizer)
-    if soft_loss not in SOFT_LOSSES:
-        raise ValueError(f"soft_loss must be 'kl' or 'ce', got {soft_loss!r}")
+    soft_loss = settings.soft_loss
     local_config = settings.training_config()
     distill_config = settings.distill_config()
     candidates = distillation.grid_candidates(settings.temperatures, settings.imitations)

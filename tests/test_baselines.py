@@ -218,7 +218,8 @@ def test_perfedavg_round_matches_algorithm_1(problem, tff_runtime, variant):
         settings = perfedavg.PerFedAvgSettings(
             batch_size=8, client_learning_rate=beta, local_steps=3, perfedavg_alpha=alpha
         )
-    process = perfedavg.build_perfedavg_process(spec, model_fn, settings, variant=variant, seed=SEED)
+    assert perfedavg.variant_of(settings) == variant  # the settings type is the variant
+    process = perfedavg.build_perfedavg_process(spec, model_fn, settings, seed=SEED)
     state, clients = _start(process, spec)
     w_global = _initial(process)
     output = process.next(state, clients)
@@ -335,10 +336,10 @@ STEP_BUILDERS = {
         spec, model_fn, pfedme.PFedMeSettings(**steps), seed=SEED
     ),
     'perfedavg_fo': lambda spec, model_fn, steps: perfedavg.build_perfedavg_process(
-        spec, model_fn, perfedavg.PerFedAvgSettings(**steps), variant='fo', seed=SEED
+        spec, model_fn, perfedavg.PerFedAvgSettings(**steps), seed=SEED
     ),
     'perfedavg_hf': lambda spec, model_fn, steps: perfedavg.build_perfedavg_process(
-        spec, model_fn, perfedavg.PerFedAvgHFSettings(**steps), variant='hf', seed=SEED
+        spec, model_fn, perfedavg.PerFedAvgHFSettings(**steps), seed=SEED
     ),
     'apfl': lambda spec, model_fn, steps: apfl.build_apfl_process(
         spec, model_fn, apfl.APFLSettings(**steps), seed=SEED
@@ -423,13 +424,11 @@ def test_builders_validate_their_settings_first(problem):
         local.build_local_process(spec, model_fn, local.LocalSettings(local_steps=-2))
     with pytest.raises(settings_lib.SettingsError, match='finetune_epochs'):
         fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgFTSettings(finetune_epochs=-1))
-    with pytest.raises(ValueError, match='variant'):
-        perfedavg.build_perfedavg_process(spec, model_fn, variant='so')
-    # The HF step size belongs to HF only: each variant takes its own settings.
-    with pytest.raises(ValueError, match=r"^variant='hf' takes PerFedAvgHFSettings, got PerFedAvgSettings$"):
-        perfedavg.build_perfedavg_process(spec, model_fn, perfedavg.PerFedAvgSettings(), variant='hf')
-    with pytest.raises(ValueError, match=r"^variant='fo' takes PerFedAvgSettings, got PerFedAvgHFSettings$"):
-        perfedavg.build_perfedavg_process(spec, model_fn, perfedavg.PerFedAvgHFSettings(), variant='fo')
+    # The variant is the settings type: the HF step size exists in HF's settings only.
+    with pytest.raises(TypeError, match=r'^build_perfedavg_process takes PerFedAvgSettings or PerFedAvgHFSettings'):
+        perfedavg.build_perfedavg_process(spec, model_fn, ditto.DittoSettings())
+    assert perfedavg.variant_of(perfedavg.PerFedAvgHFSettings()) == 'hf'
+    assert perfedavg.variant_of(perfedavg.PerFedAvgSettings()) == 'fo'
 
 
 def test_each_algorithm_has_exactly_the_settings_it_uses():

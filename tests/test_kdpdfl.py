@@ -101,7 +101,7 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
         settings = _settings(mode, kd_max_neighbours=3, kd_mu1=2.0, kd_mu2=0.5, kd_c_base=100.0, kd_distance_batch=1000)
     else:
         settings = _settings(mode, kd_max_neighbours=3)
-    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
     ids = spec.client_ids
     states = [proc.initial_client_state(c) for c in ids]
     # Make the clients differ: one interval of local work (4 slots each).
@@ -152,7 +152,7 @@ def test_only_models_of_invited_neighbours_reach_the_star(problem):
 
 def _process(spec, model_fn, mode, **changes):
     """A process of `mode` with the test's slot of local work."""
-    return kdpdfl.build_kdpdfl_process(spec, model_fn, _settings(mode, **changes), mode=mode)
+    return kdpdfl.build_kdpdfl_process(spec, model_fn, _settings(mode, **changes))
 
 
 def test_driver_runs_every_mode(problem, tff_runtime):
@@ -167,7 +167,7 @@ def test_driver_runs_every_mode(problem, tff_runtime):
             settings = _settings(mode, kd_max_neighbours=2, kd_mean_neighbours=2.0, exchange_interval=3)
         if mode == 'kdpdfl':
             settings = dataclasses.replace(settings, kd_distance_batch=16)
-        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
+        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
         assert isinstance(proc, template.ServerlessProcess) and proc.mode == mode
         assert proc.max_neighbours == (1 if mode == 'local' else 2)
         # Declared outputs only: nothing is assigned to the process after construction.
@@ -264,7 +264,7 @@ def test_without_mu_kdpdfl_is_decentralized_fedavg(problem, tff_runtime):
             settings = _settings(mode, kd_max_neighbours=3, kd_mu1=0.0, kd_mu2=0.0, kd_c_base=1.0)
         else:
             settings = _settings(mode, kd_max_neighbours=3)
-        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings, mode=mode)
+        proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
         if states is None:
             states = [proc.initial_client_state(c) for c in spec.client_ids]
             states, _ = proc.local_work(states, [2, 2, 2, 2], np.int32(0))
@@ -354,13 +354,16 @@ def test_bad_settings_are_refused_in_one_line(cls, changes, message):
     assert '\n' not in str(caught.value)
 
 
-def test_the_builder_refuses_a_mode_without_its_settings(problem):
+def test_the_settings_type_is_the_mode_and_other_settings_are_refused(problem):
     spec, model_fn = problem
-    with pytest.raises(ValueError, match=r"^mode='fedavg' takes ServerlessFedAvgSettings, got KDPDFLSettings$"):
-        kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.KDPDFLSettings(), mode='fedavg')
-    with pytest.raises(ValueError, match=r"^mode='local' takes ServerlessLocalSettings"):
-        kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.ServerlessFedAvgSettings(), mode='local')
-    with pytest.raises(ValueError, match='mode must be one of'):
-        kdpdfl.build_kdpdfl_process(spec, model_fn, mode='gossip')
+    assert {mode: kdpdfl.mode_of(cls()) for mode, cls in kdpdfl.MODE_SETTINGS.items()} == {
+        'kdpdfl': 'kdpdfl',
+        'fedavg': 'fedavg',
+        'local': 'local',
+    }
+    assert kdpdfl.mode_of(kdpdfl.ServerlessFedAvgPlusSettings()) == 'fedavg'
+    assert kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.ServerlessLocalSettings()).mode == 'local'
+    with pytest.raises(TypeError, match=r'^build_kdpdfl_process takes KDPDFLSettings, .* got LocalTraining$'):
+        kdpdfl.build_kdpdfl_process(spec, model_fn, settings_lib.LocalTraining())
     with pytest.raises(settings_lib.SettingsError, match='kd_c_base must be > 0'):
         kdpdfl.build_kdpdfl_process(spec, model_fn, kdpdfl.KDPDFLSettings(kd_c_base=-1.0))

@@ -43,10 +43,13 @@ def problem(tmp_path_factory):
 
 
 def _build(problem, soft_loss='kl', **changes):
+    """PersFL ('kl') or PersFL-GD ('ce'): the variant is the settings type."""
     spec, model_fn = problem
-    return persfl.build_persfl_process(
-        spec, model_fn, dataclasses.replace(SETTINGS, **changes), soft_loss=soft_loss, seed=3
-    )
+    settings = dataclasses.replace(SETTINGS, **changes)
+    if soft_loss == 'ce':
+        settings = persfl.PersFLGDSettings(**dataclasses.asdict(settings))
+    assert settings.soft_loss == soft_loss
+    return persfl.build_persfl_process(spec, model_fn, settings, seed=3)
 
 
 def test_teacher_selection_matches_numpy(problem, tff_runtime):
@@ -190,8 +193,6 @@ def test_halving_personalizes_with_a_grid_student(problem, tff_runtime):
 
 
 def test_bad_arguments(problem):
-    with pytest.raises(ValueError, match='soft_loss'):
-        _build(problem, soft_loss='l2')
     spec, model_fn = problem
     with pytest.raises(TypeError, match='PersFLSettings'):
         persfl.build_persfl_process(spec, model_fn, settings_lib.LocalTraining())
@@ -217,7 +218,7 @@ def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
         classes_per_client=2,
         num_clients=3,
         rounds=2,
-        settings=persfl.PersFLSettings(
+        settings=persfl.PersFLGDSettings(
             batch_size=8,
             client_learning_rate=0.1,
             distill_epochs=1,

@@ -324,12 +324,12 @@ def _architecture_column(state):
     return {'architecture_id': int(state['architecture'])}
 
 
-def _serverless(title, settings_cls, mode, plots=None) -> Algorithm:
-    """A KD-PDFL-family entry: its settings, exchange mode and plots; the serverless loop."""
+def _serverless(title, settings_cls, plots=None) -> Algorithm:
+    """A KD-PDFL-family entry: its settings (whose type is the exchange mode) and plots; the serverless loop."""
     return Algorithm(
         title,
         settings_cls,
-        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(spec, model_fn, s, mode=mode, seed=config.seed),
+        lambda s, spec, model_fn, config: kdpdfl.build_kdpdfl_process(spec, model_fn, s, seed=config.seed),
         _kdpdfl_columns,
         plots,
         _serverless_run,
@@ -359,13 +359,13 @@ def _upload_aggregator(config, spec):
     return privacy.secure_mean_factory(max(spec.split_sizes['train']))
 
 
-def _persfl(title, soft_loss) -> Algorithm:
-    """A PersFL entry: the soft loss of stage 2 (Eq. 3 KL or Eq. 7 cross-entropy) is the algorithm."""
+def _persfl(title, settings_cls) -> Algorithm:
+    """A PersFL entry: the soft loss of stage 2 (Eq. 3 KL or Eq. 7 cross-entropy) is the settings type."""
     return Algorithm(
         title,
-        persfl.PersFLSettings,
+        settings_cls,
         lambda s, spec, model_fn, config: persfl.build_persfl_process(
-            spec, model_fn, s, soft_loss=soft_loss, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         _persfl_columns,
         _persfl_plots,
@@ -392,8 +392,12 @@ _ALGORITHMS = {
         _finetune_plots,
         private_uploads='model updates (fine-tuning stays on the clients)',
     ),
-    'persfl': _persfl('PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid', 'kl'),
-    'persfl_gd': _persfl('PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL', 'ce'),
+    'persfl': _persfl(
+        'PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid', persfl.PersFLSettings
+    ),
+    'persfl_gd': _persfl(
+        'PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL', persfl.PersFLGDSettings
+    ),
     'selffl': Algorithm(
         'Self-FL (Chen et al., 2022): uncertainty-driven starting points, local steps and aggregation',
         selffl.SelfFLSettings,
@@ -504,7 +508,7 @@ _ALGORITHMS = {
         'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
         perfedavg.PerFedAvgSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='fo', model_aggregator=_upload_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads='meta-model updates',
     ),
@@ -512,7 +516,7 @@ _ALGORITHMS = {
         'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
         perfedavg.PerFedAvgHFSettings,
         lambda s, spec, model_fn, config: perfedavg.build_perfedavg_process(
-            spec, model_fn, s, variant='hf', model_aggregator=_upload_aggregator(config, spec), seed=config.seed
+            spec, model_fn, s, model_aggregator=_upload_aggregator(config, spec), seed=config.seed
         ),
         private_uploads='meta-model updates',
     ),
@@ -529,19 +533,17 @@ _ALGORITHMS = {
     'kdpdfl': _serverless(
         'KD-PDFL (Jeong & Kountouris, 2023): serverless, star nodes weigh neighbours by logit distances',
         kdpdfl.KDPDFLSettings,
-        'kdpdfl',
         _kdpdfl_plots,
     ),
     'kdpdfl_fedavg': _serverless(
-        'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)', kdpdfl.ServerlessFedAvgSettings, 'fedavg'
+        'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)', kdpdfl.ServerlessFedAvgSettings
     ),
     'kdpdfl_fedavg_plus': _serverless(
         'Serverless FedAvg, then local fine-tuning from a slot on (KD-PDFL baseline)',
         kdpdfl.ServerlessFedAvgPlusSettings,
-        'fedavg',
     ),
     'kdpdfl_local': _serverless(
-        'Local learning in the serverless loop (KD-PDFL baseline)', kdpdfl.ServerlessLocalSettings, 'local'
+        'Local learning in the serverless loop (KD-PDFL baseline)', kdpdfl.ServerlessLocalSettings
     ),
 }
 
