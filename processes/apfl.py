@@ -114,7 +114,6 @@ def build_apfl_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     local_config = settings.training_config()
     initial_alpha, alpha_learning_rate = settings.apfl_alpha, settings.apfl_alpha_learning_rate
     eta = local_config.learning_rate

@@ -126,8 +126,13 @@ def build_ditto_process(
     """
     model_fn = adapters.keras_model_fn(model_fn)
     settings = (DittoSettings() if settings is None else settings).validate()
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
+    building_blocks.refuse_unused(
+        'build_ditto_process',
+        {},
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
     ditto_lambda = settings.ditto_lambda
     personal_config = settings.personal_training_config()
     weights_type = local_training.weights_type(model_fn)

@@ -111,8 +111,13 @@ def build_fedavg_process(
     if not isinstance(settings, FedAvgSettings):
         raise TypeError(f'build_fedavg_process takes FedAvgSettings, got {type(settings).__name__}')
     settings.validate()
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
+    building_blocks.refuse_unused(
+        'build_fedavg_process',
+        {},
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
     finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
     local_config = settings.training_config()
     weights_type = local_training.weights_type(model_fn)

@@ -198,7 +198,6 @@ def build_feddf_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     training = settings.training_config()
     public_batch = heterogeneous.public_batch_for(settings, spec)
     architectures = heterogeneous.client_architectures(settings.architectures, spec)

@@ -120,8 +120,13 @@ def build_fedper_process(
     """
     model_fn = adapters.keras_model_fn(model_fn)
     settings = (FedPerSettings() if settings is None else settings).validate()
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
+    building_blocks.refuse_unused(
+        'build_fedper_process',
+        {},
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
     base_type = local_training.weights_type(model_fn, base_indices)
     client_training = building_blocks.build_client_training(

@@ -401,7 +401,6 @@ def build_kdpdfl_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     local_config = settings.training_config()  # one slot of local work
     exchanging = mode != 'local'
     max_neighbours = settings.kd_max_neighbours if exchanging else 1

@@ -414,7 +414,7 @@ def build_ktpfl_process(
         `tff.learning.optimizers.Optimizer` started fresh for each client's
         local training; None: SGD at `settings.client_learning_rate`.
       server_optimizer: not taken (ValueError if given): KT-pFL's server learns its knowledge-
-        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_lr).
+        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
       seed: run seed.
@@ -443,21 +443,11 @@ def build_ktpfl_process(
     settings.validate()
     building_blocks.refuse_unused(
         'build_ktpfl_process',
-        dict(
-            server_optimizer=(
-                "KT-pFL's server learns its knowledge-coefficient matrix by its own gradient step (Zhang et"
-                ' al., 2021, Eq. 7, kt_coefficient_lr)'
-            ),
-            model_aggregator=(
-                "KT-pFL mixes the clients' uploads per client by the coefficient matrix, not into one mean;"
-                ' pass dp= for its local DP'
-            ),
-        ),
+        _UNUSED,
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     _check_local_dp(dp)
     training = settings.training_config()
     num_clients = spec.num_clients
@@ -796,7 +786,7 @@ def build_ktpfl_homogeneous_process(
         `tff.learning.optimizers.Optimizer` started fresh for each client's
         local training; None: SGD at `settings.client_learning_rate`.
       server_optimizer: not taken (ValueError if given): KT-pFL's server learns its knowledge-
-        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_lr).
+        coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
       seed: run seed.
@@ -823,21 +813,11 @@ def build_ktpfl_homogeneous_process(
     settings.validate()
     building_blocks.refuse_unused(
         'build_ktpfl_homogeneous_process',
-        dict(
-            server_optimizer=(
-                "KT-pFL's server learns its knowledge-coefficient matrix by its own gradient step (Zhang et"
-                ' al., 2021, Eq. 7, kt_coefficient_lr)'
-            ),
-            model_aggregator=(
-                "KT-pFL mixes the clients' uploads per client by the coefficient matrix, not into one mean;"
-                ' pass dp= for its local DP'
-            ),
-        ),
+        _UNUSED,
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     _check_local_dp(dp)
     training = settings.training_config()
     transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
@@ -951,6 +931,19 @@ LOCAL_DP_ADAPTIVE = (
 LOCAL_DP_SECURE = (
     "--secure_aggregation: the server needs each KT-pFL client's upload on its own (a row of its own), which a secure "
     'sum does not hide (docs/privacy.md); protect it with --dp_noise_multiplier and --dp_clip (local DP)'
+)
+
+
+# Why the KT-pFL builders take no server optimizer or model aggregator (`building_blocks.refuse_unused`).
+_UNUSED = dict(
+    server_optimizer=(
+        "KT-pFL's server learns its knowledge-coefficient matrix by its own gradient step (Zhang et al., 2021, "
+        'Eq. 7, kt_coefficient_learning_rate)'
+    ),
+    model_aggregator=(
+        "KT-pFL mixes the clients' uploads per client by the coefficient matrix, not into one mean; pass dp= for "
+        'its local DP'
+    ),
 )
 
 

@@ -78,7 +78,6 @@ def build_local_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
     client_training = building_blocks.build_client_training(
         spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
     )

@@ -154,7 +154,6 @@ def build_perfedavg_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     batches_per_step = 3 if variant == 'hf' else 2
     alpha = settings.perfedavg_alpha
     delta = settings.perfedavg_delta if variant == 'hf' else None

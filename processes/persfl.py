@@ -165,8 +165,13 @@ def build_persfl_process(
     if not isinstance(settings, PersFLSettings):
         raise TypeError(f'build_persfl_process takes PersFLSettings, got {type(settings).__name__}')
     settings.validate()
-    building_blocks.check_optimizer('client_optimizer', client_optimizer)
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
+    building_blocks.refuse_unused(
+        'build_persfl_process',
+        {},
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+    )
     soft_loss = settings.soft_loss
     local_config = settings.training_config()
     distill_config = settings.distill_config()

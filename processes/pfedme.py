@@ -125,7 +125,6 @@ def build_pfedme_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     local_config = settings.training_config()
     pfedme_lambda, inner_steps = settings.pfedme_lambda, settings.pfedme_inner_steps
     personal_learning_rate = settings.pfedme_personal_learning_rate

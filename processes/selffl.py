@@ -285,7 +285,6 @@ def build_selffl_process(
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
     )
-    building_blocks.check_optimizer('server_optimizer', server_optimizer)
     if loss not in LOSSES:
         raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
     if loss == 'gaussian' and not (gaussian_noise_var and gaussian_noise_var > 0):

@@ -363,9 +363,10 @@ def refuse_unused(builder: str, reasons: dict[str, str], **given) -> None:
     """Refuses, in one line, a contract keyword the algorithm cannot use.
 
     Every builder takes `client_optimizer`, `server_optimizer` and
-    `model_aggregator`; one whose algorithm has no place for one of them
-    (e.g. a serverless algorithm and a server optimizer) says so instead of
-    ignoring it.
+    `model_aggregator` and passes all three here: one whose algorithm has no
+    place for one of them (e.g. a serverless algorithm and a server
+    optimizer) says so instead of ignoring it, and the optimizers it uses
+    are checked to be TFF's.
 
     Args:
       builder: the builder's name, e.g. 'build_selffl_process'.
@@ -375,10 +376,14 @@ def refuse_unused(builder: str, reasons: dict[str, str], **given) -> None:
 
     Raises:
       ValueError: for the first keyword given a value that has a reason.
+      TypeError: for an optimizer the algorithm uses that is not a
+        `tff.learning.optimizers.Optimizer` (`check_optimizer`).
     """
     for name, value in given.items():
         if value is not None and name in reasons:
             raise ValueError(f'{builder} takes no {name}: {reasons[name]}')
+    for name in ('client_optimizer', 'server_optimizer'):
+        check_optimizer(name, given.get(name))
 
 
 def check_optimizer(name: str, value) -> None:

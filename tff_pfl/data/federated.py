@@ -23,6 +23,7 @@ Errors name the Python arguments (`train`, `test`, `feature_key`, ...).
 
 import collections
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -267,7 +268,7 @@ def from_federated_data(
         with client_data.ClientDataWriter(
             incoming, feature_shape=feature_shape, encoding=encoding, label_shape=label_shape
         ) as writer:
-            for client_id, splits in _chain(first_id, first, clients):
+            for client_id, splits in itertools.chain([(first_id, first)], clients):
                 for split, (x, y) in splits.items():
                     if x.shape[1:] != feature_shape:
                         raise ValueError(
@@ -299,11 +300,6 @@ def from_federated_data(
         shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier attempt
         os.rename(incoming, target)
     return client_data.load_client_data_spec(target)
-
-
-def _chain(first_id, first, rest):
-    yield first_id, first
-    yield from rest
 
 
 def user_ids(spec: client_data.ClientDataSpec) -> tuple[str, ...]:
