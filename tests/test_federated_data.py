@@ -142,3 +142,23 @@ def test_fedavg_trains_on_a_users_client_data_and_reports_by_their_ids(tmp_path,
     results = federated.by_user_id(spec, process.evaluate(state, clients))
     assert list(results) == list(IDS)
     assert np.mean([float(r['global_model']['accuracy']) for r in results.values()]) > 0.6  # chance 1/3
+
+
+def test_the_training_loop_reports_the_users_ids(tmp_path, tff_runtime):
+    from tff_pfl.program import training_loop
+
+    spec = federated.from_federated_data(_test_client_data(_arrays(0)), cache_dir=str(tmp_path))
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    process = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(batch_size=8))
+    result = training_loop.run(
+        process,
+        spec.client_ids,
+        rounds=1,
+        client_fraction=1.0,
+        seed=0,
+        log=lambda line: None,
+        source_ids=spec.source_ids,
+    )
+    assert [(row['client_id'], row['source_id']) for row in result.clients] == list(zip(spec.client_ids, IDS))
+    with pytest.raises(ValueError, match=r'^source_ids has 2 ids for 3 clients$'):
+        training_loop.run(process, spec.client_ids, rounds=1, client_fraction=1.0, seed=0, source_ids=IDS[:2])

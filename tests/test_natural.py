@@ -1,5 +1,6 @@
 """Naturally federated sources: tff:, sqlite: and clients:, streamed into per-client files."""
 
+import csv
 import json
 import os
 import sqlite3
@@ -360,3 +361,7 @@ def test_algorithms_train_and_score_characters(algorithm, shakespeare_cache, tmp
         assert row['personalized_model_num_examples'] == (y != client_data.IGNORED_LABEL).sum() > 0
         assert 0.0 <= row['personalized_model_accuracy'] <= 1.0
     assert np.isfinite(result.rounds[-1]['train_loss'])
+    # The roles' own names beside the positional ids, in the results and in clients.csv (both run loops).
+    assert [row['source_id'] for row in result.clients] == list(spec.source_ids)
+    with open(tmp_path / 'run' / 'clients.csv') as f:
+        assert [row['source_id'] for row in csv.DictReader(f)] == list(spec.source_ids)

@@ -45,6 +45,7 @@ def run(
     spill_dir: str | None = None,
     stop_on_divergence: bool = False,
     num_classes: int | None = None,
+    source_ids: Sequence[str] | None = None,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -75,6 +76,7 @@ def run(
       stop_on_divergence: as in `training_loop.run`, for an interval whose
         mean training loss is NaN or infinite.
       num_classes: as in `training_loop.run` (the `health.RunMonitor` tags).
+      source_ids: as in `training_loop.run`.
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
@@ -82,8 +84,8 @@ def run(
     Raises:
       TypeError: if `process` is not a `template.ServerlessProcess`.
       ValueError: if `exchange_interval` < 2, `mean_reachable` is missing for
-        a mode that exchanges, or the newest checkpoint in `checkpoints`
-        belongs to another run.
+        a mode that exchanges, `source_ids` does not hold one id per client,
+        or the newest checkpoint in `checkpoints` belongs to another run.
     """
     from processes import kdpdfl
 
@@ -93,6 +95,7 @@ def run(
         raise ValueError(f'exchange_interval must be >= 2 (gather and broadcast slots), got {exchange_interval}')
     if process.mode != 'local' and (mean_reachable is None or not mean_reachable > 0):
         raise ValueError(f'mode {process.mode!r} draws neighbours: mean_reachable must be > 0, got {mean_reachable}')
+    source_map = training_loop.source_id_map(client_ids, source_ids)
     rng = np.random.default_rng([seed, 0x4B44])
     num_clients = len(client_ids)
     store = training_loop.ClientStateStore(process, client_ids, spill_dir=spill_dir)
@@ -143,7 +146,7 @@ def run(
             sample = None
             if not last:
                 sample = training_loop.evaluation_sample(seed, interval, num_clients, eval_clients)
-            client_rows, summaries = training_loop.evaluate_all(process, state, store, row, sample)
+            client_rows, summaries = training_loop.evaluate_all(process, state, store, row, sample, source_map)
         rows.append(row)
         if on_round is not None:
             on_round(row)

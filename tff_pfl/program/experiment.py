@@ -824,6 +824,8 @@ def run_experiment(
                 spill_dir=out,
                 # The progress lines' STALLED / DIVERGING tags compare with chance (health.RunMonitor).
                 num_classes=spec.num_classes,
+                # A source's own client ids (TFF's Shakespeare roles, a user's ClientData ids) in clients.csv.
+                source_ids=spec.source_ids,
             )
             custom_run = algorithms.get(config.algorithm).run
             if custom_run is not None:
@@ -914,8 +916,9 @@ def _write_results(out, config, spec, result, process) -> list:
 def client_table(result: training_loop.RunResult) -> tuple[list, list]:
     """Rows and columns of the per-client result table (accuracy in %).
 
-    Columns: client id, test examples, each model's test accuracy, then any
-    algorithm columns (e.g. PersFL's teacher round, T and lambda).
+    Columns: client id (and the source's own id, where it has them), test
+    examples, each model's test accuracy, then any algorithm columns (e.g.
+    PersFL's teacher round, T and lambda).
 
     Args:
       result: a finished run's `RunResult`.
@@ -924,12 +927,14 @@ def client_table(result: training_loop.RunResult) -> tuple[list, list]:
       `(rows, columns)`: one dict per client, and the column names in order.
     """
     names = list(result.summary)
-    columns = ['client_id', 'test_examples'] + [f'{name}_accuracy' for name in names]
+    ids = ['client_id'] + (['source_id'] if 'source_id' in result.clients[0] else [])
+    columns = ids + ['test_examples'] + [f'{name}_accuracy' for name in names]
     known = set(columns) | {f'{n}_{m}' for n in names for m in ('loss', 'accuracy', 'num_examples')}
     extra = [k for k in result.clients[0] if k not in known]
     rows = []
     for row in result.clients:
-        shown = {'client_id': row['client_id'], 'test_examples': int(row[f'{names[0]}_num_examples'])}
+        shown = {k: row[k] for k in ids}
+        shown['test_examples'] = int(row[f'{names[0]}_num_examples'])
         for name in names:
             shown[f'{name}_accuracy'] = 100.0 * row[f'{name}_accuracy']
         shown.update((k, row[k]) for k in extra)

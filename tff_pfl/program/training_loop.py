@@ -730,20 +730,32 @@ def divergence_line(label: str, row: Mapping) -> str:
     )
 
 
-def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mapping]):
+def summarize_evaluation(
+    client_ids: Sequence[str], evaluations: Sequence[Mapping], source_ids: Mapping[str, str] | None = None
+):
     """Per-client rows and across-client summaries of an `evaluate` result.
 
     Args:
       client_ids: the evaluated clients, in the order of `evaluations`.
       evaluations: one (nested) evaluation mapping per client; every entry
         that holds an `accuracy` is a model, with its `num_examples`.
+      source_ids: client id -> the client's id in its source (a user's
+        `ClientData` ids, a naturally federated dataset's), added to each row
+        as `source_id`; None: no such column.
 
     Returns:
-      `(rows, summaries)`: one flat dict per client (`client_id` first), and
-      model name (e.g. 'global_model') -> `metrics.summarize` of its test
-      accuracies weighted by the clients' test sizes.
+      `(rows, summaries)`: one flat dict per client (`client_id` first, then
+      `source_id` where given), and model name (e.g. 'global_model') ->
+      `metrics.summarize` of its test accuracies weighted by the clients'
+      test sizes.
     """
-    rows = [collections.OrderedDict(client_id=c, **flatten(e)) for c, e in zip(client_ids, evaluations)]
+    rows = []
+    for c, e in zip(client_ids, evaluations):
+        row = collections.OrderedDict(client_id=c)
+        if source_ids is not None:
+            row['source_id'] = source_ids[c]
+        row.update(flatten(e))
+        rows.append(row)
     summaries = collections.OrderedDict()
     model_names = [k for k, v in evaluations[0].items() if isinstance(v, Mapping) and 'accuracy' in v]
     for model_name in model_names:
@@ -754,6 +766,27 @@ def summarize_evaluation(client_ids: Sequence[str], evaluations: Sequence[Mappin
         # most samples (test sizes are proportional to client sizes).
         summaries[model_name]['top_10_by_samples'] = metrics_lib.top_by_weight_mean(accuracies, sizes)
     return rows, summaries
+
+
+def source_id_map(client_ids: Sequence[str], source_ids: Sequence[str] | None) -> dict | None:
+    """client id -> source id, for `summarize_evaluation` (None when `source_ids` is None).
+
+    Args:
+      client_ids: every client id.
+      source_ids: one source id per client, in `client_ids` order, or None.
+
+    Returns:
+      The mapping, or None.
+
+    Raises:
+      ValueError: if `source_ids` does not hold one id per client.
+    """
+    if source_ids is None:
+        return None
+    source_ids = list(source_ids)
+    if len(source_ids) != len(client_ids):
+        raise ValueError(f'source_ids has {len(source_ids)} ids for {len(client_ids)} clients')
+    return dict(zip(client_ids, (str(s) for s in source_ids)))
 
 
 def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
@@ -778,7 +811,9 @@ def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients:
     return np.sort(rng.choice(num_clients, size=eval_clients, replace=False))
 
 
-def evaluate_all(process, state, store, row: dict, sample: np.ndarray | None = None):
+def evaluate_all(
+    process, state, store, row: dict, sample: np.ndarray | None = None, source_ids: Mapping[str, str] | None = None
+):
     """Evaluates every client (or a sample of them); adds the across-client summaries to `row`.
 
     Args:
@@ -793,6 +828,7 @@ def evaluate_all(process, state, store, row: dict, sample: np.ndarray | None = N
         (`metrics.sample_mean_interval`).
       sample: indices (into `store.ids()`) of the clients to score; None:
         every client.
+      source_ids: as in `summarize_evaluation`.
 
     Returns:
       `summarize_evaluation`'s `(client rows, summaries)` of the scored
@@ -802,7 +838,7 @@ def evaluate_all(process, state, store, row: dict, sample: np.ndarray | None = N
     if sample is not None:
         ids = [ids[i] for i in sample]
     evaluations = store.evaluate(process, state, None if sample is None else ids)
-    client_rows, summaries = summarize_evaluation(ids, evaluations)
+    client_rows, summaries = summarize_evaluation(ids, evaluations, source_ids)
     row['eval_clients'] = len(ids)
     for model_name, summary in summaries.items():
         for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
@@ -946,6 +982,7 @@ def run(
     eval_clients: int = 0,
     stop_on_divergence: bool = False,
     num_classes: int | None = None,
+    source_ids: Sequence[str] | None = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -990,10 +1027,19 @@ def run(
       num_classes: the data's classes, for `health.RunMonitor`'s checks
         against chance and a uniform guess (None: only the growth of the
         training loss is checked).
+      source_ids: the clients' own ids in their source, one per client in
+        `client_ids` order (`ClientDataSpec.source_ids`: a user's
+        `ClientData` ids, kept by `tff_pfl.data.federated`): each row of
+        `RunResult.clients` then carries its client's as `source_id`.
+        None: rows carry `client_id` only.
 
     Returns:
       A `RunResult`.
+
+    Raises:
+      ValueError: if `source_ids` does not hold one id per client.
     """
+    source_map = source_id_map(client_ids, source_ids)
     rng = np.random.default_rng([seed, 0x5A3D])
     if device_state_dir is None:
         store = ClientStateStore(process, client_ids, spill_dir=spill_dir)
@@ -1028,7 +1074,7 @@ def run(
             row['personalize_seconds'] = time.monotonic() - personalize_start
         if evaluate_now:
             sample = None if last else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
-            client_rows, summaries = evaluate_all(process, state, store, row, sample)
+            client_rows, summaries = evaluate_all(process, state, store, row, sample, source_map)
         rows.append(row)
         if on_round is not None:
             on_round(row)
