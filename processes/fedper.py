@@ -63,11 +63,17 @@ def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -
 
     Raises:
       ValueError: one line, if the model has no more layers with weights than
-        `personal_layers` (FedPer needs a shared base and a personal head).
+        `personal_layers` (FedPer needs a shared base and a personal head),
+        or no Keras layers at all (a FunctionalModel).
     """
     with tf.Graph().as_default():
         model = model_fn()
         layers = [layer for layer in model.layers if layer.trainable_weights]
+        if not layers and model.trainable_variables:  # a FunctionalModel / VariableModel (models.adapters)
+            raise ValueError(
+                f'model_fn: FedPer splits the model into shared and personal Keras layers and {model.name!r} has '
+                'no Keras layers; pass a Keras model function'
+            )
         if not 1 <= personal_layers < len(layers):
             count = f'{len(layers)} layer{"" if len(layers) == 1 else "s"}'
             raise ValueError(
