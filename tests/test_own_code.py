@@ -34,3 +34,19 @@ def test_the_guide_runs_twice_with_the_users_ids(tmp_path, monkeypatch):
         if 'mlp' in models.names():
             models.unregister('mlp')
     assert roots[0] == roots[1]
+
+
+def test_the_five_client_example_runs_with_the_users_ids(tmp_path, monkeypatch, capsys):
+    """docs/examples/five_clients.py (tf.data clients, FedAvg and PersFL; fewer rounds)."""
+    if not os.path.exists(os.path.join(REPO, '..', 'shared', 'data', 'mnist.npz')):
+        pytest.skip('MNIST file not present')
+    code = open(os.path.join(REPO, 'docs', 'examples', 'five_clients.py')).read()
+    code = re.sub(r'rounds=\d+', 'rounds=2', code)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv('TFF_PFL_CACHE', str(tmp_path / 'cache'))
+    namespace = {}
+    exec(compile(code, 'docs/examples/five_clients.py', 'exec'), namespace)  # pylint: disable=exec-used
+    hospitals = [f'hospital_{k}' for k in range(5)]
+    assert [row['source_id'] for row in namespace['result'].clients] == hospitals
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(('FedAvgSettings', 'PersFL'))]
+    assert len(printed) == 2 and all(h in printed[1] for h in hospitals)
