@@ -64,22 +64,30 @@ ENTRIES = [
 SEED = 0
 
 
-def _clients(path: str) -> tuple[dict, float]:
+# A record converted from a results.csv (`converted_from`) holds accuracies to 6 decimals: equal
+# within half a unit of the sixth is as identical as it can show.
+CONVERTED_ROUNDING = 5e-7
+
+
+def _clients(path: str) -> tuple[dict, float, bool]:
     with open(path) as f:
         record = json.load(f)
-    return {c['client_id']: float(c['accuracy']) for c in record['clients']}, record['summary'][record['model']]['mean']
+    accuracies = {c['client_id']: float(c['accuracy']) for c in record['clients']}
+    return accuracies, record['summary'][record['model']]['mean'], bool(record.get('converted_from'))
 
 
 def compare(committed_path: str, rerun_path: str) -> dict:
     """Per-client comparison of two bench records of the same run."""
-    old, old_mean = _clients(committed_path)
-    new, new_mean = _clients(rerun_path)
+    old, old_mean, converted = _clients(committed_path)
+    new, new_mean, _ = _clients(rerun_path)
     if set(old) != set(new):
         raise ValueError(f'{rerun_path}: other clients than {committed_path}')
     diffs = [abs(old[c] - new[c]) for c in old]
+    tolerance = CONVERTED_ROUNDING if converted else 0.0
     return dict(
         clients=len(diffs),
-        identical=sum(d == 0.0 for d in diffs),
+        identical=sum(d <= tolerance for d in diffs),
+        converted=converted,
         max_abs_diff=max(diffs),
         committed_mean=old_mean,
         rerun_mean=new_mean,
@@ -126,8 +134,9 @@ def main(argv):
             row.update(compare(os.path.join(committed, f'seed{SEED}.json'), rerun))
             if _AGAINST.value:
                 other = os.path.join(_AGAINST.value, suite, 'runs', part, algo, f'seed{SEED}', 'bench_result.json')
-                against = compare(other, rerun)
-                row.update(against_identical=against['identical'], against_max_abs_diff=against['max_abs_diff'])
+                if os.path.exists(other):  # an entry the other checkout did not run stays blank
+                    against = compare(other, rerun)
+                    row.update(against_identical=against['identical'], against_max_abs_diff=against['max_abs_diff'])
             print(json.dumps(row), flush=True)
             rows.append(row)
     result = dict(machine=dict(cpu=_cpu(), python=platform.python_version(), tensorflow=_version('tensorflow')))
@@ -160,12 +169,16 @@ def render(result: dict) -> str:
         '|---|---|---|---|---|---|---|---|' + ('---|---|' if result.get('against') else ''),
     ]
     for r in result['rows']:
+        rounded = ' (record to 6 decimals)' if r['converted'] else ''
         line = (
-            f'| {r["family"]} | {r["suite"]} | {r["partition"]} | {r["algorithm"]} | {r["identical"]}/{r["clients"]} '
+            f'| {r["family"]} | {r["suite"]} | {r["partition"]} | {r["algorithm"]}{rounded} '
+            f'| {r["identical"]}/{r["clients"]} '
             f'| {r["max_abs_diff"]:.2e} | {100 * r["committed_mean"]:.2f} | {100 * r["rerun_mean"]:.2f} |'
         )
-        if result.get('against'):
+        if result.get('against') and 'against_identical' in r:
             line += f' {r["against_identical"]}/{r["clients"]} | {r["against_max_abs_diff"]:.2e} |'
+        elif result.get('against'):
+            line += ' not run | |'
         lines.append(line)
     return '\n'.join(lines) + '\n'
 
