@@ -1,7 +1,8 @@
 """Running a benchmark suite: every run not complete yet, resumable, split over processes.
 
 Every (partition, algorithm, seed) of a suite (`bench_suite`) is one
-`experiment.run_experiment` run in its own directory; the harness skips runs
+`experiment.run_experiment` run in its own directory (one of TFF's own
+processes named as a peer, `bench_peers.run_peer`); the harness skips runs
 that are already complete and continues an interrupted run from its newest
 checkpoint, so a suite can be resumed after an interruption, run in several
 sittings, or split over processes by seed, algorithm or partition. At the
@@ -47,7 +48,7 @@ from collections.abc import Callable, Mapping, Sequence
 import tensorflow_federated as tff
 
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_suite, experiment, reports
+from tff_pfl.program import bench_peers, bench_suite, experiment, reports
 
 RESULT_FILE = 'bench_result.json'
 SUITE_FILE = 'suite.toml'
@@ -347,6 +348,16 @@ def _reference_partition(
     return None, None
 
 
+def _check_partition(run: bench_suite.Run, partition_text: str | None, reference) -> None:
+    """Before training: the run's partition.csv is that of the other runs of its (partition, seed)."""
+    reference_label, reference_text = reference
+    if reference_text is not None and partition_text != reference_text:
+        raise bench_suite.SuiteError(
+            f'run {run.label} trains on another partition than {reference_label} '
+            '(partition.csv differs); every algorithm of a partition must share it'
+        )
+
+
 def _check_process(run: bench_suite.Run, process, partition_text: str | None, reference) -> dict:
     """Before training: the chosen model exists, the partition is shared; communication."""
     models = [name for name, _ in tff.structure.iter_elements(process.evaluate.type_signature.result.member)]
@@ -355,12 +366,7 @@ def _check_process(run: bench_suite.Run, process, partition_text: str | None, re
             f'algorithms "{run.algorithm.name}" ({run.algorithm.algorithm}) evaluates '
             f'{", ".join(models)}, not model {run.algorithm.model!r}'
         )
-    reference_label, reference_text = reference
-    if reference_text is not None and partition_text != reference_text:
-        raise bench_suite.SuiteError(
-            f'run {run.label} trains on another partition than {reference_label} '
-            '(partition.csv differs); every algorithm of a partition must share it'
-        )
+    _check_partition(run, partition_text, reference)
     communication = {'has_personalize': process.personalize is not None}
     try:
         communication.update(audit.communication_bytes(process.next))
@@ -654,6 +660,8 @@ def _run_one(
 ) -> dict:
     directory = run.directory(output_dir)
     reference = _reference_partition(suite, output_dir, run)
+    if bench_peers.is_peer(run.algorithm.algorithm):
+        return _run_peer(suite, run, config, directory, reference)
     found = {}
 
     def on_process(process):
@@ -675,4 +683,29 @@ def _run_one(
     reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
     # The record holds what the run found; its checkpoints only served an interruption.
     shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)
+    return record
+
+
+def _run_peer(
+    suite: bench_suite.Suite, run: bench_suite.Run, config: experiment.ExperimentConfig, directory: str, reference
+) -> dict:
+    """A run of one of TFF's own processes (`bench_peers`), recorded as `_run_one` records ours."""
+    found = {}
+
+    def on_data(partition_text):
+        found['partition'] = partition_text
+        _check_partition(run, partition_text, reference)
+
+    started = time.monotonic()
+    result, communication = bench_peers.run_peer(
+        run.algorithm.algorithm, config, log=_RunLog(directory), on_data=on_data
+    )
+    seconds = time.monotonic() - started
+    record = _bench_result(suite, run, config, result, seconds, communication, found['partition'])
+    record['config']['algorithm'] = run.algorithm.algorithm  # the peer; `settings` are those of its settings' algorithm
+    record['config']['settings_of'] = bench_peers.PEERS[run.algorithm.algorithm].settings_of
+    record['continued'] = False
+    record['continued_from_round'] = None
+    record['seconds_this_sitting'] = seconds
+    reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
     return record

@@ -23,7 +23,7 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     classes_per_client = 4             # any other common settings
     [[algorithms]]
     name = "FedAvg"                    # label used in tables
-    algorithm = "fedavg"               # ExperimentConfig.algorithm
+    algorithm = "fedavg"               # ExperimentConfig.algorithm, or a bench_peers name
     model = "global_model"             # global_model | personalized_model
     [algorithms.overrides]             # the algorithm's or common settings
     client_learning_rate = 0.05
@@ -52,6 +52,10 @@ unknown settings, unknown algorithms, every resulting configuration's
 `validate()`, and that every algorithm of a partition trains on the same
 client data; errors are `SuiteError`s with a one-line message naming the file
 and the key.
+
+An algorithm entry may also name one of TFF's own processes (`bench_peers`,
+e.g. `tff_fed_recon`): its configuration is that of the registered algorithm
+holding its settings, and a setting it does not take is an error too.
 """
 
 import dataclasses
@@ -63,7 +67,7 @@ from collections.abc import Mapping, Sequence
 
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms as algorithms_lib
-from tff_pfl.program import experiment
+from tff_pfl.program import bench_peers, experiment
 
 MODELS = ('global_model', 'personalized_model')
 
@@ -137,7 +141,7 @@ class AlgorithmEntry:
     Attributes:
       name: the label used in tables.
       slug: the label as a directory name.
-      algorithm: the `algorithms` registry name.
+      algorithm: the `algorithms` registry name, or a `bench_peers` name.
       model: which evaluated model is the row's result.
       overrides: ExperimentConfig fields for every partition.
       partition_overrides: partition label -> ExperimentConfig fields.
@@ -226,13 +230,17 @@ class Suite:
         # different settings: each run takes those that are common or its
         # algorithm's. The entries'
         # own keys must apply (ExperimentConfig.from_dict refuses the others).
-        own = set(algorithms_lib.get(algorithm.algorithm).settings.field_names())
+        own = set(setting_names(algorithm.algorithm))
         common = set(experiment.ExperimentConfig.common_fields())
         values = {k: v for k, v in self.defaults.items() if k in common or k in own}
         values.update((k, v) for k, v in partition.fields.items() if k in common or k in own)
         values.update(algorithm.overrides)
         values.update(algorithm.partition_overrides.get(partition.name, {}))
         values.update(output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed)
+        if bench_peers.is_peer(algorithm.algorithm):  # TFF's own process: the configuration of its settings' algorithm
+            config = experiment.ExperimentConfig.from_dict(bench_peers.config_values(algorithm.algorithm, values))
+            bench_peers.check_config(algorithm.algorithm, config)
+            return config
         return experiment.ExperimentConfig.from_dict(values)
 
     def runs(self) -> list[Run]:
@@ -409,11 +417,13 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         registry = entry.get('algorithm')
         if not isinstance(registry, str):
             fail(f'{where}.algorithm', 'required, a string (ExperimentConfig.algorithm)')
-        if registry not in algorithms_lib.names():
-            fail(f'{where}.algorithm', f'unknown algorithm {registry!r}; known: {", ".join(algorithms_lib.names())}')
+        if registry not in known_algorithms():
+            fail(f'{where}.algorithm', f'unknown algorithm {registry!r}; known: {", ".join(known_algorithms())}')
         model = entry.get('model', headline_model)
         if model not in MODELS:
             fail(f'{where}.model', f'must be one of {", ".join(MODELS)}, got {model!r}')
+        if bench_peers.is_peer(registry) and model not in bench_peers.PEERS[registry].models:
+            fail(f'{where}.model', f'{registry} reports {", ".join(bench_peers.PEERS[registry].models)}, not {model!r}')
         overrides = _config_fields(
             _table(entry.get('overrides', {}), f'{where}.overrides', fail), f'{where}.overrides', fail, _RESERVED
         )
@@ -462,14 +472,35 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         paper=paper,
         paper_source=paper_source.strip(),
     )
-    used = set(experiment.ExperimentConfig.common_fields()).union(
-        *(algorithms_lib.get(a.algorithm).settings.field_names() for a in entries)
-    )
+    used = set(experiment.ExperimentConfig.common_fields()).union(*(setting_names(a.algorithm) for a in entries))
     for key in config_defaults:
         if key not in used:
             fail(f'defaults.{key}', "is a setting of none of the suite's algorithms")
     _validate_configs(suite, fail)
     return suite
+
+
+def known_algorithms() -> list[str]:
+    """What a suite's `algorithm = ...` may name: the registry's algorithms, then TFF's own (`bench_peers`).
+
+    Returns:
+      `algorithms.names()` followed by `bench_peers.names()`.
+    """
+    return algorithms_lib.names() + bench_peers.names()
+
+
+def setting_names(name: str) -> list[str]:
+    """The algorithm settings (not the common ones) of a registered algorithm or a peer.
+
+    Args:
+      name: one of `known_algorithms()`.
+
+    Returns:
+      Its settings dataclass's field names; a peer's: those it takes.
+    """
+    if bench_peers.is_peer(name):
+        return list(bench_peers.PEERS[name].settings)
+    return algorithms_lib.get(name).settings.field_names()
 
 
 def _validate_configs(suite: Suite, fail) -> None:
