@@ -44,6 +44,9 @@ _AGAINST = flags.DEFINE_string(
     'Also compare with the same entries run into this directory by another checkout (e.g. the commit before a '
     'change, on this machine): bit-for-bit equality there shows the change kept the numbers.',
 )
+_DESCRIBE = flags.DEFINE_string(
+    'describe', '', 'A sentence for the report: what the reruns and the --against runs were run at (commits).'
+)
 _COMPARE_ONLY = flags.DEFINE_bool(
     'compare_only', False, 'Run nothing: compare the records already in --scratch (from an earlier run of this script).'
 )
@@ -130,6 +133,9 @@ def main(argv):
             part, algo = bench_suite.slug(partition), bench_suite.slug(label)
             committed = os.path.join(REPO, 'benchmarks', 'results', f'{suite}_suite', 'records', part, algo)
             rerun = os.path.join(out, 'runs', part, algo, f'seed{SEED}', 'bench_result.json')
+            if not os.path.exists(rerun):
+                print(f'{suite} {partition} {label}: no rerun record in {rerun}, left out', flush=True)
+                continue
             row = dict(family=family, suite=suite, partition=partition, algorithm=label)
             row.update(compare(os.path.join(committed, f'seed{SEED}.json'), rerun))
             if _AGAINST.value:
@@ -142,6 +148,7 @@ def main(argv):
     result = dict(machine=dict(cpu=_cpu(), python=platform.python_version(), tensorflow=_version('tensorflow')))
     result['rows'] = rows
     result['against'] = _AGAINST.value
+    result['describe'] = _DESCRIBE.value
     if _OUTPUT.value:
         with open(_OUTPUT.value + '.json', 'w') as f:
             json.dump(result, f, indent=1)
@@ -164,6 +171,10 @@ def render(result: dict) -> str:
         f'TensorFlow {result["machine"]["tensorflow"]}. Seed {SEED}; per-client test accuracy of the '
         "record's model against the committed record (`benchmarks/reproduce_records.py`).",
         '',
+    ]
+    if result.get('describe'):
+        lines += [result['describe'], '']
+    lines += [
         '| family | suite | partition | algorithm | clients identical | max abs diff | committed mean | rerun mean |'
         + (' identical to the other checkout | max abs diff there |' if result.get('against') else ''),
         '|---|---|---|---|---|---|---|---|' + ('---|---|' if result.get('against') else ''),
