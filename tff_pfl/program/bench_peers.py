@@ -31,7 +31,6 @@ as `training_loop.run` does, and start from the model of the project's
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -389,31 +388,9 @@ def prepare_data(config: experiment.ExperimentConfig, out: str, log: Callable[[s
     Returns:
       The clients' splits, read back from the files written.
     """
-    from tff_pfl.data import pipeline
-
     os.makedirs(out, exist_ok=True)
-    prepared = pipeline.prepare(
-        os.path.join(out, 'client_data'),
-        dataset=config.dataset,
-        partition_name=config.partition,
-        num_clients=config.num_clients,
-        seed=config.seed,
-        split_fractions=config.split_fractions,
-        partition_params=config.partition_params(),
-        data_dir=config.data_dir,
-        download=config.download,
-        public_examples=experiment.public_examples(config),
-        public_dataset=experiment.public_dataset(config),
-    )
-    with open(os.path.join(out, 'config.json'), 'w') as f:
-        json.dump(config.to_dict(), f, indent=2)
-    spec = prepared.spec
-    experiment._write_partition_summary(out, spec, prepared.class_histogram)  # the same partition.csv
-    log(
-        f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
-        f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
-        f'{sum(spec.split_sizes["test"])}'
-    )
+    prepared, spec = experiment.write_client_data(config, out, out)  # the same partition.csv
+    log(experiment.data_line(config, prepared, spec))
     return _load_clients(spec)
 
 

@@ -589,27 +589,9 @@ def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] =
         (one line, e.g. a convolutional model on vector features).
       sources.DataError, partition.PartitionError: bad data or partition.
     """
-    from tff_pfl.data import pipeline
-
     staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out)}.staging.', dir=os.path.dirname(out))
     try:
-        prepared = pipeline.prepare(
-            os.path.join(staging, 'client_data'),
-            dataset=config.dataset,
-            partition_name=config.partition,
-            num_clients=config.num_clients,
-            seed=config.seed,
-            split_fractions=config.split_fractions,
-            partition_params=config.partition_params(),
-            data_dir=config.data_dir,
-            download=config.download,
-            public_examples=public_examples(config),
-            public_dataset=public_dataset(config),
-        )
-        with open(os.path.join(staging, 'config.json'), 'w') as f:
-            json.dump(config.to_dict(), f, indent=2)
-        spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
-        _write_partition_summary(staging, spec, prepared.class_histogram)
+        prepared, spec = write_client_data(config, staging, out)
         process = build_process(config, spec)
         if os.path.exists(out):
             shutil.rmtree(out)
@@ -617,12 +599,65 @@ def prepare_run(config: ExperimentConfig, out: str, log: Callable[[str], None] =
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(
+    log(data_line(config, prepared, spec))
+    return spec, process
+
+
+def write_client_data(config: ExperimentConfig, directory: str, out: str):
+    """Writes the run's client data, `config.json` and partition summary into `directory`.
+
+    Args:
+      config: a validated configuration.
+      directory: where to write (`directory/client_data`, `config.json`,
+        `partition.csv`, `partition.png`).
+      out: the run directory the data will live in (`directory` itself, or
+        the directory a staging `directory` is renamed to).
+
+    Returns:
+      `(prepared, spec)`: `pipeline.prepare`'s result, and its spec rooted
+      at `out/client_data`.
+
+    Raises:
+      sources.DataError, partition.PartitionError: bad data or partition.
+    """
+    from tff_pfl.data import pipeline
+
+    prepared = pipeline.prepare(
+        os.path.join(directory, 'client_data'),
+        dataset=config.dataset,
+        partition_name=config.partition,
+        num_clients=config.num_clients,
+        seed=config.seed,
+        split_fractions=config.split_fractions,
+        partition_params=config.partition_params(),
+        data_dir=config.data_dir,
+        download=config.download,
+        public_examples=public_examples(config),
+        public_dataset=public_dataset(config),
+    )
+    with open(os.path.join(directory, 'config.json'), 'w') as f:
+        json.dump(config.to_dict(), f, indent=2)
+    spec = dataclasses.replace(prepared.spec, root=os.path.join(out, 'client_data'))
+    _write_partition_summary(directory, spec, prepared.class_histogram)
+    return prepared, spec
+
+
+def data_line(config: ExperimentConfig, prepared, spec) -> str:
+    """The run's one line about its data (source, clients, partition, examples per split).
+
+    Args:
+      config: the run's configuration.
+      prepared: `pipeline.prepare`'s result (`write_client_data`).
+      spec: the run's `client_data.ClientDataSpec`.
+
+    Returns:
+      The line, without a trailing newline.
+    """
+    return (
         f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
         f'{sum(spec.split_sizes["test"])}' + (f' ({prepared.note})' if prepared.note else '')
     )
-    return spec, process
 
 
 def build_process(config: ExperimentConfig, spec):
