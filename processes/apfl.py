@@ -75,6 +75,8 @@ def build_apfl_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds APFL as a `PersonalizedProcess`.
@@ -92,6 +94,14 @@ def build_apfl_process(
         together with SGD (Deng et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed; v_i starts from the same initial model as w.
 
     Returns:
@@ -113,12 +123,17 @@ def build_apfl_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
+    loss_fn = local_training.loss_from(loss, spec)
     local_config = settings.training_config()
     initial_alpha, alpha_learning_rate = settings.apfl_alpha, settings.apfl_alpha_learning_rate
     eta = local_config.learning_rate
     weights_type = local_training.weights_type(model_fn)
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -138,7 +153,7 @@ def build_apfl_process(
         def gradients(values, x, y):
             local_training.assign_weights(model, values)
             with tf.GradientTape() as tape:
-                loss, logits = local_training.supervised_loss(model, x, y)
+                loss, logits = loss_fn(model, x, y)
             return local_training.dense_gradients(tape, loss, model.trainable_variables), loss, logits
 
         def step(batches, carry):

@@ -70,19 +70,22 @@ class DittoSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         return local_training.TrainingConfig(self.personal_epochs, self.batch_size, self.client_learning_rate)
 
 
-def proximal_loss(anchor, strength) -> local_training.LossFn:
-    """Cross-entropy plus `strength / 2 * ||weights - anchor||^2` (TF code).
+def proximal_loss(
+    anchor, strength, base: local_training.LossFn = local_training.supervised_loss
+) -> local_training.LossFn:
+    """The client's loss (`base`, cross-entropy by default) plus `strength / 2 * ||weights - anchor||^2` (TF code).
 
     Args:
       anchor: a list of tensors, one per trainable variable.
       strength: the proximal weight (Ditto's lambda).
+      base: the client's loss F_k (`local_training.loss_from`).
 
     Returns:
       A `local_training.LossFn`.
     """
 
     def loss_fn(model, x, y):
-        loss, logits = local_training.supervised_loss(model, x, y)
+        loss, logits = base(model, x, y)
         squared = tf.add_n([tf.reduce_sum(tf.square(v - a)) for v, a in zip(model.trainable_variables, anchor)])
         return loss + 0.5 * strength * squared, logits
 
@@ -97,6 +100,8 @@ def build_ditto_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Ditto as a `PersonalizedProcess`.
@@ -113,6 +118,14 @@ def build_ditto_process(
         `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -132,14 +145,24 @@ def build_ditto_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     ditto_lambda = settings.ditto_lambda
     personal_config = settings.personal_training_config()
     weights_type = local_training.weights_type(model_fn)
+    loss_fn = local_training.loss_from(loss, spec)
     client_training = building_blocks.build_client_training(
-        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+        spec,
+        model_fn,
+        settings.training_config(),
+        seed=seed,
+        optimizer=client_optimizer,
+        loss_fn=loss_fn,
     )
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -159,7 +182,7 @@ def build_ditto_process(
                 client_data.read_split(spec, client_id, 'train'),
                 personal_config,
                 seed=local_training.client_seed(seed, round_num, client_id, salt=1),
-                loss_fn=proximal_loss(weights, ditto_lambda),
+                loss_fn=proximal_loss(weights, ditto_lambda, loss_fn),
                 optimizer=client_optimizer,
             )
         with tf.control_dependencies(list(stats)):

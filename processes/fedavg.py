@@ -71,6 +71,8 @@ def build_fedavg_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedAvg, or FedAvg + fine-tuning, as a `PersonalizedProcess`.
@@ -90,6 +92,14 @@ def build_fedavg_process(
       model_aggregator: aggregation of the uploaded updates
         (`averaging.build_averaging_process`); default the example-weighted
         mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed; fixes the initial model and every client's batch order.
 
     Returns:
@@ -117,14 +127,19 @@ def build_fedavg_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
     local_config = settings.training_config()
+    loss_fn = local_training.loss_from(loss, spec)
     weights_type = local_training.weights_type(model_fn)
     client_training = building_blocks.build_client_training(
-        spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
+        spec, model_fn, local_config, seed=seed, optimizer=client_optimizer, loss_fn=loss_fn
     )
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -175,6 +190,7 @@ def build_fedavg_process(
                     batch_size=settings.batch_size,
                     learning_rate=settings.client_learning_rate,
                     seed=local_training.client_seed(seed, round_num, client_id, salt=2),
+                    loss_fn=loss_fn,
                 )
             state = collections.OrderedDict((k, client_state[k]) for k in client_state)
             state.update(personalized=tuned, finetune_epochs=epochs, finetune_val_accuracy=accuracies)

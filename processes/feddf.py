@@ -133,6 +133,8 @@ def build_feddf_process(
     model_aggregator: tff.aggregators.WeightedAggregationFactory
     | tff.aggregators.UnweightedAggregationFactory
     | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedDF (and, with `PFedDFSettings`, pFedDF's evaluation) over heterogeneous clients.
@@ -161,6 +163,14 @@ def build_feddf_process(
         distillation on public data (Lin et al., 2020), with its own settings.
       model_aggregator: not taken (ValueError if given): FedDF sums updates per architecture with
         its own aggregator; pass dp= and secure= for DP and secure aggregation.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -197,7 +207,11 @@ def build_feddf_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
+    loss_fn = local_training.loss_from(loss, spec)
+    user_metrics = local_training.metrics_from(metrics, spec)
     training = settings.training_config()
     public_batch = heterogeneous.public_batch_for(settings, spec)
     architectures = heterogeneous.client_architectures(settings.architectures, spec)
@@ -258,6 +272,7 @@ def build_feddf_process(
             seed=local_training.client_seed(seed, round_num, client_id),
             outputs=lambda model: model(x_public, training=False),
             optimizer=client_optimizer,
+            loss_fn=loss_fn,
         )
         slot = tf.one_hot(architecture, num_archs)
         if dp is not None:  # the update alone, in its architecture's slot (clipped by the aggregator)
@@ -375,7 +390,7 @@ def build_feddf_process(
         prototype = tf.gather(state['prototypes'], architecture)
         test = client_data.read_split(spec, client_id, 'test')
         result = collections.OrderedDict(
-            global_model=heterogeneous.evaluate_packed(archs, architecture, prototype, test)
+            global_model=heterogeneous.evaluate_packed(archs, architecture, prototype, test, user_metrics)
         )
         if finetune_epochs:
             private = client_data.read_split(spec, client_id, 'train')
@@ -388,12 +403,12 @@ def build_feddf_process(
                     batch_size=training.batch_size,
                     learning_rate=training.learning_rate,
                     seed=local_training.client_seed(seed, state['round_num'], client_id, salt=5),
+                    loss_fn=loss_fn,
                 )
                 with tf.control_dependencies(list(tuned)):
-                    return local_training.evaluate(model, test)
+                    return heterogeneous.evaluate_model(model, test, user_metrics)
 
-            stats = archs.dispatch(architecture, prototype, finetune_and_evaluate)
-            result['personalized_model'] = template.client_metrics(local_training.Stats(*stats))
+            result['personalized_model'] = archs.dispatch(architecture, prototype, finetune_and_evaluate)
         return result
 
     @tff.federated_computation(server_state_type, client_states_type)

@@ -95,6 +95,8 @@ def build_fedper_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds FedPer as a `PersonalizedProcess`.
@@ -112,6 +114,14 @@ def build_fedper_process(
         `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -132,13 +142,23 @@ def build_fedper_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
     base_type = local_training.weights_type(model_fn, base_indices)
+    loss_fn = local_training.loss_from(loss, spec)
     client_training = building_blocks.build_client_training(
-        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+        spec,
+        model_fn,
+        settings.training_config(),
+        seed=seed,
+        optimizer=client_optimizer,
+        loss_fn=loss_fn,
     )
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):

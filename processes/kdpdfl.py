@@ -344,6 +344,8 @@ def build_kdpdfl_process(
     model_aggregator: tff.aggregators.WeightedAggregationFactory
     | tff.aggregators.UnweightedAggregationFactory
     | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.ServerlessProcess:
     """Builds KD-PDFL (or decentralized FedAvg, or local learning) as a `ServerlessProcess`.
@@ -376,6 +378,14 @@ def build_kdpdfl_process(
         step.
       model_aggregator: not taken (ValueError if given): KD-PDFL is serverless: each star node
         weighs its neighbours itself.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed (initial model, batch orders, distance batches).
 
     Returns:
@@ -400,7 +410,10 @@ def build_kdpdfl_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
+    loss_fn = local_training.loss_from(loss, spec)
     local_config = settings.training_config()  # one slot of local work
     exchanging = mode != 'local'
     max_neighbours = settings.kd_max_neighbours if exchanging else 1
@@ -556,6 +569,7 @@ def build_kdpdfl_process(
                 seed=local_training.client_seed(seed, slot_num, state['client_id'], salt=8),
                 max_steps=None if local_config.max_steps is None else slots * local_config.max_steps,
                 optimizer=client_optimizer,
+                loss_fn=loss_fn,
             )
         with tf.control_dependencies(list(stats)):
             new_state = collections.OrderedDict((k, state[k]) for k in state)
@@ -574,7 +588,9 @@ def build_kdpdfl_process(
         trained = tff.federated_map(local_client_work, (client_states, slots, tff.federated_broadcast(slot_num)))
         return trained[0], building_blocks.aggregate_training_metrics(trained[1])
 
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(client_state_type)
     def evaluate_client(state):

@@ -394,6 +394,8 @@ def build_ktpfl_process(
     model_aggregator: tff.aggregators.WeightedAggregationFactory
     | tff.aggregators.UnweightedAggregationFactory
     | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
@@ -417,6 +419,15 @@ def build_ktpfl_process(
         coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`). Only the private
+        training: the distillation towards the soft targets is KL.
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N);
         a round with more clients fails at an assertion.
@@ -447,8 +458,11 @@ def build_ktpfl_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     _check_local_dp(dp)
+    loss_fn = local_training.loss_from(loss, spec)
     training = settings.training_config()
     num_clients = spec.num_clients
     public_batch = heterogeneous.public_batch_for(settings, spec)
@@ -494,6 +508,7 @@ def build_ktpfl_process(
             seed=local_training.client_seed(seed, round_num, state['client_id']),
             outputs=lambda model: soft(model, x_public),
             optimizer=client_optimizer,
+            loss_fn=loss_fn,
         )
         return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, predictions=predictions)
 
@@ -578,7 +593,9 @@ def build_ktpfl_process(
         second_stage=distill_stage,
         update_coefficients=update_coefficients,
         metric='distill_kl',
-        evaluate_client=heterogeneous.build_personalized_evaluation(spec, archs, client_state_type),
+        evaluate_client=heterogeneous.build_personalized_evaluation(
+            spec, archs, client_state_type, metrics=local_training.metrics_from(metrics, spec)
+        ),
     )
     return _personalized_process(
         stages,
@@ -759,6 +776,8 @@ def build_ktpfl_homogeneous_process(
     model_aggregator: tff.aggregators.WeightedAggregationFactory
     | tff.aggregators.UnweightedAggregationFactory
     | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
@@ -789,6 +808,15 @@ def build_ktpfl_homogeneous_process(
         coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`). Only the private
+        training: the distillation towards the soft targets is KL.
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N).
         The server holds the round's K models, `[K, D]`, and sends them
@@ -817,8 +845,11 @@ def build_ktpfl_homogeneous_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     _check_local_dp(dp)
+    loss_fn = local_training.loss_from(loss, spec)
     training = settings.training_config()
     transfer_steps, transfer_learning_rate = settings.kt_transfer_steps, settings.kt_transfer_learning_rate
     num_clients = spec.num_clients
@@ -847,6 +878,7 @@ def build_ktpfl_homogeneous_process(
             training,
             seed=local_training.client_seed(seed, round_num, state['client_id']),
             optimizer=client_optimizer,
+            loss_fn=loss_fn,
         )
         return _local_output(state, num_clients, params, stats, private.num_examples, dp=dp, params=params)
 
@@ -892,7 +924,9 @@ def build_ktpfl_homogeneous_process(
         second_stage=transfer_stage,
         update_coefficients=update_coefficients,
         metric='transfer_distance',
-        evaluate_client=heterogeneous.build_personalized_evaluation(spec, archs, client_state_type),
+        evaluate_client=heterogeneous.build_personalized_evaluation(
+            spec, archs, client_state_type, metrics=local_training.metrics_from(metrics, spec)
+        ),
     )
     return _personalized_process(
         stages,

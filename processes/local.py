@@ -40,6 +40,8 @@ def build_local_process(
     model_aggregator: tff.aggregators.WeightedAggregationFactory
     | tff.aggregators.UnweightedAggregationFactory
     | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds local-only training as a `PersonalizedProcess`.
@@ -55,6 +57,14 @@ def build_local_process(
       server_optimizer: not taken (ValueError if given): local-only training has no server step.
       model_aggregator: not taken (ValueError if given): local-only training uploads no model to
         aggregate.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed; fixes the common initial model and the batch orders.
 
     Returns:
@@ -77,11 +87,20 @@ def build_local_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     client_training = building_blocks.build_client_training(
-        spec, model_fn, settings.training_config(), seed=seed, optimizer=client_optimizer
+        spec,
+        model_fn,
+        settings.training_config(),
+        seed=seed,
+        optimizer=client_optimizer,
+        loss_fn=local_training.loss_from(loss, spec),
     )
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):

@@ -88,9 +88,9 @@ def variant_of(settings: PerFedAvgSettings) -> str:
     return 'hf' if isinstance(settings, PerFedAvgHFSettings) else 'fo'
 
 
-def _gradients(model, x, y):
+def _gradients(model, x, y, loss_fn: local_training.LossFn):
     with tf.GradientTape() as tape:
-        loss, logits = local_training.supervised_loss(model, x, y)
+        loss, logits = loss_fn(model, x, y)
     return local_training.dense_gradients(tape, loss, model.trainable_variables), loss, logits
 
 
@@ -107,6 +107,8 @@ def build_perfedavg_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds Per-FedAvg (first-order or Hessian-free) as a `PersonalizedProcess`.
@@ -125,6 +127,14 @@ def build_perfedavg_process(
         with its own alpha and beta (Fallah et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -153,7 +163,10 @@ def build_perfedavg_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
+    loss_fn = local_training.loss_from(loss, spec)
     batches_per_step = 3 if variant == 'hf' else 2
     alpha = settings.perfedavg_alpha
     delta = settings.perfedavg_delta if variant == 'hf' else None
@@ -164,7 +177,9 @@ def build_perfedavg_process(
     else:
         epochs, max_steps = settings.local_epochs, None
     weights_type = local_training.weights_type(model_fn)
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -180,15 +195,15 @@ def build_perfedavg_process(
         def step(batches, carry):
             (x, y, n), (x2, y2, _) = batches[0], batches[1]
             w = [tf.identity(v) for v in model.trainable_variables]
-            grads, loss, logits = _gradients(model, x, y)  # at w, on D
+            grads, loss, logits = _gradients(model, x, y, loss_fn)  # at w, on D
             _assign(model, [v - alpha * g for v, g in zip(w, grads)])  # w~
-            outer, _, _ = _gradients(model, x2, y2)  # at w~, on D'
+            outer, _, _ = _gradients(model, x2, y2, loss_fn)  # at w~, on D'
             if variant == 'hf':
                 x3, y3, _ = batches[2]
                 _assign(model, [v + delta * g for v, g in zip(w, outer)])
-                plus, _, _ = _gradients(model, x3, y3)
+                plus, _, _ = _gradients(model, x3, y3, loss_fn)
                 _assign(model, [v - delta * g for v, g in zip(w, outer)])
-                minus, _, _ = _gradients(model, x3, y3)
+                minus, _, _ = _gradients(model, x3, y3, loss_fn)
                 outer = [g - alpha * (p - m) / (2.0 * delta) for g, p, m in zip(outer, plus, minus)]
             _assign(model, [v - beta * g for v, g in zip(w, outer)])
             return carry, local_training.batch_stats(loss, logits, y, n)
@@ -220,7 +235,7 @@ def build_perfedavg_process(
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             x, y = train.slice(0, train.num_examples)
-            grads, _, _ = _gradients(model, x, y)
+            grads, _, _ = _gradients(model, x, y, loss_fn)
         adapted = [w - alpha * g for w, g in zip(weights, grads)]
         return collections.OrderedDict(
             global_model=client_evaluation(weights, client_id),

@@ -125,6 +125,8 @@ def build_persfl_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds PersFL (`PersFLSettings`) or PersFL-GD (`PersFLGDSettings`).
@@ -143,6 +145,13 @@ def build_persfl_process(
         `settings.server_learning_rate`.
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: not taken (ValueError if given): PersFL's distillation objective
+        is cross-entropy plus T^2 times a soft loss (Eq. 3), trained for every
+        (T, lambda) of its grid at once.
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -167,10 +176,18 @@ def build_persfl_process(
     settings.validate()
     building_blocks.refuse_unused(
         'build_persfl_process',
-        {},
+        dict(
+            loss=(
+                "PersFL's distillation objective is cross-entropy plus T^2 times a soft loss (Divi et al., 2021, "
+                'Eq. 3), trained for every (T, lambda) of its grid at once; the teacher selection scores '
+                'accuracy'
+            ),
+        ),
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
     soft_loss = settings.soft_loss
     local_config = settings.training_config()
@@ -188,7 +205,9 @@ def build_persfl_process(
     client_training = building_blocks.build_client_training(
         spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
     )
-    test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    test_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
     val_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'val')
 
     @tff.tensorflow.computation(np.str_)

@@ -84,6 +84,8 @@ def build_pfedme_process(
     client_optimizer: tff.learning.optimizers.Optimizer | None = None,
     server_optimizer: tff.learning.optimizers.Optimizer | None = None,
     model_aggregator: averaging.Aggregator | None = None,
+    loss: local_training.Loss | None = None,
+    metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
 ) -> template.PersonalizedProcess:
     """Builds pFedMe as a `PersonalizedProcess`.
@@ -101,6 +103,14 @@ def build_pfedme_process(
         problem with its own inner steps (Dinh et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
+      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
+        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
+        function `(labels, logits) -> one value per label`; None:
+        cross-entropy (`local_training.loss_from`).
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -124,12 +134,17 @@ def build_pfedme_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
     )
+    loss_fn = local_training.loss_from(loss, spec)
     local_config = settings.training_config()
     pfedme_lambda, inner_steps = settings.pfedme_lambda, settings.pfedme_inner_steps
     personal_learning_rate = settings.pfedme_personal_learning_rate
     weights_type = local_training.weights_type(model_fn)
-    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    client_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -151,7 +166,7 @@ def build_pfedme_process(
             stats = None
             for _ in range(inner_steps):
                 with tf.GradientTape() as tape:
-                    loss, logits = local_training.supervised_loss(theta_model, x, y)
+                    loss, logits = loss_fn(theta_model, x, y)
                 grads = tape.gradient(loss, theta_model.trainable_variables)
                 if stats is None:
                     stats = local_training.batch_stats(loss, logits, y, n)

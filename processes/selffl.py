@@ -36,7 +36,7 @@ from tff_pfl.computations import aggregators, averaging, building_blocks, local_
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
-LOSSES = ('cross_entropy', 'gaussian')
+GAUSSIAN = 'gaussian'  # `loss=GAUSSIAN`: the two-level Gaussian model of Chen et al. (2022), §2
 
 _setting = settings_lib.setting
 
@@ -209,7 +209,8 @@ def build_selffl_process(
     settings: SelfFLSettings | None = None,
     *,
     activity_rate: float = 1.0,
-    loss: str = 'cross_entropy',
+    loss: local_training.Loss | str | None = None,
+    metrics: local_training.MetricsArg | None = None,
     known_sigma0_sq: float | None = None,
     gaussian_noise_var: float | None = None,
     dp: privacy.DPConfig | None = None,
@@ -232,8 +233,10 @@ def build_selffl_process(
         `client_fraction`); the server smooths theta^t = (1 - C) theta^{t-1}
         + C theta_hat^t, or with `settings.selffl_smoothing` in place of C
         if that is not 0.
-      loss: the problem, not a setting: 'cross_entropy' (classifiers) or
-        'gaussian' (the two-level Gaussian model of §2: sum of squared errors
+      loss: the clients' training loss, as every builder takes it: None
+        (cross-entropy), a `tf.keras.losses.Loss` on logits or a function
+        `(labels, logits) -> one value per label` (`local_training.loss_from`);
+        or 'gaussian', the paper's problem: the two-level Gaussian model of §2 (sum of squared errors
         / 2 s^2, full-batch steps (`batch_size` unused), sigma_m^2 = s^2 / N_m
         known, and the step size corrected so that the rounded number of steps
         contracts exactly as Eq. 8 asks).
@@ -249,6 +252,10 @@ def build_selffl_process(
       model_aggregator: not taken (ValueError if given): Self-FL's server sums one bounded record
         per client (update, precision weight, variance statistics) with its own aggregator; pass dp=
         and secure= for DP and secure aggregation.
+      metrics: extra per-client test metrics, reported beside `loss` and
+        `accuracy` of every model evaluated: a mapping name -> function
+        `(labels, logits) -> one value per label` (or a Keras loss on
+        logits), averaged over the test labels (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:
@@ -284,10 +291,13 @@ def build_selffl_process(
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=None if isinstance(loss, str) else loss,
+        metrics=metrics,
     )
-    if loss not in LOSSES:
-        raise ValueError(f'loss must be one of {LOSSES}, got {loss!r}')
-    if loss == 'gaussian' and not (gaussian_noise_var and gaussian_noise_var > 0):
+    gaussian = isinstance(loss, str) and loss == GAUSSIAN
+    if isinstance(loss, str) and not gaussian:
+        raise ValueError(f"loss must be 'gaussian', a Keras loss on logits, a function or None, got {loss!r}")
+    if gaussian and not (gaussian_noise_var and gaussian_noise_var > 0):
         raise ValueError("loss='gaussian' needs gaussian_noise_var > 0")
     if not 0.0 < activity_rate <= 1.0:
         raise ValueError(f'activity_rate (--client_fraction) must be in (0, 1], got {activity_rate}')
@@ -298,10 +308,11 @@ def build_selffl_process(
     warmup_rounds = settings.warmup_rounds
     smoothing = settings.selffl_smoothing or activity_rate
 
-    gaussian = loss == 'gaussian'
-    loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.supervised_loss
+    loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.loss_from(loss, spec)
     weights_type = local_training.weights_type(model_fn)
-    test_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'test')
+    test_evaluation = building_blocks.build_client_evaluation(
+        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+    )
     aggregator = aggregators.PrecisionWeightedMeanFactory(
         spec.num_clients, fixed_sigma0_sq=known_sigma0_sq, dp=dp, secure=secure
     )

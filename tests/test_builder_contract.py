@@ -1,5 +1,5 @@
-"""One builder contract: every `build_<algo>_process` takes client_optimizer, server_optimizer and
-model_aggregator, uses each where its algorithm has a place for it, and refuses it in one line
+"""One builder contract: every `build_<algo>_process` takes client_optimizer, server_optimizer,
+model_aggregator, loss and metrics, uses each where its algorithm has a place for it, and refuses it in one line
 (naming the argument and why) where it has none."""
 
 import collections
@@ -18,8 +18,8 @@ import tensorflow_federated as tff
 import processes
 from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
 from tff_pfl import models
-from tff_pfl.computations import building_blocks, template
-from tff_pfl.data import federated
+from tff_pfl.computations import building_blocks, local_training, template
+from tff_pfl.data import client_data, federated
 
 LOCAL = dict(local_steps=2, batch_size=8, client_learning_rate=0.1)
 PUBLIC = dict(public_examples=40, public_batch=20, public_distill_batch_size=10)
@@ -27,21 +27,21 @@ PUBLIC = dict(public_examples=40, public_batch=20, public_distill_batch_size=10)
 
 def _builders():
     """builder name -> (build(spec, model_fn, **keywords), the contract keywords it uses)."""
-    c, s, a = building_blocks.CONTRACT_KEYWORDS
+    c, s, a, lo, m = building_blocks.CONTRACT_KEYWORDS
     return {
         'build_fedavg_process': (
             lambda spec, fn, **kw: fedavg.build_fedavg_process(spec, fn, fedavg.FedAvgSettings(**LOCAL), **kw),
-            {c, s, a},
+            {c, s, a, lo, m},
         ),
         'build_persfl_process': (
             lambda spec, fn, **kw: persfl.build_persfl_process(
                 spec, fn, persfl.PersFLSettings(**LOCAL, temperatures=(1.0,), imitations=(0.5,)), **kw
             ),
-            {c, s, a},
+            {c, s, a, m},
         ),
         'build_ditto_process': (
             lambda spec, fn, **kw: ditto.build_ditto_process(spec, fn, ditto.DittoSettings(**LOCAL), **kw),
-            {c, s, a},
+            {c, s, a, lo, m},
         ),
         'build_fedper_process': (
             lambda spec, fn, **kw: fedper.build_fedper_process(
@@ -50,49 +50,49 @@ def _builders():
                 fedper.FedPerSettings(**LOCAL),
                 **kw,
             ),
-            {c, s, a},
+            {c, s, a, lo, m},
         ),
         'build_local_process': (
             lambda spec, fn, **kw: local.build_local_process(spec, fn, local.LocalSettings(**LOCAL), **kw),
-            {c},
+            {c, lo, m},
         ),
         'build_apfl_process': (
             lambda spec, fn, **kw: apfl.build_apfl_process(spec, fn, apfl.APFLSettings(**LOCAL), **kw),
-            {s, a},
+            {s, a, lo, m},
         ),
         'build_perfedavg_process': (
             lambda spec, fn, **kw: perfedavg.build_perfedavg_process(spec, fn, **kw),
-            {s, a},
+            {s, a, lo, m},
         ),
         'build_pfedme_process': (
             lambda spec, fn, **kw: pfedme.build_pfedme_process(spec, fn, **kw),
-            {s, a},
+            {s, a, lo, m},
         ),
         'build_selffl_process': (
             lambda spec, fn, **kw: selffl.build_selffl_process(spec, fn, **kw),
-            {s},
+            {s, lo, m},
         ),
         'build_ktpfl_process': (
             lambda spec, fn, **kw: ktpfl.build_ktpfl_process(
                 spec, ktpfl.KTpFLSettings(**LOCAL, **PUBLIC, architectures=('logistic',)), **kw
             ),
-            {c},
+            {c, lo, m},
         ),
         'build_ktpfl_homogeneous_process': (
             lambda spec, fn, **kw: ktpfl.build_ktpfl_homogeneous_process(
                 spec, fn, ktpfl.KTpFLHomoSettings(**LOCAL), **kw
             ),
-            {c},
+            {c, lo, m},
         ),
         'build_feddf_process': (
             lambda spec, fn, **kw: feddf.build_feddf_process(
                 spec, feddf.FedDFSettings(**LOCAL, **PUBLIC, architectures=('logistic',)), **kw
             ),
-            {c},
+            {c, lo, m},
         ),
         'build_kdpdfl_process': (
             lambda spec, fn, **kw: kdpdfl.build_kdpdfl_process(spec, fn, kdpdfl.KDPDFLSettings(**LOCAL), **kw),
-            {c},
+            {c, lo, m},
         ),
     }
 
@@ -101,6 +101,8 @@ VALUES = {
     'client_optimizer': lambda: tff.learning.optimizers.build_adam(0.01),
     'server_optimizer': lambda: tff.learning.optimizers.build_sgdm(1.0, momentum=0.9),
     'model_aggregator': lambda: tff.aggregators.MeanFactory(),
+    'loss': lambda: tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    'metrics': lambda: {'top3': functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy, k=3)},
 }
 
 
@@ -145,6 +147,144 @@ def test_a_builder_takes_every_keyword_it_uses(data, builder):
     build, uses = _builders()[builder]
     process = build(spec, model_fn, **{k: VALUES[k]() for k in uses})
     assert process.initialize.type_signature.result.placement is tff.SERVER
+
+
+@pytest.mark.parametrize('builder', sorted(b for b, (_, uses) in _builders().items() if 'loss' in uses))
+def test_a_builder_that_takes_a_loss_trains_on_it(data, builder):
+    """Building traces the client computations: a loss the builder passes on is called beyond its one try."""
+    spec, model_fn = data
+    build, _ = _builders()[builder]
+    calls = []
+
+    def counted(labels, logits):
+        calls.append(1)
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    build(spec, model_fn, loss=counted)
+    assert len(calls) > 1  # 1: local_training.loss_from's try on the spec's shapes
+
+
+def _fedavg_weights(spec, model_fn, learning_rate=LOCAL['client_learning_rate'], **keywords):
+    settings = fedavg.FedAvgSettings(**{**LOCAL, 'client_learning_rate': learning_rate})
+    process = fedavg.build_fedavg_process(spec, model_fn, settings, **keywords)
+    state, _, metrics = process.next(process.initialize(), process.initial_client_states(spec.client_ids))
+    return np.concatenate([np.ravel(w) for w in state['model']]), metrics
+
+
+def test_fedavgs_round_with_a_keras_loss_and_with_twice_the_cross_entropy(data, tff_runtime):
+    """Keras's cross-entropy on logits is the default loss; twice it is the default at twice the rate, bit for bit
+    (SGD: w - eta * 2g = w - 2eta * g, and doubling is exact in floating point)."""
+    spec, model_fn = data
+    default, default_metrics = _fedavg_weights(spec, model_fn)
+    keras, _ = _fedavg_weights(spec, model_fn, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    np.testing.assert_allclose(keras, default, atol=1e-6, rtol=0)
+
+    def twice(labels, logits):
+        return 2.0 * tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+    doubled, doubled_metrics = _fedavg_weights(spec, model_fn, loss=twice)
+    at_twice_the_rate, _ = _fedavg_weights(spec, model_fn, learning_rate=2 * LOCAL['client_learning_rate'])
+    np.testing.assert_array_equal(doubled, at_twice_the_rate)
+    assert np.abs(doubled - default).max() > 1e-3
+    # The first step's loss is seen before any step: twice the default's.
+    assert float(doubled_metrics['train_loss']) > float(default_metrics['train_loss'])
+
+
+@pytest.mark.parametrize(
+    'loss, message',
+    [
+        (
+            tf.keras.losses.SparseCategoricalCrossentropy(),
+            r'^loss: SparseCategoricalCrossentropy has from_logits=False',
+        ),
+        (
+            tf.keras.losses.CategoricalCrossentropy(from_logits=True),
+            r'^loss: CategoricalCrossentropy fails on integer labels \[2\] and logits \[2, 3\]: ',
+        ),
+        (
+            lambda y, logits: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)),
+            r'^loss: <lambda> must return one value per label \(shape \[2\] for labels \[2\]\), got shape \[\]',
+        ),
+    ],
+    ids=['from_logits_false', 'one_hot', 'already_a_mean'],
+)
+def test_a_loss_that_cannot_train_on_logits_and_integer_labels_is_refused_in_one_line(data, loss, message):
+    spec, model_fn = data
+    with pytest.raises(ValueError, match=message) as raised:
+        fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**LOCAL), loss=loss)
+    assert '\n' not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    'metrics, error, message',
+    [
+        ({'accuracy': lambda y, logits: logits[..., 0]}, ValueError, r"^metrics: 'accuracy' cannot name a metric"),
+        ({'bad name': lambda y, logits: logits[..., 0]}, ValueError, r"^metrics: 'bad name' cannot name a metric"),
+        ({'mean': lambda y, logits: tf.reduce_mean(logits)}, ValueError, r"^metrics\['mean'\]: <lambda> must return"),
+        ([lambda y, logits: logits[..., 0]], TypeError, r'^metrics must be a mapping name -> function'),
+    ],
+    ids=['reported_name', 'not_identifier', 'not_per_label', 'not_mapping'],
+)
+def test_bad_metrics_are_refused_in_one_line(data, metrics, error, message):
+    spec, model_fn = data
+    with pytest.raises(error, match=message) as raised:
+        fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**LOCAL), metrics=metrics)
+    assert '\n' not in str(raised.value)
+
+
+def test_a_loss_that_is_not_callable_is_a_type_error(data):
+    spec, model_fn = data
+    with pytest.raises(TypeError, match=r'^loss must be a tf.keras.losses.Loss or a function'):
+        local.build_local_process(spec, model_fn, local.LocalSettings(**LOCAL), loss='mse')
+
+
+def test_a_loss_is_the_mean_of_its_values_over_the_labels_that_count():
+    """A sequence batch with ignored positions, against numpy: the values at label -1 are left out of the mean."""
+    rng = np.random.default_rng(3)
+    labels = np.array([[1, 2, -1, -1], [0, -1, 2, 1]], np.int32)
+    features = rng.normal(size=(2, 4, 3)).astype(np.float32)
+
+    class Identity(tf.keras.Model):
+        def call(self, x, training=False):
+            return x
+
+    def squared(y, logits):  # not cross-entropy: the values must be the user's
+        return tf.reduce_sum(tf.square(logits - tf.one_hot(y, 3)), axis=-1)
+
+    loss, logits = local_training.loss_from(squared)(Identity(), tf.constant(features), tf.constant(labels))
+    counted = labels >= 0
+    expected = (np.square(features - np.eye(3)[np.maximum(labels, 0)]).sum(-1) * counted).sum() / counted.sum()
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-6)
+    np.testing.assert_array_equal(logits.numpy(), features)
+
+
+def test_a_metric_is_summed_over_the_labels_that_count_in_every_batch():
+    """metric_sums against numpy on a sequence split cut into batches of 2: positions labelled -1 are left out,
+    and its mean over evaluate's count of labels is a Keras cross-entropy's mean where evaluate's loss is."""
+    rng = np.random.default_rng(4)
+    features = rng.normal(size=(5, 4, 3)).astype(np.float32)
+    labels = rng.integers(0, 3, size=(5, 4)).astype(np.int32)
+    labels[rng.random(size=(5, 4)) < 0.3] = -1
+    split = client_data.ClientSplit(tf.constant(features), tf.constant(labels))
+
+    class Identity(tf.keras.Model):
+        def call(self, x, training=False):
+            return x
+
+    def margin(y, logits):
+        return tf.reduce_max(logits, axis=-1) - tf.gather(logits, y, batch_dims=y.shape.rank)
+
+    metrics = local_training.metrics_from(
+        {'margin': margin, 'ce': tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)}
+    )
+    model = Identity()
+    sums = local_training.metric_sums(model, split, metrics, batch_size=2)
+    stats = local_training.evaluate(model, split, batch_size=2)
+    counted = labels >= 0
+    picked = np.take_along_axis(features, np.maximum(labels, 0)[..., None], axis=-1)[..., 0]
+    np.testing.assert_allclose(float(sums['margin']), ((features.max(-1) - picked) * counted).sum(), rtol=1e-5)
+    assert float(stats.num_examples) == counted.sum()
+    np.testing.assert_allclose(float(sums['ce']), float(stats.loss_sum), rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -232,9 +372,14 @@ def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
 
 @pytest.mark.parametrize('builder', sorted(_builders()))
 def test_every_builder_trains_and_evaluates_a_users_client_data_by_their_ids(data, tff_runtime, builder):
+    """With two metrics of the user's: Keras's cross-entropy is the reported loss, top-3 of 3 classes is 1."""
     spec, model_fn = data
     build, _ = _builders()[builder]
-    process = build(spec, model_fn)
+    user_metrics = {
+        'keras_ce': tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        'top3': functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy, k=3),
+    }
+    process = build(spec, model_fn, metrics=user_metrics)
     state, clients = process.initialize(), process.initial_client_states(spec.client_ids)
     if isinstance(process, template.ServerlessProcess):  # KD-PDFL: one interval of local work
         clients, _ = process.local_work(clients, [2] * spec.num_clients, np.int32(0))
@@ -246,6 +391,9 @@ def test_every_builder_trains_and_evaluates_a_users_client_data_by_their_ids(dat
         for name, model in result.items():
             if isinstance(model, collections.abc.Mapping) and 'accuracy' in model:
                 assert 0.0 <= float(model['accuracy']) <= 1.0, name
+                assert list(model)[-2:] == ['keras_ce', 'top3'], name
+                np.testing.assert_allclose(float(model['keras_ce']), float(model['loss']), rtol=1e-5, err_msg=name)
+                assert float(model['top3']) == 1.0, name
 
 
 @pytest.mark.parametrize('settings', [kdpdfl.ServerlessFedAvgSettings, kdpdfl.ServerlessLocalSettings])
@@ -282,7 +430,7 @@ def test_the_docs_table_of_what_each_algorithm_takes_is_what_the_builders_do():
     )
     assert len(rows) == len(algorithms.names())
     assert {r['algorithm'] for r in rows} == set(algorithms.names())
-    c, _, a = building_blocks.CONTRACT_KEYWORDS
+    c, _, a, lo, _ = building_blocks.CONTRACT_KEYWORDS
     builders = _builders()
     for row in rows:
         name, builder = row['algorithm'], row['builder']
@@ -292,6 +440,7 @@ def test_the_docs_table_of_what_each_algorithm_takes_is_what_the_builders_do():
         assert row['ClientData'].startswith('yes'), name  # test_every_builder_trains_and_evaluates_...
         assert row['client Adam'].startswith('yes' if c in uses else 'no: '), name
         assert row['model_aggregator'].startswith('yes' if a in uses else 'no: '), name
+        assert row['loss'].startswith('yes' if lo in uses else 'no: '), name
         if not takes_model:
             assert row['FunctionalModel'].startswith('no: '), name
         elif name in ('kdpdfl_fedavg', 'kdpdfl_fedavg_plus', 'kdpdfl_local'):

@@ -25,8 +25,18 @@ def _expand(value, logits, labels):
     return tf.reshape(value, tf.concat([tf.shape(value), trailing], axis=0))
 
 
-def _mean_over_positions(values, labels):
-    """`[..., B]` (or `[..., B, L]`) per-position values -> their mean over the positions that count, `[...]`."""
+def mean_over_positions(values, labels):
+    """The mean of per-position values over the positions whose label counts.
+
+    Args:
+      values: `[..., B]` (or `[..., B, L]`), one value per label.
+      labels: the batch's int labels `[B]` (or `[B, L]`, ignored positions
+        `client_data.IGNORED_LABEL`).
+
+    Returns:
+      The mean, `[...]` (over all of `B` for class labels; over the counted
+      positions for sequences, at least one).
+    """
     if labels.shape.rank == 1:
         return tf.reduce_mean(values, axis=-1)
     counted = tf.cast(tf.not_equal(labels, client_data.IGNORED_LABEL), values.dtype)
@@ -47,7 +57,7 @@ def hard_cross_entropy(student_logits, labels):
     safe = tf.maximum(labels, 0)  # ignored positions get a valid index; they are weighted out
     safe = tf.broadcast_to(safe, tf.shape(student_logits)[:-1])
     values = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=safe, logits=student_logits)
-    return _mean_over_positions(values, labels)
+    return mean_over_positions(values, labels)
 
 
 def soft_kl(teacher_logits, student_logits, temperature, labels):
@@ -66,7 +76,7 @@ def soft_kl(teacher_logits, student_logits, temperature, labels):
     teacher_log_p = tf.nn.log_softmax(teacher_logits / t, axis=-1)
     student_log_p = tf.nn.log_softmax(student_logits / t, axis=-1)
     values = tf.reduce_sum(tf.exp(teacher_log_p) * (teacher_log_p - student_log_p), axis=-1)
-    return _mean_over_positions(values, labels)
+    return mean_over_positions(values, labels)
 
 
 def soft_cross_entropy(teacher_logits, student_logits, temperature, labels):
@@ -87,7 +97,7 @@ def soft_cross_entropy(teacher_logits, student_logits, temperature, labels):
     t = _expand(temperature, student_logits, labels)
     teacher_p = tf.nn.softmax(teacher_logits / t, axis=-1)
     student_log_p = tf.nn.log_softmax(student_logits / t, axis=-1)
-    return _mean_over_positions(-tf.reduce_sum(teacher_p * student_log_p, axis=-1), labels)
+    return mean_over_positions(-tf.reduce_sum(teacher_p * student_log_p, axis=-1), labels)
 
 
 def persfl_loss(student_logits, teacher_logits, labels, temperature, imitation, soft: str = 'kl'):

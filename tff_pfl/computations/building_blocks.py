@@ -169,6 +169,7 @@ def build_client_training(
     seed: int,
     split: str = 'train',
     optimizer: tff.learning.optimizers.Optimizer | None = None,
+    loss_fn: local_training.LossFn = local_training.supervised_loss,
 ) -> tff.Computation:
     """Local SGD (or `optimizer`) from given weights on a client's own split.
 
@@ -181,6 +182,8 @@ def build_client_training(
       split: which split to train on.
       optimizer: optional client optimizer (`local_training.train`); None:
         SGD at `config.learning_rate`.
+      loss_fn: the loss minimized (`local_training.loss_from` of a
+        builder's `loss`).
 
     Returns:
       A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
@@ -196,7 +199,12 @@ def build_client_training(
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             stats = local_training.train_with(
-                model, data, config, seed=local_training.client_seed(seed, round_num, client_id), optimizer=optimizer
+                model,
+                data,
+                config,
+                seed=local_training.client_seed(seed, round_num, client_id),
+                optimizer=optimizer,
+                loss_fn=loss_fn,
             )
         with tf.control_dependencies(list(stats)):
             trained = local_training.get_weights(model)
@@ -242,7 +250,7 @@ def build_server_update(
 
 
 def build_client_evaluation(
-    spec: client_data.ClientDataSpec, model_fn: ModelFn, split: str = 'test'
+    spec: client_data.ClientDataSpec, model_fn: ModelFn, split: str = 'test', metrics: local_training.Metrics = ()
 ) -> tff.Computation:
     """A client's loss and accuracy of `weights` on its own `split`.
 
@@ -250,10 +258,11 @@ def build_client_evaluation(
       spec: the partition on disk.
       model_fn: builds a fresh Keras model.
       split: which split to evaluate on.
+      metrics: a user's extra metrics (`local_training.metrics_from`).
 
     Returns:
       A `tff.tensorflow.computation` `(weights, client_id) -> <loss, accuracy,
-      num_examples>`.
+      num_examples, ...metrics>`.
     """
     weights_type = local_training.weights_type(model_fn)
 
@@ -263,7 +272,8 @@ def build_client_evaluation(
         model = model_fn()
         with tf.control_dependencies(local_training.assign_weights(model, weights)):
             stats = local_training.evaluate(model, data)
-        return template.client_metrics(stats)
+            extra = local_training.metric_sums(model, data, metrics) if metrics else None
+        return template.client_metrics(stats, extra)
 
     return client_evaluation
 
@@ -356,17 +366,18 @@ def build_evaluation_at(evaluate_client: tff.Computation, input_type=np.int32) -
 
 
 # The keyword arguments every `build_<algo>_process` takes (docs/architecture.md, "One builder contract").
-CONTRACT_KEYWORDS = ('client_optimizer', 'server_optimizer', 'model_aggregator')
+CONTRACT_KEYWORDS = ('client_optimizer', 'server_optimizer', 'model_aggregator', 'loss', 'metrics')
 
 
 def refuse_unused(builder: str, reasons: dict[str, str], **given) -> None:
     """Refuses, in one line, a contract keyword the algorithm cannot use.
 
-    Every builder takes `client_optimizer`, `server_optimizer` and
-    `model_aggregator` and passes all three here: one whose algorithm has no
-    place for one of them (e.g. a serverless algorithm and a server
-    optimizer) says so instead of ignoring it, and the optimizers it uses
-    are checked to be TFF's.
+    Every builder takes `client_optimizer`, `server_optimizer`,
+    `model_aggregator`, `loss` and `metrics` and passes them here: one whose
+    algorithm has no place for one of them (e.g. a serverless algorithm and
+    a server optimizer) says so instead of ignoring it, and the optimizers it
+    uses are checked to be TFF's (the loss and metrics are checked by
+    `local_training.loss_from` and `metrics_from`).
 
     Args:
       builder: the builder's name, e.g. 'build_selffl_process'.

@@ -303,6 +303,7 @@ def train_packed(
     seed: tf.Tensor,
     outputs: Callable | None = None,
     optimizer: tff.learning.optimizers.Optimizer | None = None,
+    loss_fn: local_training.LossFn = local_training.supervised_loss,
 ) -> tuple:
     """Local SGD (or `optimizer`) on the client's own architecture, from packed weights (TF code).
 
@@ -318,6 +319,7 @@ def train_packed(
         trained model, e.g. its predictions on the public batch.
       optimizer: optional client optimizer (`local_training.train`); None:
         SGD at `config.learning_rate`.
+      loss_fn: the loss minimized (`local_training.loss_from`).
 
     Returns:
       `(params, outputs, stats)`: the packed trained weights, what `outputs`
@@ -325,7 +327,7 @@ def train_packed(
     """
 
     def work(model):
-        stats = local_training.train_with(model, data, config, seed=seed, optimizer=optimizer)
+        stats = local_training.train_with(model, data, config, seed=seed, optimizer=optimizer, loss_fn=loss_fn)
         with tf.control_dependencies(list(stats)):
             if outputs is None:
                 return archs.pack(model.trainable_weights), stats
@@ -336,7 +338,9 @@ def train_packed(
     return params, extra, local_training.Stats(*stats)
 
 
-def evaluate_packed(archs: Architectures, arch_id: tf.Tensor, packed: tf.Tensor, data) -> collections.OrderedDict:
+def evaluate_packed(
+    archs: Architectures, arch_id: tf.Tensor, packed: tf.Tensor, data, metrics: local_training.Metrics = ()
+) -> collections.OrderedDict:
     """A client's loss and accuracy with packed weights of its own architecture (TF code).
 
     Args:
@@ -344,16 +348,32 @@ def evaluate_packed(archs: Architectures, arch_id: tf.Tensor, packed: tf.Tensor,
       arch_id: int32 scalar, the client's architecture index.
       packed: float32 `[max_size]`, the weights to evaluate.
       data: the split to evaluate on (`client_data.read_split`).
+      metrics: a user's extra metrics (`local_training.metrics_from`).
 
     Returns:
-      `template.client_metrics`: `<loss, accuracy, num_examples>`.
+      `template.client_metrics`: `<loss, accuracy, num_examples, ...metrics>`.
     """
-    stats = archs.dispatch(arch_id, packed, lambda model: local_training.evaluate(model, data))
-    return template.client_metrics(local_training.Stats(*stats))
+    return archs.dispatch(arch_id, packed, lambda model: evaluate_model(model, data, metrics))
+
+
+def evaluate_model(model: tf.keras.Model, data, metrics: local_training.Metrics = ()) -> collections.OrderedDict:
+    """`template.client_metrics` of a model on a split, with a user's extra metrics (TF code).
+
+    Args:
+      model: the Keras model, holding the weights to evaluate.
+      data: the split to evaluate on.
+      metrics: a user's extra metrics (`local_training.metrics_from`).
+
+    Returns:
+      `<loss, accuracy, num_examples, ...metrics>`.
+    """
+    stats = local_training.evaluate(model, data)
+    extra = local_training.metric_sums(model, data, metrics) if metrics else None
+    return template.client_metrics(local_training.Stats(*stats), extra)
 
 
 def build_personalized_evaluation(
-    spec, archs: Architectures, client_state_type: tff.Type, split: str = 'test'
+    spec, archs: Architectures, client_state_type: tff.Type, split: str = 'test', metrics: local_training.Metrics = ()
 ) -> tff.Computation:
     """Each client's evaluation of the model its state holds (`params`, packed).
 
@@ -366,6 +386,7 @@ def build_personalized_evaluation(
       client_state_type: the client state type, with `client_id` and
         `params` (and optionally `architecture`).
       split: which split to evaluate on.
+      metrics: a user's extra metrics (`local_training.metrics_from`).
 
     Returns:
       A `tff.tensorflow.computation` `client_state ->
@@ -377,6 +398,8 @@ def build_personalized_evaluation(
     def evaluate_client(state):
         data = client_data.read_split(spec, state['client_id'], split)
         architecture = state['architecture'] if per_client else tf.constant(0)
-        return collections.OrderedDict(personalized_model=evaluate_packed(archs, architecture, state['params'], data))
+        return collections.OrderedDict(
+            personalized_model=evaluate_packed(archs, architecture, state['params'], data, metrics)
+        )
 
     return evaluate_client

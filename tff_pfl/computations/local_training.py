@@ -12,6 +12,7 @@ weights.
 """
 
 import collections
+import collections.abc
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -182,6 +183,152 @@ def supervised_loss(model: tf.keras.Model, x: tf.Tensor, y: tf.Tensor):
     """
     logits = model(x, training=True)
     return losses.hard_cross_entropy(logits, y), logits
+
+
+# A user's training loss (the builders' `loss` argument): a Keras loss object, or a function
+# `(labels, logits) -> one value per label`.
+Loss = tf.keras.losses.Loss | Callable[[tf.Tensor, tf.Tensor], tf.Tensor]
+
+
+def loss_from(loss: Loss | None, spec: client_data.ClientDataSpec | None = None, *, argument: str = 'loss') -> LossFn:
+    """The `LossFn` local training minimizes for a builder's `loss` argument.
+
+    None gives `supervised_loss` (sparse softmax cross-entropy on logits, the
+    default of every committed result). Otherwise `loss` is called on the
+    integer labels and the model's logits and must return one value per label
+    (`[B]`, or `[B, L]` for sequences), as a Keras loss's `call` does: a
+    `tf.keras.losses.Loss` object is called through `call` (its own reduction
+    is not used), a plain function directly. The batch's loss is then the mean
+    over the labels that count: positions labelled `client_data.IGNORED_LABEL`
+    get label 0 in the call and are weighted out, as in
+    `losses.hard_cross_entropy`.
+
+    Args:
+      loss: None, a `tf.keras.losses.Loss` or a function `(labels, logits) ->
+        values`.
+      spec: optional; the data's spec, to try `loss` once on a batch of its
+        label and logit shapes when the builder is called.
+      argument: the Python argument's name, for the errors.
+
+    Returns:
+      A `LossFn` `(model, x, y) -> (mean loss, logits)`.
+
+    Raises:
+      TypeError: if `loss` is not callable.
+      ValueError: in one line, if `loss` is a Keras loss that reads
+        probabilities (`from_logits=False`), or, tried on the spec's shapes,
+        fails or does not return one value per label.
+    """
+    if loss is None:
+        return supervised_loss
+    if not callable(loss):
+        raise TypeError(
+            f'{argument} must be a tf.keras.losses.Loss or a function (labels, logits) -> one value per label, '
+            f'got {type(loss).__name__}'
+        )
+    values = _values_per_label(loss, spec, argument)
+
+    def loss_fn(model, x, y):
+        logits = model(x, training=True)
+        return losses.mean_over_positions(values(y, logits), y), logits
+
+    return loss_fn
+
+
+def _values_per_label(fn, spec: client_data.ClientDataSpec | None, argument: str):
+    """A loss or metric argument -> `values(labels, logits)`, one value per label; checked on the spec's shapes."""
+    name = type(fn).__name__ if isinstance(fn, tf.keras.losses.Loss) else getattr(fn, '__name__', repr(fn))
+    if isinstance(fn, tf.keras.losses.Loss):
+        if fn.get_config().get('from_logits') is False:
+            raise ValueError(
+                f'{argument}: {name} has from_logits=False and reads probabilities, but the models here output '
+                f'logits; pass {name}(from_logits=True)'
+            )
+        values_fn = fn.call
+    else:
+        values_fn = fn
+
+    def values(y, logits):
+        return tf.cast(values_fn(tf.maximum(y, 0), logits), logits.dtype)
+
+    if spec is not None:
+        _try_loss(values, spec, argument, name)
+    return values
+
+
+# A user's extra evaluation metrics (the builders' `metrics` argument): name -> a function
+# `(labels, logits) -> one value per label`, or a Keras loss on logits.
+MetricsArg = collections.abc.Mapping[str, Loss]
+
+# What `metrics_from` returns and the evaluations take: (name, values(labels, logits)) pairs.
+Metrics = tuple[tuple[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor]], ...]
+
+# The names every client evaluation already reports (`template.client_metrics`).
+REPORTED = ('loss', 'accuracy', 'num_examples')
+
+
+def metrics_from(metrics, spec: client_data.ClientDataSpec | None = None, *, argument: str = 'metrics') -> Metrics:
+    """A builder's `metrics` argument -> the extra per-client evaluation metrics.
+
+    Each metric is, like a `loss`, a function `(labels, logits) -> one value
+    per label` (e.g. `functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy,
+    k=3)`) or a `tf.keras.losses.Loss` on logits; a client reports its mean
+    over the labels of its test split that count, beside `loss` and
+    `accuracy`.
+
+    Args:
+      metrics: None (no extra metric), or a mapping name -> metric.
+      spec: optional; the data's spec, to try each metric once on its shapes.
+      argument: the Python argument's name, for the errors.
+
+    Returns:
+      The `Metrics` pairs, in the mapping's order.
+
+    Raises:
+      TypeError: if `metrics` is not a mapping of callables.
+      ValueError: in one line, on a name that is not an identifier or is
+        already reported, or a metric refused as `loss_from` refuses a loss.
+    """
+    if metrics is None:
+        return ()
+    if not isinstance(metrics, collections.abc.Mapping):
+        raise TypeError(
+            f'{argument} must be a mapping name -> function (labels, logits) -> one value per label, '
+            f'got {type(metrics).__name__}'
+        )
+    pairs = []
+    for name, fn in metrics.items():
+        if not (isinstance(name, str) and name.isidentifier()) or name in REPORTED:
+            raise ValueError(
+                f'{argument}: {name!r} cannot name a metric: use an identifier other than {", ".join(REPORTED)}'
+            )
+        if not callable(fn):
+            raise TypeError(
+                f'{argument}[{name!r}] must be a function (labels, logits) -> values, got {type(fn).__name__}'
+            )
+        pairs.append((name, _values_per_label(fn, spec, f'{argument}[{name!r}]')))
+    return tuple(pairs)
+
+
+def _try_loss(values, spec: client_data.ClientDataSpec, argument: str, name: str) -> None:
+    """Calls a user's loss once on two examples of the spec's shapes; refuses it in one line if it fails."""
+    label_shape = [2, *spec.label_shape]
+    with tf.Graph().as_default():
+        labels = tf.zeros(label_shape, tf.int32)
+        logits = tf.zeros([*label_shape, spec.num_classes], tf.float32)
+        try:
+            result = values(labels, logits)
+        except (TypeError, ValueError, tf.errors.OpError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ValueError(
+                f'{argument}: {name} fails on integer labels {label_shape} and logits '
+                f'{[*label_shape, spec.num_classes]}: {first}'
+            ) from None
+    if result.shape.as_list() != label_shape:
+        raise ValueError(
+            f'{argument}: {name} must return one value per label (shape {label_shape} for labels {label_shape}), '
+            f'got shape {result.shape.as_list()}; a Keras loss is called through its call(), which returns them'
+        )
 
 
 def dense_gradients(tape: tf.GradientTape, loss: tf.Tensor, variables) -> list[tf.Tensor]:
@@ -472,6 +619,42 @@ def train_with(
     )
 
 
+def metric_sums(
+    model: tf.keras.Model, data: client_data.ClientSplit, metrics: Metrics, batch_size: int = 1000
+) -> collections.OrderedDict:
+    """Each metric's values summed over a split's labels that count, in batches (TF code).
+
+    Args:
+      model: the Keras model to evaluate (inference mode).
+      data: the split.
+      metrics: `metrics_from`'s pairs (not empty).
+      batch_size: examples per forward pass (memory bound only).
+
+    Returns:
+      name -> float32 sum; divide by `evaluate`'s `num_examples` for means.
+    """
+
+    @tf.function(autograph=False)
+    def loop(features, labels):
+        split = data.with_tensors(features, labels)
+        num_examples = split.num_examples
+
+        def body(start, sums):
+            stop = tf.minimum(start + batch_size, num_examples)
+            x, y = split.slice(start, stop)
+            logits = model(x, training=False)
+            counted = tf.cast(tf.not_equal(y, client_data.IGNORED_LABEL), tf.float32)
+            return stop, [s + tf.reduce_sum(values(y, logits) * counted) for s, (_, values) in zip(sums, metrics)]
+
+        _, sums = tf.while_loop(
+            lambda start, _: start < num_examples, body, (tf.constant(0), [tf.constant(0.0) for _ in metrics])
+        )
+        return sums
+
+    sums = loop(data.features, data.labels)
+    return collections.OrderedDict((name, total) for (name, _), total in zip(metrics, sums))
+
+
 def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: int = 1000) -> Stats:
     """Cross-entropy and accuracy sums of `model` on a whole split, in batches.
 
@@ -514,6 +697,7 @@ def finetune_on_validation(
     batch_size,
     learning_rate,
     seed: tf.Tensor,
+    loss_fn: LossFn = supervised_loss,
 ):
     """Fine-tunes `model` epoch by epoch; keeps the epoch count best on validation.
 
@@ -531,6 +715,7 @@ def finetune_on_validation(
       batch_size: SGD examples per step.
       learning_rate: SGD step size.
       seed: int64 tensor of shape [2].
+      loss_fn: the loss minimized, as for `train`.
 
     Returns:
       `(weights, epochs, val_accuracies)`: the chosen weights, the chosen
@@ -556,6 +741,7 @@ def finetune_on_validation(
                 batch_size=batch_size,
                 learning_rate=learning_rate,
                 seed=seed + tf.constant([epoch, 0], tf.int64),
+                loss_fn=loss_fn,
             )
         with tf.control_dependencies(list(stats)):
             current = get_weights(model)

@@ -50,23 +50,29 @@ DeviceProcess = collections.namedtuple(
 )
 
 
-def client_metrics(stats) -> collections.OrderedDict:
+def client_metrics(stats, extra_sums=None) -> collections.OrderedDict:
     """Per-client means from `local_training.Stats` sums (TF code).
 
     Args:
       stats: a `local_training.Stats` of the summed `loss_sum`, `num_correct`
         and `num_examples` of one client.
+      extra_sums: optional; name -> the sum of a user's metric over the same
+        examples (`local_training.metric_sums`).
 
     Returns:
       An `OrderedDict` of `loss` and `accuracy` (means over the examples; 0 for
-      a client without examples) and `num_examples`.
+      a client without examples), `num_examples`, then the extra metrics'
+      means.
     """
     denominator = tf.maximum(stats.num_examples, 1.0)
-    return collections.OrderedDict(
+    result = collections.OrderedDict(
         loss=stats.loss_sum / denominator,
         accuracy=stats.num_correct / denominator,
         num_examples=stats.num_examples,
     )
+    for name, total in (extra_sums or {}).items():
+        result[name] = total / denominator
+    return result
 
 
 class PersonalizedProcess(tff.templates.IterativeProcess):
