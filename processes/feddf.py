@@ -163,14 +163,10 @@ def build_feddf_process(
         distillation on public data (Lin et al., 2020), with its own settings.
       model_aggregator: not taken (ValueError if given): FedDF sums updates per architecture with
         its own aggregator; pass dp= and secure= for DP and secure aggregation.
-      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
-        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
-        function `(labels, logits) -> one value per label`; None:
-        cross-entropy (`local_training.loss_from`).
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      loss: the clients' training loss, as the builder contract takes it
+        (`local_training.loss_from`; None: cross-entropy).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:

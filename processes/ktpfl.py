@@ -419,15 +419,11 @@ def build_ktpfl_process(
         coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
-      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
-        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
-        function `(labels, logits) -> one value per label`; None:
-        cross-entropy (`local_training.loss_from`). Only the private
+      loss: the clients' training loss, as the builder contract takes it
+        (`local_training.loss_from`; None: cross-entropy). Only the private
         training: the distillation towards the soft targets is KL.
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N);
         a round with more clients fails at an assertion.
@@ -808,15 +804,11 @@ def build_ktpfl_homogeneous_process(
         coefficient matrix by its own gradient step (Zhang et al., 2021, Eq. 7, kt_coefficient_learning_rate).
       model_aggregator: not taken (ValueError if given): KT-pFL mixes the clients' uploads per
         client by the coefficient matrix, not into one mean; pass dp= for its local DP.
-      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
-        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
-        function `(labels, logits) -> one value per label`; None:
-        cross-entropy (`local_training.loss_from`). Only the private
+      loss: the clients' training loss, as the builder contract takes it
+        (`local_training.loss_from`; None: cross-entropy). Only the private
         training: the distillation towards the soft targets is KL.
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
       max_clients_per_round: K, the most clients a round takes (None: N).
         The server holds the round's K models, `[K, D]`, and sends them

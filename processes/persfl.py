@@ -148,10 +148,8 @@ def build_persfl_process(
       loss: not taken (ValueError if given): PersFL's distillation objective
         is cross-entropy plus T^2 times a soft loss (Eq. 3), trained for every
         (T, lambda) of its grid at once.
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:

@@ -103,14 +103,10 @@ def build_pfedme_process(
         problem with its own inner steps (Dinh et al., 2020, Algorithm 1).
       model_aggregator: aggregation of the uploaded updates (`averaging.build_averaging_process`);
         default the example-weighted mean. The program passes `privacy.DPConfig.factory()` under DP.
-      loss: the clients' training loss: a `tf.keras.losses.Loss` on logits
-        (e.g. `SparseCategoricalCrossentropy(from_logits=True)`) or a
-        function `(labels, logits) -> one value per label`; None:
-        cross-entropy (`local_training.loss_from`).
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      loss: the clients' training loss, as the builder contract takes it
+        (`local_training.loss_from`; None: cross-entropy).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:

@@ -252,10 +252,8 @@ def build_selffl_process(
       model_aggregator: not taken (ValueError if given): Self-FL's server sums one bounded record
         per client (update, precision weight, variance statistics) with its own aggregator; pass dp=
         and secure= for DP and secure aggregation.
-      metrics: extra per-client test metrics, reported beside `loss` and
-        `accuracy` of every model evaluated: a mapping name -> function
-        `(labels, logits) -> one value per label` (or a Keras loss on
-        logits), averaged over the test labels (`local_training.metrics_from`).
+      metrics: extra per-client test metrics, as the builder contract takes
+        them (`local_training.metrics_from`).
       seed: run seed.
 
     Returns:

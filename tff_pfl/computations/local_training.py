@@ -267,7 +267,9 @@ Metrics = tuple[tuple[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor]], ...]
 REPORTED = ('loss', 'accuracy', 'num_examples')
 
 
-def metrics_from(metrics, spec: client_data.ClientDataSpec | None = None, *, argument: str = 'metrics') -> Metrics:
+def metrics_from(
+    metrics: MetricsArg | None, spec: client_data.ClientDataSpec | None = None, *, argument: str = 'metrics'
+) -> Metrics:
     """A builder's `metrics` argument -> the extra per-client evaluation metrics.
 
     Each metric is, like a `loss`, a function `(labels, logits) -> one value
