@@ -1,6 +1,7 @@
 """TFF's own personalization processes as bench peers (`bench_peers`) beside our FedAvg."""
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -195,3 +196,61 @@ def test_peers_are_not_registered_algorithms():
 
     assert not set(bench_peers.names()) & set(algorithms.names())
     assert set(bench_peers.names()) <= set(bench_suite.known_algorithms())
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _CutLog(bench_run._RunLog):
+    """A run's log that interrupts the run at its first line about round 4."""
+
+    def __call__(self, line):
+        super().__call__(line)
+        if line.startswith('round 4'):
+            raise _Interrupted(line)
+
+
+@pytest.mark.parametrize('label', ['TFF FedRecon', 'TFF FedAvg+FT'])
+def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(label, tmp_path, monkeypatch):
+    """4 rounds, a checkpoint every 2, cut during round 4: the harness continues from round 2."""
+    # 2 of the 3 clients a round: a continued run must draw the clients an uninterrupted one draws.
+    text = TINY.replace('rounds = 2', 'rounds = 4\nclient_fraction = 0.6')
+    suite = bench_suite.parse_suite(text, 'tiny_peers.toml')
+    run = suite.select(algorithms=[label])[0]
+    uninterrupted = bench_run.run_config(suite, str(tmp_path / 'a'), run, 2)
+    expected_lines = []
+    expected, _ = bench_peers.run_peer(run.algorithm.algorithm, uninterrupted, log=expected_lines.append)
+
+    out = str(tmp_path / 'b')
+    with monkeypatch.context() as patch:
+        patch.setattr(bench_run, '_RunLog', _CutLog)
+        with pytest.raises(_Interrupted):
+            bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lambda line: None)
+    config = bench_run.run_config(suite, out, run, 2)
+    assert bench_peers.resumable_round(config) == 2
+    # Another configuration in the directory (more rounds) is not continued.
+    assert bench_peers.resumable_round(dataclasses.replace(config, rounds=5)) is None
+    lines = []
+    bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lines.append)
+    assert any('continuing from its round-2 checkpoint' in line for line in lines), lines
+    with open(os.path.join(run.directory(out), bench_run.RESULT_FILE), encoding='utf-8') as f:
+        record = json.load(f)
+    assert record['continued'] and record['continued_from_round'] == 2
+    # Every model's per-client numbers (clients.csv) and the curve, as the uninterrupted run's.
+    final_only = record['final_only']
+    assert record['curve'] == bench_run.model_curve(expected.rounds, run.algorithm.model, final_only)
+    with open(os.path.join(run.directory(out), 'clients.csv'), encoding='utf-8') as f:
+        continued = f.read()
+    with open(os.path.join(uninterrupted.output_dir, 'clients.csv'), encoding='utf-8') as f:
+        assert continued == f.read()
+    # Rounds 3 and 4 were trained again after the checkpoint: their losses are the uninterrupted run's.
+    with open(os.path.join(run.directory(out), 'progress.log'), encoding='utf-8') as f:
+        continued_lines = f.read().split('continuing from the round-2 checkpoint\n')[1].splitlines()
+    expected_losses = _train_losses(expected_lines)
+    assert len(expected_losses) == 4 and _train_losses(continued_lines) == expected_losses[2:]
+    assert not os.path.exists(os.path.join(run.directory(out), 'checkpoints'))
+
+
+def _train_losses(lines):
+    return [line.split('  ')[0] for line in lines if line.startswith('round ') and 'train_loss' in line]

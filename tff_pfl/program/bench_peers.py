@@ -31,6 +31,7 @@ as `training_loop.run` does, and start from the model of the project's
 
 import collections
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -103,7 +104,7 @@ COMMON_SETTINGS = (
     'rounds',
     'client_fraction',
     'eval_every',
-    'checkpoint_every',  # the harness sets it; a peer writes no checkpoints (an interrupted run is redone)
+    'checkpoint_every',  # a peer keeps its model and round rows every this many rounds (`resumable_round`)
     'seed',
     'stop_on_divergence',
     'max_concurrent_clients',
@@ -117,6 +118,11 @@ CURVE_CLIENTS = 100
 # marked row is < -1; an unmarked row has a label >= 0), and the collected metrics name their
 # client. Losses and metrics read (y + 1) mod _TEST_MARK - 1, the label itself.
 _TEST_MARK = 1 << 20
+# A peer's checkpoint, under the run directory's `checkpoints/`: the global model's weights
+# (`process.get_model_weights`), the round and the round rows so far. TFF's server state besides
+# the weights is that of plain SGD and of an unweighted or weighted mean: nothing carried between
+# rounds, so the weights put back by `process.set_model_weights` continue the run exactly.
+CHECKPOINT_FILE = 'peer_checkpoint.npz'
 
 
 def names() -> list[str]:
@@ -471,6 +477,7 @@ def run_peer(
     *,
     log: Callable[[str], None] = print,
     on_data: Callable[[str], None] | None = None,
+    resume: bool = False,
 ):
     """Runs one peer on the run's partition and returns what `bench_run` records.
 
@@ -479,6 +486,9 @@ def run_peer(
       config: its configuration (`config_values`'s), `output_dir` the run directory.
       log: receives progress lines.
       on_data: called with the text of `partition.csv` before training.
+      resume: continue the unfinished run in `output_dir` from its checkpoint
+        (`resumable_round` must have found one); otherwise the directory is
+        removed and the run starts from nothing.
 
     Returns:
       `(result, communication)`: a `training_loop.RunResult` (rounds, clients
@@ -488,9 +498,12 @@ def run_peer(
     config.validate()
     check_config(name, config)
     out = os.path.abspath(config.output_dir)
-    if os.path.exists(out):  # a redone run starts from nothing
-        shutil.rmtree(out)
-    clients = prepare_data(config, out, log)
+    if resume:
+        clients = _load_clients(client_data.load_client_data_spec(os.path.join(out, 'client_data')))
+    else:
+        if os.path.exists(out):  # a redone run starts from nothing
+            shutil.rmtree(out)
+        clients = prepare_data(config, out, log)
     if on_data is not None:
         with open(os.path.join(out, 'partition.csv'), encoding='utf-8') as f:
             on_data(f.read())
@@ -500,13 +513,75 @@ def run_peer(
         log_path=os.path.join(out, 'worker.log'),
     ):
         run = _run_fed_recon if name == 'tff_fed_recon' else _run_fedavg_pers_eval
-        result, communication = run(config, clients, out, log)
+        result, communication = run(config, clients, out, log, resume)
     with open(os.path.join(out, 'clients.csv'), 'w', encoding='utf-8') as f:
         columns = list(result.clients[0])
         f.write(','.join(columns) + '\n')
         for row in result.clients:
             f.write(','.join(str(row[c]) for c in columns) + '\n')
     return result, communication
+
+
+def resumable_round(config: experiment.ExperimentConfig) -> int | None:
+    """The round an interrupted peer run in `config.output_dir` would continue from.
+
+    Args:
+      config: the peer's configuration.
+
+    Returns:
+      The round of its checkpoint if `config.output_dir` holds an unfinished
+      run of this configuration (`experiment.holds_unfinished_run`) with a
+      readable checkpoint; None otherwise.
+    """
+    if not experiment.holds_unfinished_run(config):
+        return None
+    try:
+        with np.load(_checkpoint_path(config.output_dir)) as saved:
+            return int(saved['round'])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def remove_checkpoint(out: str) -> None:
+    """Removes a finished peer run's checkpoint (its record holds what the run found).
+
+    Args:
+      out: the run directory.
+    """
+    shutil.rmtree(os.path.join(out, 'checkpoints'), ignore_errors=True)
+
+
+def _checkpoint_path(out: str) -> str:
+    return os.path.join(os.path.abspath(out), 'checkpoints', CHECKPOINT_FILE)
+
+
+def _save_checkpoint(out: str, round_num: int, weights, rows: list) -> None:
+    """Writes the checkpoint through a temporary file: an interruption leaves the previous one."""
+    path = _checkpoint_path(out)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    arrays = {f'trainable_{i}': np.asarray(w) for i, w in enumerate(weights.trainable)}
+    arrays.update({f'non_trainable_{i}': np.asarray(w) for i, w in enumerate(weights.non_trainable)})
+    with open(path + '.tmp', 'wb') as f:
+        np.savez(
+            f,
+            round=round_num,
+            rows=np.array(json.dumps(rows)),
+            num_trainable=len(weights.trainable),
+            num_non_trainable=len(weights.non_trainable),
+            **arrays,
+        )
+    os.replace(path + '.tmp', path)
+
+
+def _load_checkpoint(out: str):
+    """`(round, tff.learning.models.ModelWeights, rows)` of the run's checkpoint."""
+    with np.load(_checkpoint_path(out)) as saved:
+        weights = tff.learning.models.ModelWeights(
+            trainable=[saved[f'trainable_{i}'] for i in range(int(saved['num_trainable']))],
+            non_trainable=[saved[f'non_trainable_{i}'] for i in range(int(saved['num_non_trainable']))],
+        )
+        rows = [collections.OrderedDict(row) for row in json.loads(str(saved['rows']))]
+        return int(saved['round']), weights, rows
 
 
 def _communication(comp, **extra) -> dict:
@@ -554,11 +629,23 @@ def _result(clients, evaluations: Sequence[Mapping], rows, diverged_round) -> tr
     )
 
 
-def _train(config, clients, process, state, log, evaluate, epochs, round_input=None):
-    """The rounds: sampling, `process.next`, evaluations every `eval_every` rounds; returns the rows."""
+def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
+    """The rounds: sampling, `process.next`, evaluations every `eval_every` rounds; returns the rows.
+
+    With `resume`, the rounds continue after the checkpoint's, from its weights
+    and rows, the clients of the rounds before it drawn again (and dropped) so
+    that every later round samples as an uninterrupted run does; a checkpoint is
+    written every `config.checkpoint_every` rounds.
+    """
     sample = _sampler(config, clients)
-    rows, diverged_round, evaluations = [], None, None
-    for round_num in range(1, config.rounds + 1):
+    rows, diverged_round, evaluations, done = [], None, None, 0
+    if resume:
+        done, weights, rows = _load_checkpoint(out)
+        state = process.set_model_weights(state, weights)
+        for _ in range(done):
+            sample()
+        log(f'continuing from the round-{done} checkpoint')
+    for round_num in range(done + 1, config.rounds + 1):
         started = time.monotonic()
         sampled = sample()
         data = _train_data(config, clients, round_num, sampled, epochs)
@@ -584,10 +671,12 @@ def _train(config, clients, process, state, log, evaluate, epochs, round_input=N
         )
         if last:
             break
+        if config.checkpoint_every and round_num % config.checkpoint_every == 0:
+            _save_checkpoint(out, round_num, process.get_model_weights(state), rows)
     return state, rows, evaluations, diverged_round
 
 
-def _run_fed_recon(config, clients, out, log):
+def _run_fed_recon(config, clients, out, log, resume):
     """FedRecon rounds, then every client's head reconstructed on its train split, scored on test."""
     s = config.settings
     keras_fn = _keras_fn(config, clients)
@@ -641,7 +730,7 @@ def _run_fed_recon(config, clients, out, log):
         return results
 
     state = process.initialize()
-    state, rows, results, diverged_round = _train(config, clients, process, state, log, evaluate, epochs=1)
+    state, rows, results, diverged_round = _train(config, clients, process, state, log, evaluate, 1, out, resume)
     evaluations = [{'personalized_model': {'accuracy': a, 'num_examples': n}} for a, n in results]
     communication = _communication(process.next, has_personalize=False)
     recon = _communication(evaluation.next)
@@ -748,7 +837,7 @@ def _baseline(model, test_data):
     return collections.OrderedDict(correct=correct, scored=scored, client=client)
 
 
-def _run_fedavg_pers_eval(config, clients, out, log):
+def _run_fedavg_pers_eval(config, clients, out, log, resume):
     """TFF's FedAvg rounds, then TFF's personalization evaluation of the final model on every client."""
     s = config.settings
     keras_fn = _keras_fn(config, clients)
@@ -769,7 +858,7 @@ def _run_fedavg_pers_eval(config, clients, out, log):
         _summary_row(rows, 'global_model', results)
         return results
 
-    state, rows, _, diverged_round = _train(config, clients, process, state, log, evaluate, epochs=s.local_epochs)
+    state, rows, _, diverged_round = _train(config, clients, process, state, log, evaluate, s.local_epochs, out, resume)
     weights = process.get_model_weights(state)
     np.savez(os.path.join(out, 'global_weights.npz'), *weights.trainable)
 

@@ -600,7 +600,7 @@ def run_suite(
             if os.path.exists(os.path.join(directory, RESULT_FILE)):  # finished elsewhere meanwhile
                 continue
             config = run_config(suite, output_dir, run, checkpoint_every)
-            resume_from = experiment.resumable_round(config) if os.path.exists(directory) else None
+            resume_from = _resumable_round(run, config) if os.path.exists(directory) else None
             if resume_from is not None:
                 log(f'run {i}/{len(todo)} {run.label}: incomplete, continuing from its round-{resume_from} checkpoint')
             elif os.path.exists(directory):
@@ -627,6 +627,12 @@ def run_suite(
     if results_dir is not None:
         publish_results(suite, output_dir, results_dir, log=log)
     return rows
+
+
+def _resumable_round(run: bench_suite.Run, config: experiment.ExperimentConfig) -> int | None:
+    if bench_peers.is_peer(run.algorithm.algorithm):
+        return bench_peers.resumable_round(config)
+    return experiment.resumable_round(config)
 
 
 def run_config(
@@ -661,7 +667,7 @@ def _run_one(
     directory = run.directory(output_dir)
     reference = _reference_partition(suite, output_dir, run)
     if bench_peers.is_peer(run.algorithm.algorithm):
-        return _run_peer(suite, run, config, directory, reference)
+        return _run_peer(suite, run, config, directory, reference, resume_from)
     found = {}
 
     def on_process(process):
@@ -687,7 +693,12 @@ def _run_one(
 
 
 def _run_peer(
-    suite: bench_suite.Suite, run: bench_suite.Run, config: experiment.ExperimentConfig, directory: str, reference
+    suite: bench_suite.Suite,
+    run: bench_suite.Run,
+    config: experiment.ExperimentConfig,
+    directory: str,
+    reference,
+    resume_from: int | None,
 ) -> dict:
     """A run of one of TFF's own processes (`bench_peers`), recorded as `_run_one` records ours."""
     found = {}
@@ -698,14 +709,17 @@ def _run_peer(
 
     started = time.monotonic()
     result, communication = bench_peers.run_peer(
-        run.algorithm.algorithm, config, log=_RunLog(directory), on_data=on_data
+        run.algorithm.algorithm, config, log=_RunLog(directory), on_data=on_data, resume=resume_from is not None
     )
-    seconds = time.monotonic() - started
-    record = _bench_result(suite, run, config, result, seconds, communication, found['partition'])
+    sitting = time.monotonic() - started
+    # As `_run_one`: the earlier sittings' time is that of the rounds the checkpoint kept.
+    earlier = sum(float(row['round_seconds']) for row in result.rounds if int(row['round']) <= (resume_from or 0))
+    record = _bench_result(suite, run, config, result, sitting + earlier, communication, found['partition'])
     record['config']['algorithm'] = run.algorithm.algorithm  # the peer; `settings` are those of its settings' algorithm
     record['config']['settings_of'] = bench_peers.PEERS[run.algorithm.algorithm].settings_of
-    record['continued'] = False
-    record['continued_from_round'] = None
-    record['seconds_this_sitting'] = seconds
+    record['continued'] = resume_from is not None
+    record['continued_from_round'] = resume_from
+    record['seconds_this_sitting'] = sitting
     reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
+    bench_peers.remove_checkpoint(directory)
     return record
