@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -254,3 +255,30 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
 
 def _train_losses(lines):
     return [line.split('  ')[0] for line in lines if line.startswith('round ') and 'train_loss' in line]
+
+
+def test_marked_labels_survive_float32_for_every_client_a_peer_takes():
+    """TFF's FedRecon passes labels through a Keras MeanMetricWrapper (float32) before the loss reads them."""
+    import tensorflow as tf
+
+    y = np.array([-1, 0, 1, 89, bench_peers._TEST_MARK - 2], np.int32)
+    for index in (0, 15, 16, 612, bench_peers.MAX_MARKED_CLIENTS - 1):
+        marked = tf.cast(tf.constant(bench_peers.mark_test(y, index)), tf.float32)
+        assert bench_peers._label(marked).numpy().tolist() == y.tolist(), index
+        assert set(bench_peers._client_tag(marked).numpy().tolist()) == {index + 1}, index
+    # The loss as FedRecon's evaluation computes it: through MeanMetricWrapper.
+    logits = tf.one_hot(np.maximum(y, 0), bench_peers._TEST_MARK - 1) * 5.0
+    wrapped = tf.keras.metrics.MeanMetricWrapper(bench_peers.ScoredCrossEntropy(), name='loss')
+    wrapped.update_state(bench_peers.mark_test(y, 612), logits)
+    direct = bench_peers.ScoredCrossEntropy()(y, logits)
+    assert float(wrapped.result()) == pytest.approx(float(direct), rel=1e-6)
+
+
+def test_a_peer_refuses_more_clients_than_its_marks_hold():
+    too_many = [f'c{i}' for i in range(bench_peers.MAX_MARKED_CLIENTS + 1)]
+    clients = bench_peers._Clients(types.SimpleNamespace(client_ids=too_many, num_classes=10), {})
+    with pytest.raises(bench_peers.experiment.ConfigError, match=r'tff_fed_recon scores at most 16383 clients'):
+        bench_peers._check_markable('tff_fed_recon', clients)
+    clients = bench_peers._Clients(types.SimpleNamespace(client_ids=['c0'], num_classes=bench_peers._TEST_MARK), {})
+    with pytest.raises(bench_peers.experiment.ConfigError, match=r'at most 1023 classes'):
+        bench_peers._check_markable('tff_fed_recon', clients)

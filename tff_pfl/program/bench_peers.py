@@ -117,7 +117,13 @@ CURVE_CLIENTS = 100
 # and the personalization functions tell them from training or validation rows (every label of a
 # marked row is < -1; an unmarked row has a label >= 0), and the collected metrics name their
 # client. Losses and metrics read (y + 1) mod _TEST_MARK - 1, the label itself.
-_TEST_MARK = 1 << 20
+# Marked labels must survive float32: TFF's FedRecon evaluation (and training) report the loss
+# through a Keras `MeanMetricWrapper`, which casts the labels to float32 before our loss reads them,
+# and float32 holds integers exactly up to 2^24 only. A mark of 2^20 lost the labels of clients
+# past the 16th (Shakespeare's 613 roles: labels rounded to multiples of 32). With 2^10: up to
+# 1,023 classes and `MAX_MARKED_CLIENTS` clients.
+_TEST_MARK = 1 << 10
+MAX_MARKED_CLIENTS = (1 << 24) // _TEST_MARK - 1
 # A peer's checkpoint, under the run directory's `checkpoints/`: the global model's weights
 # (`process.get_model_weights`), the round and the round rows so far. TFF's server state besides
 # the weights is that of plain SGD and of an unweighted or weighted mean: nothing carried between
@@ -504,6 +510,7 @@ def run_peer(
         if os.path.exists(out):  # a redone run starts from nothing
             shutil.rmtree(out)
         clients = prepare_data(config, out, log)
+    _check_markable(name, clients)
     if on_data is not None:
         with open(os.path.join(out, 'partition.csv'), encoding='utf-8') as f:
             on_data(f.read())
@@ -520,6 +527,19 @@ def run_peer(
         for row in result.clients:
             f.write(','.join(str(row[c]) for c in columns) + '\n')
     return result, communication
+
+
+def _check_markable(name: str, clients: '_Clients') -> None:
+    """Refuses data whose marked test labels float32 could not hold (`_TEST_MARK`)."""
+    if len(clients.ids) > MAX_MARKED_CLIENTS:
+        raise experiment.ConfigError(
+            f'{name} scores at most {MAX_MARKED_CLIENTS} clients (their test labels are marked inside '
+            f'TFF datasets and read back through float32), got {len(clients.ids)}'
+        )
+    if clients.spec.num_classes >= _TEST_MARK:
+        raise experiment.ConfigError(
+            f'{name} scores at most {_TEST_MARK - 1} classes (marked test labels), got {clients.spec.num_classes}'
+        )
 
 
 def resumable_round(config: experiment.ExperimentConfig) -> int | None:
