@@ -54,7 +54,7 @@ import sys
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import metrics as metrics_lib  # noqa: E402
-from tff_pfl.program import bench_report, bench_run, bench_suite, reports  # noqa: E402
+from tff_pfl.program import bench_layout, bench_report, bench_suite, reports  # noqa: E402
 
 RESULTS = os.path.join('benchmarks', 'results')
 SOURCE = 'results.csv'
@@ -119,8 +119,8 @@ def records(results_dir: str) -> list[tuple[bench_suite.Run, dict]]:
         clients are not numbered 0..N-1.
       bench_suite.SuiteError: the suite.toml does not load.
     """
-    suite_path = os.path.join(results_dir, bench_run.SUITE_FILE)
-    suite = bench_suite.parse_suite(bench_run.file_text(suite_path), suite_path)
+    suite_path = os.path.join(results_dir, bench_layout.SUITE_FILE)
+    suite = bench_suite.parse_suite(bench_layout.file_text(suite_path), suite_path)
     by_label = {(run.partition.name, run.algorithm.name, run.seed): run for run in suite.runs()}
     rows = collections.defaultdict(list)
     for row in _read_csv(os.path.join(results_dir, SOURCE)):
@@ -230,8 +230,8 @@ def convert(results_dir: str) -> tuple[int, int]:
     """
     written = kept = 0
     for run, record in records(results_dir):
-        path = bench_run.record_path(results_dir, run)
-        existing = bench_run.file_text(path)
+        path = bench_layout.record_path(results_dir, run)
+        existing = bench_layout.file_text(path)
         if existing is not None and not json.loads(existing).get(bench_report.CONVERTED_FROM):
             kept += 1
             continue
@@ -251,7 +251,7 @@ def main(argv: list[str]) -> int:
       The exit code: 0, or 2 on bad input (one line on stderr).
     """
     directories = argv or sorted(
-        os.path.dirname(p) for p in glob.glob(os.path.join(RESULTS, '*_suite', bench_run.SUITE_FILE))
+        os.path.dirname(p) for p in glob.glob(os.path.join(RESULTS, '*_suite', bench_layout.SUITE_FILE))
     )
     for directory in directories:
         if not os.path.exists(os.path.join(directory, SOURCE)):

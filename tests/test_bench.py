@@ -16,7 +16,7 @@ from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_report, bench_run, bench_suite, experiment
+from tff_pfl.program import bench_layout, bench_report, bench_run, bench_suite, experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -419,7 +419,7 @@ def _read_csv(path):
 
 
 def _result_state(directory):
-    path = os.path.join(directory, bench_run.RESULT_FILE)
+    path = os.path.join(directory, bench_layout.RESULT_FILE)
     with open(path, 'rb') as f:
         return os.stat(path).st_mtime_ns, f.read()
 
@@ -455,11 +455,11 @@ def test_split_by_seed_then_resume(tiny_run):
     for run in suite.select(seeds=[0]):
         assert _result_state(run.directory(out)) == tiny_run['seed0'][run.label]
     for run in suite.runs():
-        assert os.path.exists(os.path.join(run.directory(out), bench_run.RESULT_FILE))
+        assert os.path.exists(os.path.join(run.directory(out), bench_layout.RESULT_FILE))
         assert os.path.getsize(os.path.join(run.directory(out), 'progress.log')) > 0
-    with open(os.path.join(out, bench_run.COMMANDS_FILE)) as f:
+    with open(os.path.join(out, bench_layout.COMMANDS_FILE)) as f:
         assert f.read() == 'first\nsecond\n'
-    with open(os.path.join(out, bench_run.SUITE_FILE)) as f:
+    with open(os.path.join(out, bench_layout.SUITE_FILE)) as f:
         assert f.read() == TINY
 
 
@@ -559,7 +559,7 @@ def test_rounds_to_target_and_communication(tiny_run):
     target = suite.target_accuracy
     for run in suite.runs():
         directory = run.directory(out)
-        with open(os.path.join(directory, bench_run.RESULT_FILE)) as f:
+        with open(os.path.join(directory, bench_layout.RESULT_FILE)) as f:
             record = json.load(f)
         metrics = _read_csv(os.path.join(directory, 'metrics.csv'))
         key = f'test_{run.algorithm.model}_accuracy_mean'
@@ -593,7 +593,7 @@ def test_incomplete_run_is_redone_and_others_are_not(tiny_run, tmp_path):
     out = str(tmp_path / 'copy')
     shutil.copytree(tiny_run['out'], out)
     redo = suite.select(seeds=[1], algorithms=['FedAvg'], partitions=['IID'])[0]
-    os.remove(os.path.join(redo.directory(out), bench_run.RESULT_FILE))
+    os.remove(os.path.join(redo.directory(out), bench_layout.RESULT_FILE))
     with open(os.path.join(redo.directory(out), 'stale'), 'w') as f:
         f.write('left by an interrupted run')
     before = {r.label: _result_state(r.directory(out)) for r in suite.runs() if r != redo}
@@ -602,7 +602,7 @@ def test_incomplete_run_is_redone_and_others_are_not(tiny_run, tmp_path):
     assert lines[0] == 'tiny: 8 runs selected, 7 already complete, 1 to run'
     assert lines[1] == 'run 1/1 IID/FedAvg/seed1: incomplete, redoing it'
     assert not os.path.exists(os.path.join(redo.directory(out), 'stale'))
-    assert os.path.exists(os.path.join(redo.directory(out), bench_run.RESULT_FILE))
+    assert os.path.exists(os.path.join(redo.directory(out), bench_layout.RESULT_FILE))
     assert before == {r.label: _result_state(r.directory(out)) for r in suite.runs() if r != redo}
 
 
@@ -645,9 +645,9 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     bench_run.run_suite(suite, out, checkpoint_every=1, log=lines.append)
     assert lines[0] == 'tiny: 8 runs selected, 7 already complete, 1 to run'
     assert lines[1] == 'run 1/1 IID/PersFL/seed1: incomplete, continuing from its round-1 checkpoint'
-    with open(os.path.join(run.directory(out), bench_run.RESULT_FILE)) as f:
+    with open(os.path.join(run.directory(out), bench_layout.RESULT_FILE)) as f:
         continued = json.load(f)
-    with open(os.path.join(run.directory(tiny_run['out']), bench_run.RESULT_FILE)) as f:
+    with open(os.path.join(run.directory(tiny_run['out']), bench_layout.RESULT_FILE)) as f:
         uninterrupted = json.load(f)
     assert (continued['continued'], uninterrupted['continued']) == (True, False)
     assert (continued['continued_from_round'], uninterrupted['continued_from_round']) == (1, None)
@@ -671,21 +671,21 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
     shutil.copytree(tiny_run['out'], out)
     fedavg_run, persfl_run = suite.select(seeds=[0], partitions=['natural'])
     # The FedAvg run's record says it trained on another partition.
-    record_path = os.path.join(fedavg_run.directory(out), bench_run.RESULT_FILE)
+    record_path = os.path.join(fedavg_run.directory(out), bench_layout.RESULT_FILE)
     with open(record_path) as f:
         record = json.load(f)
     record['partition_csv'] += 'client_99999,1,1,1\n'
     with open(record_path, 'w') as f:
         json.dump(record, f)
-    os.remove(os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE))
+    os.remove(os.path.join(persfl_run.directory(out), bench_layout.RESULT_FILE))
     with pytest.raises(
         bench_suite.SuiteError, match='natural/PersFL/seed0 trains on another partition than natural/FedAvg/seed0'
     ):
         bench_run.run_suite(suite, out, seeds=[0], algorithms=['PersFL'], log=lambda line: None)
     # Aggregation checks the same from the stored results.
     shutil.copy(
-        os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench_run.RESULT_FILE),
-        os.path.join(persfl_run.directory(out), bench_run.RESULT_FILE),
+        os.path.join(tiny_run['out'], 'runs', 'natural', 'persfl', 'seed0', bench_layout.RESULT_FILE),
+        os.path.join(persfl_run.directory(out), bench_layout.RESULT_FILE),
     )
     with pytest.raises(bench_suite.SuiteError, match='trained on different partitions'):
         bench_report.write_report(suite, out, log=lambda line: None)
@@ -725,17 +725,17 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     bench_run.run_suite(suite, out, results_dir=results, report_only=True, log=lines.append)
     assert f'{suite.name}: 8 runs selected, 8 complete, none run (--report_only)' in lines
     assert lines[-1] == f'results: {results} (8 of 8 run records)'
-    for name in bench_run.PUBLISHED_FILES + ('curves_natural.png', 'clients_iid.png'):
+    for name in bench_layout.PUBLISHED_FILES + ('curves_natural.png', 'clients_iid.png'):
         # One model for every client: no accuracy by architecture.
-        assert os.path.exists(os.path.join(results, name)) == (name != bench_run.ARCHITECTURES_FILE), name
+        assert os.path.exists(os.path.join(results, name)) == (name != bench_layout.ARCHITECTURES_FILE), name
     for run in suite.runs():
-        with open(bench_run.record_path(results, run)) as f:
-            assert f.read() == bench_run.file_text(os.path.join(run.directory(out), bench_run.RESULT_FILE))
-    assert bench_run.record_path(results, suite.runs()[0]).endswith('records/natural/fedavg/seed0.json')
+        with open(bench_layout.record_path(results, run)) as f:
+            assert f.read() == bench_layout.file_text(os.path.join(run.directory(out), bench_layout.RESULT_FILE))
+    assert bench_layout.record_path(results, suite.runs()[0]).endswith('records/natural/fedavg/seed0.json')
     # A fresh output directory (a new checkout): the records count as complete runs, and only the
     # run whose record is gone trains.
     missing = suite.select(seeds=[1], algorithms=['FedAvg'], partitions=['natural'])[0]
-    os.remove(bench_run.record_path(results, missing))
+    os.remove(bench_layout.record_path(results, missing))
     fresh = str(tmp_path / 'fresh')
     lines = []
     bench_run.run_suite(suite, fresh, command='third', results_dir=results, log=lines.append)
@@ -744,7 +744,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
         'tiny: 8 runs selected, 7 already complete, 1 to run',
     ]
     assert lines[2].startswith('run 1/1 natural/FedAvg/seed1: ')
-    assert os.path.exists(bench_run.record_path(results, missing))
+    assert os.path.exists(bench_layout.record_path(results, missing))
     # The same numbers as the benchmark that ran everything in one directory.
     for name in ('results.csv', 'summary.csv'):
         mine, theirs = _read_csv(os.path.join(results, name)), _read_csv(os.path.join(out, name))
@@ -752,7 +752,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
         assert [{k: v for k, v in r.items() if k not in drop} for r in mine] == [
             {k: v for k, v in r.items() if k not in drop} for r in theirs
         ]
-    with open(os.path.join(results, bench_run.COMMANDS_FILE)) as f:
+    with open(os.path.join(results, bench_layout.COMMANDS_FILE)) as f:
         assert f.read() == 'first\nsecond\nthird\n'
     # A sitting cut short after its first run keeps that run's record (and the suite beside it).
     cut = str(tmp_path / 'cut')
@@ -764,11 +764,10 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     with pytest.raises(KeyboardInterrupt):
         bench_run.run_suite(suite, str(tmp_path / 'cut_out'), seeds=[0], results_dir=cut, log=interrupt)
     first = suite.select(seeds=[0])[0]
-    assert sorted(os.listdir(cut)) == sorted([bench_run.SUITE_FILE, bench_run.RECORDS_DIR])
-    with open(bench_run.record_path(cut, first)) as f:
-        assert (
-            json.load(f)['summary'] == json.loads(bench_run.file_text(bench_run.record_path(results, first)))['summary']
-        )
+    assert sorted(os.listdir(cut)) == sorted([bench_layout.SUITE_FILE, bench_layout.RECORDS_DIR])
+    published = json.loads(bench_layout.file_text(bench_layout.record_path(results, first)))
+    with open(bench_layout.record_path(cut, first)) as f:
+        assert json.load(f)['summary'] == published['summary']
     bench_run.check_results_dir(suite, str(tmp_path / 'next_out'), cut)
     # Bad results directories: refused before anything is written.
     with pytest.raises(bench_suite.SuiteError, match='is the output directory'):

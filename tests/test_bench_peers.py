@@ -12,7 +12,7 @@ import pytest
 
 from tff_pfl import models
 from tff_pfl.data import client_data
-from tff_pfl.program import bench_peers, bench_run, bench_suite
+from tff_pfl.program import bench_layout, bench_peers, bench_run, bench_suite
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
 TINY = """
@@ -77,7 +77,7 @@ def peers_run(tmp_path_factory):
     rows = bench_run.run_suite(suite, out, results_dir=results, log=lines.append)
     records = {}
     for run in suite.runs():
-        with open(bench_run.record_path(results, run), encoding='utf-8') as f:
+        with open(bench_layout.record_path(results, run), encoding='utf-8') as f:
             records[run.algorithm.name] = json.load(f)
     return dict(suite=suite, out=out, results=results, rows=rows, lines=lines, records=records)
 
@@ -235,7 +235,7 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
     lines = []
     bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lines.append)
     assert any('continuing from its round-2 checkpoint' in line for line in lines), lines
-    with open(os.path.join(run.directory(out), bench_run.RESULT_FILE), encoding='utf-8') as f:
+    with open(os.path.join(run.directory(out), bench_layout.RESULT_FILE), encoding='utf-8') as f:
         record = json.load(f)
     assert record['continued'] and record['continued_from_round'] == 2
     # Every model's per-client numbers (clients.csv) and the curve, as the uninterrupted run's.

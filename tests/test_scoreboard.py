@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl.program import bench_report, bench_run, bench_suite, scoreboard
+from tff_pfl.program import bench_layout, bench_report, bench_suite, scoreboard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -324,7 +324,7 @@ def _read_csv(path):
 
 
 def _record_problems(results_dir):
-    """Runs of results.csv without a record in the harness's format at `bench_run.record_path`, one line each."""
+    """Runs of results.csv without a record in the harness's format at `bench_layout.record_path`, one line each."""
     suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
     runs = {(r.partition.name, r.algorithm.name, r.seed): r for r in suite.runs()}
     clients = {}
@@ -332,7 +332,7 @@ def _record_problems(results_dir):
         clients.setdefault((row['partition'], row['algorithm'], int(row['seed'])), []).append(row)
     problems = []
     for key, rows in clients.items():
-        path = bench_run.record_path(results_dir, runs[key])
+        path = bench_layout.record_path(results_dir, runs[key])
         if not os.path.exists(path):
             problems.append(f'{key}: no record {os.path.relpath(path, results_dir)}')
             continue
@@ -505,7 +505,7 @@ def test_converting_results_csv_into_records(tmp_path):
     text = bench_report.render_report(suite, str(tmp_path), list(records.values()), list(rows.values()), [], [])
     assert '4 of the 4 records were converted from committed files (results.csv;' in text
     # A record the harness wrote is left alone; converted ones are rewritten identically.
-    harness = bench_run.record_path(str(results), records['natural', 2]['run'])
+    harness = bench_layout.record_path(str(results), records['natural', 2]['run'])
     record = {k: v for k, v in records['natural', 2].items() if k not in ('run', 'converted_from', 'unknown')}
     with open(harness, 'w') as f:
         json.dump(record, f)

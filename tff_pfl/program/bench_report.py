@@ -27,7 +27,7 @@ import numpy as np
 
 from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import heterogeneous
-from tff_pfl.program import bench_run, bench_suite, reports
+from tff_pfl.program import bench_layout, bench_suite, reports
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'
@@ -79,11 +79,11 @@ def load_results(suite: bench_suite.Suite, output_dir: str) -> list[dict]:
       bench_suite.SuiteError: complete runs of one (partition, seed) have
         different partitions.
     """
-    return _load(suite, lambda run: os.path.join(run.directory(output_dir), bench_run.RESULT_FILE))
+    return _load(suite, lambda run: os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE))
 
 
 def load_records(suite: bench_suite.Suite, results_dir: str) -> list[dict]:
-    """The records kept in a results directory (`bench_run.record_path`), in `runs()` order.
+    """The records kept in a results directory (`bench_layout.record_path`), in `runs()` order.
 
     What `--report_only --results_dir=<results_dir>` aggregates: the records
     it restores are these.
@@ -99,7 +99,7 @@ def load_records(suite: bench_suite.Suite, results_dir: str) -> list[dict]:
       bench_suite.SuiteError: records of one (partition, seed) have different
         partitions.
     """
-    return _load(suite, lambda run: bench_run.record_path(results_dir, run))
+    return _load(suite, lambda run: bench_layout.record_path(results_dir, run))
 
 
 def _load(suite: bench_suite.Suite, path_of: Callable) -> list[dict]:
@@ -439,7 +439,7 @@ def write_report(
       `aggregate`'s rows.
     """
     output_dir = os.path.abspath(output_dir)
-    with bench_run.locked(os.path.join(output_dir, '.lock')):
+    with bench_layout.locked(os.path.join(output_dir, '.lock')):
         records = load_results(suite, output_dir)
         rows = aggregate(suite, records)
         results = []
@@ -468,9 +468,9 @@ def write_report(
         )
         arch_rows = architecture_rows(suite, records)
         if arch_rows:
-            reports.write_csv(os.path.join(output_dir, bench_run.ARCHITECTURES_FILE), arch_rows)
+            reports.write_csv(os.path.join(output_dir, bench_layout.ARCHITECTURES_FILE), arch_rows)
         plots = _write_plots(suite, output_dir, records, rows) + _write_architecture_plots(suite, output_dir, arch_rows)
-        commands = (bench_run.file_text(os.path.join(output_dir, bench_run.COMMANDS_FILE)) or '').splitlines()
+        commands = (bench_layout.file_text(os.path.join(output_dir, bench_layout.COMMANDS_FILE)) or '').splitlines()
         text = render_report(
             suite, output_dir, records, rows, plots, commands, published=published, arch_rows=arch_rows
         )

@@ -33,7 +33,6 @@ machines or sittings adds its missing runs to what is committed;
 """
 
 import collections
-import contextlib
 import dataclasses
 import fcntl
 import json
@@ -48,15 +47,8 @@ from collections.abc import Callable, Mapping, Sequence
 import tensorflow_federated as tff
 
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_peers, bench_suite, experiment, reports
+from tff_pfl.program import bench_layout, bench_peers, bench_report, bench_suite, experiment, reports
 
-RESULT_FILE = 'bench_result.json'
-SUITE_FILE = 'suite.toml'
-COMMANDS_FILE = 'commands.txt'
-RECORDS_DIR = 'records'
-# What `publish_results` copies besides the records (and the report's plots).
-ARCHITECTURES_FILE = 'architectures.csv'  # heterogeneous suites only: accuracy by client architecture
-PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', ARCHITECTURES_FILE, SUITE_FILE, COMMANDS_FILE)
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 CHECKPOINT_EVERY = 5
 
@@ -65,42 +57,8 @@ CHECKPOINT_EVERY = 5
 # The output directory.
 
 
-@contextlib.contextmanager
-def locked(path: str):
-    """An exclusive `flock` on `path` (created if needed), released on exit.
-
-    Args:
-      path: the lock file, e.g. `<output_dir>/.lock`.
-
-    Yields:
-      None, with the lock held.
-    """
-    with open(path, 'a') as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def file_text(path: str) -> str | None:
-    """The text of a file, or None when it does not exist.
-
-    Args:
-      path: the file.
-
-    Returns:
-      Its text (UTF-8), or None.
-    """
-    try:
-        with open(path, encoding='utf-8') as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
 def _stored_suite(output_dir: str) -> str | None:
-    path = os.path.join(output_dir, SUITE_FILE)
+    path = os.path.join(output_dir, bench_layout.SUITE_FILE)
     if not os.path.exists(path):
         return None
     with open(path, encoding='utf-8') as f:
@@ -121,7 +79,7 @@ def _check_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool
             if stored is not None and not bench_suite.same_runs(stored, suite):
                 raise bench_suite.SuiteError(
                     f'output_dir {output_dir} holds results of a different suite '
-                    f'(see {os.path.join(output_dir, SUITE_FILE)}); pass --overwrite to replace them'
+                    f'(see {os.path.join(output_dir, bench_layout.SUITE_FILE)}); pass --overwrite to replace them'
                 )
         probe_dir = output_dir
     else:
@@ -137,7 +95,7 @@ def _check_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool
 def _prepare_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bool, command: str | None) -> None:
     _check_output_dir(suite, output_dir, overwrite)
     os.makedirs(output_dir, exist_ok=True)
-    with locked(os.path.join(output_dir, '.lock')):
+    with bench_layout.locked(os.path.join(output_dir, '.lock')):
         stored = _stored_suite(output_dir)
         if overwrite:
             for name in os.listdir(output_dir):
@@ -151,9 +109,9 @@ def _prepare_output_dir(suite: bench_suite.Suite, output_dir: str, overwrite: bo
         elif stored is not None and not bench_suite.same_runs(stored, suite):  # another process got here first
             raise bench_suite.SuiteError(f'output_dir {output_dir} holds results of a different suite')
         if _stored_suite(output_dir) != suite.text:  # new, or the same runs with other paper numbers or text
-            reports.write_text_atomic(os.path.join(output_dir, SUITE_FILE), suite.text)
+            reports.write_text_atomic(os.path.join(output_dir, bench_layout.SUITE_FILE), suite.text)
         if command:
-            with open(os.path.join(output_dir, COMMANDS_FILE), 'a', encoding='utf-8') as f:
+            with open(os.path.join(output_dir, bench_layout.COMMANDS_FILE), 'a', encoding='utf-8') as f:
                 f.write(command.replace('\n', ' ') + '\n')
 
 
@@ -168,24 +126,12 @@ def check_report_dir(suite: bench_suite.Suite, output_dir: str) -> None:
         raise bench_suite.SuiteError(f'output_dir {output_dir} does not exist')
     stored = _stored_suite(output_dir)
     if stored is None:
-        raise bench_suite.SuiteError(f'output_dir {output_dir} holds no benchmark ({SUITE_FILE} is missing)')
-    if not bench_suite.same_runs(stored, suite):
         raise bench_suite.SuiteError(
-            f'output_dir {output_dir} holds results of a different suite (see {os.path.join(output_dir, SUITE_FILE)})'
+            f'output_dir {output_dir} holds no benchmark ({bench_layout.SUITE_FILE} is missing)'
         )
-
-
-def record_path(results_dir: str, run: bench_suite.Run) -> str:
-    """`<results_dir>/records/<partition>/<algorithm>/seed<k>.json`, with the entries' slugs.
-
-    Args:
-      results_dir: the suite's results directory.
-      run: the run.
-
-    Returns:
-      Where the run's record is kept.
-    """
-    return os.path.join(results_dir, RECORDS_DIR, run.partition.slug, run.algorithm.slug, f'seed{run.seed}.json')
+    if not bench_suite.same_runs(stored, suite):
+        stored_path = os.path.join(output_dir, bench_layout.SUITE_FILE)
+        raise bench_suite.SuiteError(f'output_dir {output_dir} holds results of a different suite (see {stored_path})')
 
 
 def check_results_dir(suite: bench_suite.Suite, output_dir: str, results_dir: str) -> None:
@@ -208,11 +154,13 @@ def check_results_dir(suite: bench_suite.Suite, output_dir: str, results_dir: st
         raise bench_suite.SuiteError(f'results_dir {results_dir} exists and is not a directory')
     stored = _stored_suite(results_dir)
     if stored is None and os.listdir(results_dir):
-        raise bench_suite.SuiteError(f'results_dir {results_dir} is not empty and holds no benchmark ({SUITE_FILE})')
+        raise bench_suite.SuiteError(
+            f'results_dir {results_dir} is not empty and holds no benchmark ({bench_layout.SUITE_FILE})'
+        )
     if stored is not None and not bench_suite.same_runs(stored, suite):
         raise bench_suite.SuiteError(
             f'results_dir {results_dir} holds results of a different suite '
-            f'(see {os.path.join(results_dir, SUITE_FILE)})'
+            f'(see {os.path.join(results_dir, bench_layout.SUITE_FILE)})'
         )
 
 
@@ -233,18 +181,20 @@ def restore_results(suite: bench_suite.Suite, output_dir: str, results_dir: str)
       How many runs were restored.
     """
     restored = 0
-    with locked(os.path.join(output_dir, '.lock')):
+    with bench_layout.locked(os.path.join(output_dir, '.lock')):
         for run in suite.runs():
-            source, directory = record_path(results_dir, run), run.directory(output_dir)
+            source, directory = bench_layout.record_path(results_dir, run), run.directory(output_dir)
             if os.path.exists(source) and not os.path.exists(directory):
                 os.makedirs(directory)
-                reports.write_text_atomic(os.path.join(directory, RESULT_FILE), file_text(source))
+                reports.write_text_atomic(
+                    os.path.join(directory, bench_layout.RESULT_FILE), bench_layout.file_text(source)
+                )
                 restored += 1
-        kept = (file_text(os.path.join(results_dir, COMMANDS_FILE)) or '').splitlines()
-        mine = (file_text(os.path.join(output_dir, COMMANDS_FILE)) or '').splitlines()
+        kept = (bench_layout.file_text(os.path.join(results_dir, bench_layout.COMMANDS_FILE)) or '').splitlines()
+        mine = (bench_layout.file_text(os.path.join(output_dir, bench_layout.COMMANDS_FILE)) or '').splitlines()
         if any(line not in mine for line in kept):
             merged = [line for line in kept if line not in mine] + mine
-            reports.write_text_atomic(os.path.join(output_dir, COMMANDS_FILE), '\n'.join(merged) + '\n')
+            reports.write_text_atomic(os.path.join(output_dir, bench_layout.COMMANDS_FILE), '\n'.join(merged) + '\n')
     return restored
 
 
@@ -267,8 +217,8 @@ def publish_results(
       How many records `results_dir` holds for the suite's runs.
     """
     os.makedirs(results_dir, exist_ok=True)
-    with locked(os.path.join(output_dir, '.lock')):
-        names = list(PUBLISHED_FILES)
+    with bench_layout.locked(os.path.join(output_dir, '.lock')):
+        names = list(bench_layout.PUBLISHED_FILES)
         names += sorted(n for n in os.listdir(output_dir) if n.endswith('.png'))
         for name in names:
             path = os.path.join(output_dir, name)
@@ -276,11 +226,11 @@ def publish_results(
                 shutil.copyfile(path, os.path.join(results_dir, name))
         count = 0
         for run in suite.runs():
-            source = os.path.join(run.directory(output_dir), RESULT_FILE)
-            target = record_path(results_dir, run)
+            source = os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE)
+            target = bench_layout.record_path(results_dir, run)
             if os.path.exists(source):
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                reports.write_text_atomic(target, file_text(source))
+                reports.write_text_atomic(target, bench_layout.file_text(source))
             count += os.path.exists(target)
     log(f'results: {results_dir} ({count} of {len(suite.runs())} run records)')
     return count
@@ -340,7 +290,7 @@ def _reference_partition(
     """`partition.csv` of the first complete run of the same (partition, seed)."""
     for other in suite.runs():
         if other.partition is run.partition and other.seed == run.seed and other != run:
-            text = file_text(os.path.join(other.directory(output_dir), RESULT_FILE))
+            text = bench_layout.file_text(os.path.join(other.directory(output_dir), bench_layout.RESULT_FILE))
             # The record keeps the run's partition.csv (restored runs have only it); a converted record
             # (benchmarks/convert_results.py) has none to compare.
             if text is not None and json.loads(text).get('partition_csv') is not None:
@@ -580,8 +530,10 @@ def run_suite(
             log(f'{suite.name}: {restored} complete runs restored from {results_dir}')
         os.makedirs(results_dir, exist_ok=True)  # the records written below need their suite.toml beside them
         if _stored_suite(results_dir) != suite.text:
-            reports.write_text_atomic(os.path.join(results_dir, SUITE_FILE), suite.text)
-    todo = [run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), RESULT_FILE))]
+            reports.write_text_atomic(os.path.join(results_dir, bench_layout.SUITE_FILE), suite.text)
+    todo = [
+        run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE))
+    ]
     if report_only:
         log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} complete, none run (--report_only)')
         todo = []
@@ -597,7 +549,7 @@ def run_suite(
             except BlockingIOError:
                 log(f'run {i}/{len(todo)} {run.label}: another process is running it, skipped')
                 continue
-            if os.path.exists(os.path.join(directory, RESULT_FILE)):  # finished elsewhere meanwhile
+            if os.path.exists(os.path.join(directory, bench_layout.RESULT_FILE)):  # finished elsewhere meanwhile
                 continue
             config = run_config(suite, output_dir, run, checkpoint_every)
             resume_from = _resumable_round(run, config) if os.path.exists(directory) else None
@@ -610,9 +562,11 @@ def run_suite(
             record = _run_one(suite, output_dir, run, config, resume_from=resume_from)
             seconds = time.monotonic() - started
             if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
-                target = record_path(results_dir, run)
+                target = bench_layout.record_path(results_dir, run)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                reports.write_text_atomic(target, file_text(os.path.join(directory, RESULT_FILE)))
+                reports.write_text_atomic(
+                    target, bench_layout.file_text(os.path.join(directory, bench_layout.RESULT_FILE))
+                )
             spent, done = spent + seconds, done + 1
             eta = spent / done * (len(todo) - i)
             accuracy = record['summary'][run.algorithm.model]['mean']
@@ -620,9 +574,6 @@ def run_suite(
                 f'run {i}/{len(todo)} {run.label}: {seconds:.1f}s  test_acc[{run.algorithm.model}] '
                 f'{accuracy:.4f}  ETA {_format_seconds(eta)}'
             )
-    # Imported here, not at the top: bench_report imports this module (the file names, the lock).
-    from tff_pfl.program import bench_report
-
     rows = bench_report.write_report(suite, output_dir, published=results_dir is not None, log=log)
     if results_dir is not None:
         publish_results(suite, output_dir, results_dir, log=log)
@@ -671,7 +622,7 @@ def _run_one(
     found = {}
 
     def on_process(process):
-        found['partition'] = file_text(os.path.join(directory, 'partition.csv'))
+        found['partition'] = bench_layout.file_text(os.path.join(directory, 'partition.csv'))
         found['communication'] = _check_process(run, process, found['partition'], reference)
 
     started = time.monotonic()
@@ -686,7 +637,7 @@ def _run_one(
     record['continued'] = resume_from is not None
     record['continued_from_round'] = resume_from
     record['seconds_this_sitting'] = sitting
-    reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
+    reports.write_text_atomic(os.path.join(directory, bench_layout.RESULT_FILE), json.dumps(record, indent=1) + '\n')
     # The record holds what the run found; its checkpoints only served an interruption.
     shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)
     return record
@@ -720,6 +671,6 @@ def _run_peer(
     record['continued'] = resume_from is not None
     record['continued_from_round'] = resume_from
     record['seconds_this_sitting'] = sitting
-    reports.write_text_atomic(os.path.join(directory, RESULT_FILE), json.dumps(record, indent=1) + '\n')
+    reports.write_text_atomic(os.path.join(directory, bench_layout.RESULT_FILE), json.dumps(record, indent=1) + '\n')
     bench_peers.remove_checkpoint(directory)
     return record

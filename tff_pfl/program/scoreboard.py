@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from tff_pfl.program import bench_report, bench_run, bench_suite, reports
+from tff_pfl.program import bench_layout, bench_report, bench_suite, reports
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
 RESULTS_DIR = os.path.join('benchmarks', 'results')
@@ -83,7 +83,7 @@ def misplaced_results(root: str) -> list[str]:
         with open(path, 'rb') as f:
             names[tomllib.load(f).get('name')] = os.path.relpath(path, root)
     problems = []
-    for stored in sorted(glob.glob(os.path.join(root, RESULTS_DIR, '*', bench_run.SUITE_FILE))):
+    for stored in sorted(glob.glob(os.path.join(root, RESULTS_DIR, '*', bench_layout.SUITE_FILE))):
         folder = os.path.relpath(os.path.dirname(stored), root)
         with open(stored, 'rb') as f:
             name = tomllib.load(f).get('name')
@@ -219,9 +219,9 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
         suite_path = os.path.relpath(path, root)
         directory = results_dir(root, suite)
         summary = _read_summary(directory)
-        commands = (bench_run.file_text(os.path.join(directory, bench_run.COMMANDS_FILE)) or '').splitlines()
+        commands = (bench_layout.file_text(os.path.join(directory, bench_layout.COMMANDS_FILE)) or '').splitlines()
         stale = summary is not None and not bench_suite.same_runs(
-            bench_run.file_text(os.path.join(directory, bench_run.SUITE_FILE)), suite
+            bench_layout.file_text(os.path.join(directory, bench_layout.SUITE_FILE)), suite
         )
         report = os.path.join(directory, 'report.md')
         run_command = _run_command(suite, suite_path)
@@ -474,7 +474,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     text = render(items, others)
     if '--check' in argv:
-        current = bench_run.file_text(OUTPUT)
+        current = bench_layout.file_text(OUTPUT)
         if current != text:
             print(f'{prog}: {OUTPUT} is out of date; rerun: {GENERATE}', file=sys.stderr)
             return 1
