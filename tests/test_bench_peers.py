@@ -12,7 +12,7 @@ import pytest
 
 from tff_pfl import models
 from tff_pfl.data import client_data
-from tff_pfl.program import bench_layout, bench_peers, bench_run, bench_suite
+from tff_pfl.program import bench_layout, bench_peers, bench_run, bench_suite, experiment
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
 TINY = """
@@ -229,9 +229,9 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
         with pytest.raises(_Interrupted):
             bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lambda line: None)
     config = bench_run.run_config(suite, out, run, 2)
-    assert bench_peers.resumable_round(config) == 2
+    assert experiment.resumable_round(config) == 2
     # Another configuration in the directory (more rounds) is not continued.
-    assert bench_peers.resumable_round(dataclasses.replace(config, rounds=5)) is None
+    assert experiment.resumable_round(dataclasses.replace(config, rounds=5)) is None
     lines = []
     bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lines.append)
     assert any('continuing from its round-2 checkpoint' in line for line in lines), lines

@@ -31,7 +31,6 @@ as `training_loop.run` does, and start from the model of the project's
 
 import collections
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -45,7 +44,7 @@ import tensorflow_federated as tff
 from tff_pfl import losses, models, runtime
 from tff_pfl.computations import audit, local_training
 from tff_pfl.data import client_data
-from tff_pfl.program import experiment, training_loop
+from tff_pfl.program import checkpoints, experiment, training_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +103,7 @@ COMMON_SETTINGS = (
     'rounds',
     'client_fraction',
     'eval_every',
-    'checkpoint_every',  # a peer keeps its model and round rows every this many rounds (`resumable_round`)
+    'checkpoint_every',  # a peer checkpoints its model, sampler and rows as our runs do (`_train`)
     'seed',
     'stop_on_divergence',
     'max_concurrent_clients',
@@ -124,11 +123,12 @@ CURVE_CLIENTS = 100
 # 1,023 classes and `MAX_MARKED_CLIENTS` clients.
 _TEST_MARK = 1 << 10
 MAX_MARKED_CLIENTS = (1 << 24) // _TEST_MARK - 1
-# A peer's checkpoint, under the run directory's `checkpoints/`: the global model's weights
-# (`process.get_model_weights`), the round and the round rows so far. TFF's server state besides
-# the weights is that of plain SGD and of an unweighted or weighted mean: nothing carried between
-# rounds, so the weights put back by `process.set_model_weights` continue the run exactly.
-CHECKPOINT_FILE = 'peer_checkpoint.npz'
+# A peer's checkpoints are our runs' (`checkpoints.RunCheckpoints`, in the run directory's
+# `checkpoints/`), with the global model's weights (`process.get_model_weights`) as the server
+# state and no client states. TFF's server state besides the weights is that of plain SGD and of a
+# mean: nothing carried between rounds, so the weights put back by `process.set_model_weights`
+# continue the run exactly.
+_NO_CLIENTS = checkpoints.ClientRows(ids=[], rows=np.arange(0), leaves=[], complete=True, row_bytes=0)
 
 
 def names() -> list[str]:
@@ -492,9 +492,9 @@ def run_peer(
       config: its configuration (`config_values`'s), `output_dir` the run directory.
       log: receives progress lines.
       on_data: called with the text of `partition.csv` before training.
-      resume: continue the unfinished run in `output_dir` from its checkpoint
-        (`resumable_round` must have found one); otherwise the directory is
-        removed and the run starts from nothing.
+      resume: continue the unfinished run in `output_dir` from its newest
+        checkpoint (`experiment.resumable_round` found one); otherwise the
+        directory is removed and the run starts from nothing.
 
     Returns:
       `(result, communication)`: a `training_loop.RunResult` (rounds, clients
@@ -542,68 +542,6 @@ def _check_markable(name: str, clients: '_Clients') -> None:
         )
 
 
-def resumable_round(config: experiment.ExperimentConfig) -> int | None:
-    """The round an interrupted peer run in `config.output_dir` would continue from.
-
-    Args:
-      config: the peer's configuration.
-
-    Returns:
-      The round of its checkpoint if `config.output_dir` holds an unfinished
-      run of this configuration (`experiment.holds_unfinished_run`) with a
-      readable checkpoint; None otherwise.
-    """
-    if not experiment.holds_unfinished_run(config):
-        return None
-    try:
-        with np.load(_checkpoint_path(config.output_dir)) as saved:
-            return int(saved['round'])
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def remove_checkpoint(out: str) -> None:
-    """Removes a finished peer run's checkpoint (its record holds what the run found).
-
-    Args:
-      out: the run directory.
-    """
-    shutil.rmtree(os.path.join(out, 'checkpoints'), ignore_errors=True)
-
-
-def _checkpoint_path(out: str) -> str:
-    return os.path.join(os.path.abspath(out), 'checkpoints', CHECKPOINT_FILE)
-
-
-def _save_checkpoint(out: str, round_num: int, weights, rows: list) -> None:
-    """Writes the checkpoint through a temporary file: an interruption leaves the previous one."""
-    path = _checkpoint_path(out)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    arrays = {f'trainable_{i}': np.asarray(w) for i, w in enumerate(weights.trainable)}
-    arrays.update({f'non_trainable_{i}': np.asarray(w) for i, w in enumerate(weights.non_trainable)})
-    with open(path + '.tmp', 'wb') as f:
-        np.savez(
-            f,
-            round=round_num,
-            rows=np.array(json.dumps(rows)),
-            num_trainable=len(weights.trainable),
-            num_non_trainable=len(weights.non_trainable),
-            **arrays,
-        )
-    os.replace(path + '.tmp', path)
-
-
-def _load_checkpoint(out: str):
-    """`(round, tff.learning.models.ModelWeights, rows)` of the run's checkpoint."""
-    with np.load(_checkpoint_path(out)) as saved:
-        weights = tff.learning.models.ModelWeights(
-            trainable=[saved[f'trainable_{i}'] for i in range(int(saved['num_trainable']))],
-            non_trainable=[saved[f'non_trainable_{i}'] for i in range(int(saved['num_non_trainable']))],
-        )
-        rows = [collections.OrderedDict(row) for row in json.loads(str(saved['rows']))]
-        return int(saved['round']), weights, rows
-
-
 def _communication(comp, **extra) -> dict:
     try:
         return dict(audit.communication_bytes(comp), **extra)
@@ -612,9 +550,9 @@ def _communication(comp, **extra) -> dict:
 
 
 def _sampler(config, clients):
-    """Each round's clients, drawn as `training_loop.run` draws them (same generator, same seed)."""
+    """`(rng, sample)`: each round's clients, drawn as `training_loop.run` draws them (same generator, same seed)."""
     rng = np.random.default_rng([config.seed, 0x5A3D])
-    return lambda: training_loop.sample_clients(rng, clients.ids, config.client_fraction)
+    return rng, lambda: training_loop.sample_clients(rng, clients.ids, config.client_fraction)
 
 
 def _train_data(config, clients, round_num, sampled, epochs):
@@ -652,18 +590,20 @@ def _result(clients, evaluations: Sequence[Mapping], rows, diverged_round) -> tr
 def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
     """The rounds: sampling, `process.next`, evaluations every `eval_every` rounds; returns the rows.
 
-    With `resume`, the rounds continue after the checkpoint's, from its weights
-    and rows, the clients of the rounds before it drawn again (and dropped) so
-    that every later round samples as an uninterrupted run does; a checkpoint is
-    written every `config.checkpoint_every` rounds.
+    With `resume`, the rounds continue after the newest checkpoint's, from its
+    weights, sampler state and rows, so every later round samples and trains as
+    an uninterrupted run does; a checkpoint is written every
+    `config.checkpoint_every` rounds.
     """
-    sample = _sampler(config, clients)
+    rng, sample = _sampler(config, clients)
+    store = checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints'))
     rows, diverged_round, evaluations, done = [], None, None, 0
     if resume:
-        done, weights, rows = _load_checkpoint(out)
-        state = process.set_model_weights(state, weights)
-        for _ in range(done):
-            sample()
+        saved = store.load_latest(process.get_model_weights(state))
+        state = process.set_model_weights(state, saved.server_state)
+        rng.bit_generator.state = saved.rng_state
+        rows = [collections.OrderedDict(row) for row in saved.rows]
+        done = saved.round_num
         log(f'continuing from the round-{done} checkpoint')
     for round_num in range(done + 1, config.rounds + 1):
         started = time.monotonic()
@@ -692,7 +632,8 @@ def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
         if last:
             break
         if config.checkpoint_every and round_num % config.checkpoint_every == 0:
-            _save_checkpoint(out, round_num, process.get_model_weights(state), rows)
+            weights = process.get_model_weights(state)
+            store.save(round_num, weights, clients.ids, _NO_CLIENTS, rng.bit_generator.state, rows)
     return state, rows, evaluations, diverged_round
 
 

@@ -552,7 +552,7 @@ def run_suite(
             if os.path.exists(os.path.join(directory, bench_layout.RESULT_FILE)):  # finished elsewhere meanwhile
                 continue
             config = run_config(suite, output_dir, run, checkpoint_every)
-            resume_from = _resumable_round(run, config) if os.path.exists(directory) else None
+            resume_from = experiment.resumable_round(config) if os.path.exists(directory) else None
             if resume_from is not None:
                 log(f'run {i}/{len(todo)} {run.label}: incomplete, continuing from its round-{resume_from} checkpoint')
             elif os.path.exists(directory):
@@ -578,12 +578,6 @@ def run_suite(
     if results_dir is not None:
         publish_results(suite, output_dir, results_dir, log=log)
     return rows
-
-
-def _resumable_round(run: bench_suite.Run, config: experiment.ExperimentConfig) -> int | None:
-    if bench_peers.is_peer(run.algorithm.algorithm):
-        return bench_peers.resumable_round(config)
-    return experiment.resumable_round(config)
 
 
 def run_config(
@@ -672,5 +666,5 @@ def _run_peer(
     record['continued_from_round'] = resume_from
     record['seconds_this_sitting'] = sitting
     reports.write_text_atomic(os.path.join(directory, bench_layout.RESULT_FILE), json.dumps(record, indent=1) + '\n')
-    bench_peers.remove_checkpoint(directory)
+    shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)  # as `_run_one`
     return record

@@ -742,27 +742,13 @@ def resumable_round(config: ExperimentConfig) -> int | None:
       checkpoint yet).
     """
     out = os.path.abspath(config.output_dir)
-    if not holds_unfinished_run(config):
-        return None
-    return checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')).latest_round()
-
-
-def holds_unfinished_run(config: ExperimentConfig) -> bool:
-    """Whether `config.output_dir` holds an unfinished run of this configuration.
-
-    Args:
-      config: the run's configuration.
-
-    Returns:
-      True if its `config.json` is readable and differs from `config` in
-      resumable fields only (`_RESUMABLE_CHANGES`), and it has no `report.md`.
-    """
-    out = os.path.abspath(config.output_dir)
     try:
         saved = _saved_config(out)
     except ConfigError:
-        return False
-    return not (saved is None or _changed_fields(saved, config) or os.path.exists(os.path.join(out, 'report.md')))
+        return None
+    if saved is None or _changed_fields(saved, config) or os.path.exists(os.path.join(out, 'report.md')):
+        return None
+    return checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')).latest_round()
 
 
 def run_experiment(
