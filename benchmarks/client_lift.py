@@ -24,7 +24,7 @@ import statistics
 
 import numpy as np
 
-from tff_pfl.program import reports
+from tff_pfl import reports
 
 
 def lift(rows: list[dict], baseline: str) -> list[dict]:

@@ -54,7 +54,8 @@ import sys
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import metrics as metrics_lib  # noqa: E402
-from tff_pfl.program import bench_layout, bench_report, bench_suite, reports  # noqa: E402
+from tff_pfl import reports  # noqa: E402
+from tff_pfl.program import bench_layout, bench_report, bench_suite  # noqa: E402
 
 RESULTS = os.path.join('benchmarks', 'results')
 SOURCE = 'results.csv'

@@ -32,10 +32,10 @@ import tensorflow as tf
 from absl import app, flags
 
 from processes import ktpfl
-from tff_pfl import models, runtime
+from tff_pfl import models, reports, runtime
 from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
-from tff_pfl.program import reports, training_loop
+from tff_pfl.program import training_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

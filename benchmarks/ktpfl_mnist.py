@@ -25,7 +25,8 @@ import numpy as np
 from absl import app, flags
 
 from processes import feddf, ktpfl
-from tff_pfl.program import experiment, reports
+from tff_pfl import reports
+from tff_pfl.program import experiment
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _CASES = flags.DEFINE_list('cases', ['kt_case1', 'kt_case2'], 'Partitions to run.')

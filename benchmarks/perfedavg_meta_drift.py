@@ -31,10 +31,10 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-from tff_pfl import models
+from tff_pfl import models, reports
 from tff_pfl.computations import local_training
 from tff_pfl.data import client_data
-from tff_pfl.program import bench_suite, experiment, reports
+from tff_pfl.program import bench_suite, experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -24,7 +24,7 @@ import re
 import numpy as np
 from absl import app, flags
 
-from tff_pfl.program import reports
+from tff_pfl import reports
 
 _BENCH_DIR = flags.DEFINE_string('bench_dir', None, 'A tff-pfl-bench output directory.', required=True)
 _ALGORITHM = flags.DEFINE_string('algorithm', 'persfl', "The PersFL entry's directory name in the suite.")

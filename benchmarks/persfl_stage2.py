@@ -50,11 +50,11 @@ import tensorflow as tf
 from absl import app, flags
 
 from processes import persfl
-from tff_pfl import losses, models, runtime
+from tff_pfl import losses, models, reports, runtime
 from tff_pfl.computations import distillation, local_training
 from tff_pfl.data import client_data, pipeline
 from tff_pfl.models import stacked
-from tff_pfl.program import reports, training_loop
+from tff_pfl.program import training_loop
 
 DATASETS = collections.OrderedDict(
     [('mnist', '../shared/data/mnist.npz'), ('fashion_mnist', '../shared/data/fashion_mnist.npz')]

@@ -16,7 +16,8 @@ import time
 
 from absl import app, flags
 
-from tff_pfl.program import experiment, reports
+from tff_pfl import reports
+from tff_pfl.program import experiment
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _NUM_CLIENTS = flags.DEFINE_integer('num_clients', 1000, 'Clients.')

@@ -22,12 +22,14 @@ alpha_i v_i + (1 - alpha_i) w with the current global w.
 
 import collections
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -200,3 +202,33 @@ def build_apfl_process(
         model_aggregator=model_aggregator,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_apfl_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+def _plots(out, result, process):
+    del process
+    client_ids, fields = reports.client_fields(result.client_states, ('alpha',))
+    reports.plot_client_bars(
+        reports.short_ids(client_ids),
+        {'alpha': [float(v) for v in fields['alpha']]},
+        os.path.join(out, 'apfl_alpha.png'),
+        'APFL mixing weight alpha per client',
+        'alpha',
+    )
+    return [('APFL alpha per client', 'apfl_alpha.png')]
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'apfl',
+        'APFL (Deng et al., 2020): adaptive mixture of local and global models',
+        APFLSettings,
+        _build,
+        lambda state: {'alpha': float(state['alpha'])},
+        _plots,
+        privacy=algorithm.Privacy("the global model w's updates (v_i and alpha_i stay on the clients)"),
+    ),
+)

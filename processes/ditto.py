@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -213,3 +214,18 @@ def build_ditto_process(
         model_aggregator=model_aggregator,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_ditto_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'ditto',
+        'Ditto (Li et al., 2021): personal models pulled towards the global one',
+        DittoSettings,
+        _build,
+        privacy=algorithm.Privacy("the global model's updates (v_i stays on the clients)"),
+    ),
+)

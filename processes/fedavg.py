@@ -24,12 +24,14 @@ global model (zero epochs).
 
 import collections
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -204,3 +206,40 @@ def build_fedavg_process(
         personalize_builder=personalize_builder,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_fedavg_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+def _finetune_plots(out, result, process):
+    del process
+    client_ids, fields = reports.client_fields(result.client_states, ('finetune_epochs',))
+    reports.plot_client_bars(
+        reports.short_ids(client_ids),
+        {'fine-tuning epochs': [int(v) for v in fields['finetune_epochs']]},
+        os.path.join(out, 'finetune_epochs.png'),
+        'Fine-tuning epochs chosen on validation',
+        'epochs',
+    )
+    return [('Fine-tuning epochs per client', 'finetune_epochs.png')]
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'fedavg',
+        'FedAvg (McMahan et al., 2017)',
+        FedAvgSettings,
+        _build,
+        privacy=algorithm.Privacy('model updates'),
+    ),
+    algorithm.Algorithm(
+        'fedavg_ft',
+        'FedAvg + local fine-tuning chosen on validation',
+        FedAvgFTSettings,
+        _build,
+        lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
+        _finetune_plots,
+        privacy=algorithm.Privacy('model updates (fine-tuning stays on the clients)'),
+    ),
+)

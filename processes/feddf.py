@@ -31,11 +31,13 @@ see docs/algorithms/ktpfl.md, "Settings".
 
 import collections
 import dataclasses
+import os
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, models, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
     building_blocks,
@@ -432,10 +434,63 @@ def build_feddf_process(
         no_global_model=(
             'FedDF keeps one prototype model per architecture, packed into one vector, not one global model'
         ),
-        architectures=architectures,
-        communication=collections.OrderedDict(
-            parameter_bytes_up_per_client=parameter_bytes,
-            logit_bytes_up_per_client=public_batch * spec.num_classes * 4,
-            parameter_bytes_down_per_client=parameter_bytes,
-        ),
+        extras={
+            'architectures': tuple(architectures),
+            'communication': collections.OrderedDict(
+                parameter_bytes_up_per_client=parameter_bytes,
+                logit_bytes_up_per_client=public_batch * spec.num_classes * 4,
+                parameter_bytes_down_per_client=parameter_bytes,
+            ),
+        },
     )
+
+
+def _build(settings, spec, model_fn, run):
+    del model_fn  # each client has its own architecture
+    return build_feddf_process(spec, settings, dp=run.dp, secure=run.secure, seed=run.seed)
+
+
+def _per_architecture_uploads(settings, spec, process, client_fraction):
+    """One noised mean per architecture: its prototype's parameters over that architecture's clients."""
+    del settings
+    architectures = process.extras['architectures']
+    return [
+        algorithm.Upload(
+            models.parameter_count(a, spec.feature_shape, spec.num_classes), client_fraction * architectures.count(a), a
+        )
+        for a in sorted(set(architectures))
+    ]
+
+
+def _plots(out, result, process):
+    del result
+    reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.extras['communication'])])
+    return []
+
+
+def _declare(name, title, settings_cls):
+    return algorithm.Algorithm(
+        name,
+        title,
+        settings_cls,
+        _build,
+        lambda state: {'architecture_id': int(state['architecture'])},
+        _plots,
+        privacy=algorithm.Privacy(
+            "each client's parameter update in its architecture's slot (the ensemble is the noised prototypes', "
+            "not the clients' logits)",
+            secure_needs_dp=SECURE_NEEDS_DP,
+            dp_uploads=_per_architecture_uploads,
+        ),
+        own_architectures=True,
+    )
+
+
+ALGORITHMS = (
+    _declare(
+        'feddf',
+        'FedDF (Lin et al., 2020): per-architecture averaging, then ensemble distillation on public data',
+        FedDFSettings,
+    ),
+    _declare('pfeddf', 'pFedDF: FedDF with local fine-tuning of the prototype', PFedDFSettings),
+)

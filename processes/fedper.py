@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -196,3 +197,20 @@ def build_fedper_process(
         model_aggregator=model_aggregator,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_fedper_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'fedper',
+        'FedPer (Arivazhagan et al., 2019): shared base layers, personal head',
+        FedPerSettings,
+        _build,
+        # Logistic regression has one layer: nothing would be shared.
+        default_models={'synthetic': 'mnist_dnn'},
+        privacy=algorithm.Privacy("the shared base's updates (the head stays on the clients)"),
+    ),
+)

@@ -47,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -603,7 +604,66 @@ def build_kdpdfl_process(
         local_work=local_work,
         mode=mode,
         max_neighbours=max_neighbours,
+        draw_neighbours=draw_neighbours,
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         no_global_model='KD-PDFL is serverless: each client keeps its own model and there is no global one',
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_kdpdfl_process(spec, model_fn, settings, seed=run.seed)
+
+
+def _columns(state):
+    return collections.OrderedDict(
+        num_exchanges=int(state['num_participations']), confidence=float(state['confidence'])
+    )
+
+
+def _plots(out, result, process):
+    del process
+    graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
+    reports.plot_client_matrix(
+        out,
+        'collaboration_graph',
+        "Collaboration weights w[i, j] (row i: client i's private vector)",
+        graph,
+        list(result.client_states),
+    )
+    return [('Collaboration graph W', 'collaboration_graph.png')]
+
+
+# Why the serverless family has no device form (no worker split, no MapReduceForm).
+NOT_ONE_AGGREGATION = (
+    "it is serverless: each exchange gathers every neighbour's own model at the star (one slot per "
+    "neighbour) and sends the star's new model back for a second client stage, and its own run loop "
+    "samples the star and its neighbours per time slot; a device form of two phases, like KT-pFL's, "
+    'is not built'
+)
+
+
+def _declare(name, title, settings_cls, plots=None):
+    """A KD-PDFL-family entry: its settings (whose type is the exchange mode), run by the serverless loop."""
+    return algorithm.Algorithm(
+        name, title, settings_cls, _build, _columns, plots, serverless=True, not_one_aggregation=NOT_ONE_AGGREGATION
+    )
+
+
+ALGORITHMS = (
+    _declare(
+        'kdpdfl',
+        'KD-PDFL (Jeong & Kountouris, 2023): serverless, star nodes weigh neighbours by logit distances',
+        KDPDFLSettings,
+        _plots,
+    ),
+    _declare(
+        'kdpdfl_fedavg', 'Serverless FedAvg over the same star exchanges (KD-PDFL baseline)', ServerlessFedAvgSettings
+    ),
+    _declare(
+        'kdpdfl_fedavg_plus',
+        'Serverless FedAvg, then local fine-tuning from a slot on (KD-PDFL baseline)',
+        ServerlessFedAvgPlusSettings,
+    ),
+    _declare('kdpdfl_local', 'Local learning in the serverless loop (KD-PDFL baseline)', ServerlessLocalSettings),
+)

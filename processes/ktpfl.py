@@ -44,12 +44,14 @@ Settings: `KTpFLSettings` (Algorithm 1 and its Table 1 baselines) and
 
 import collections
 import dataclasses
+import os
 import typing
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
     building_blocks,
@@ -596,12 +598,14 @@ def build_ktpfl_process(
     return _personalized_process(
         stages,
         capacity,
-        architectures=architectures,
-        communication=collections.OrderedDict(
-            soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
-            soft_target_bytes_down_per_client=public_batch * num_classes * 4,
-            parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
-        ),
+        extras={
+            'architectures': tuple(architectures),
+            'communication': collections.OrderedDict(
+                soft_prediction_bytes_up_per_client=public_batch * num_classes * 4,
+                soft_target_bytes_down_per_client=public_batch * num_classes * 4,
+                parameter_bytes_per_client_mean=float(np.mean([archs.sizes[i] for i in arch_ids])) * 4,
+            ),
+        },
     )
 
 
@@ -923,9 +927,11 @@ def build_ktpfl_homogeneous_process(
     return _personalized_process(
         stages,
         capacity,
-        communication=collections.OrderedDict(
-            parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
-        ),
+        extras={
+            'communication': collections.OrderedDict(
+                parameter_bytes_up_per_client=num_params * 4, parameter_bytes_down_per_client=num_params * 4
+            )
+        },
     )
 
 
@@ -1207,7 +1213,7 @@ def _personalized_process(stages: _Stages, capacity: int, **declared) -> templat
     Args:
       stages: the round's computations.
       capacity: K, the most clients of a round (the rows of `_gather`).
-      **declared: the process's `architectures` and `communication`.
+      **declared: the process's `extras` (its `architectures` and `communication`).
 
     Returns:
       The `template.PersonalizedProcess`.
@@ -1352,3 +1358,83 @@ def _device_process(stages: _Stages, capacity: int):
         evaluate_input=round_of,
         evaluate_client=building_blocks.build_evaluation_at(stages.evaluate_client),
     )
+
+
+def _build(settings, spec, model_fn, run):
+    del model_fn  # each client has its own architecture
+    return build_ktpfl_process(
+        spec, settings, dp=run.dp, seed=run.seed, max_clients_per_round=run.max_clients_per_round
+    )
+
+
+def _build_homogeneous(settings, spec, model_fn, run):
+    return build_ktpfl_homogeneous_process(
+        spec, model_fn, settings, dp=run.dp, seed=run.seed, max_clients_per_round=run.max_clients_per_round
+    )
+
+
+def _check_sampling(settings, client_fraction):
+    """KT-pFL samples clients (the paper's Table 2), except with the released code's c step."""
+    if client_fraction < 1.0 and settings.kt_c_update == 'released':
+        return (
+            '--kt_c_update=released needs every client every round (its softmax renormalises c over all of them): '
+            '--client_fraction=1'
+        )
+    return None
+
+
+def _soft_prediction_uploads(settings, spec, process, client_fraction):
+    del process
+    batch = heterogeneous.public_batch_for(settings, spec)
+    return [algorithm.Upload(batch * spec.num_classes, client_fraction * spec.num_clients, 'soft predictions')]
+
+
+def _plots(out, result, process):
+    client_ids = list(result.client_states)
+    architectures = process.extras.get('architectures') or [''] * len(client_ids)
+    labels = [f'{s} {a}'.strip() for s, a in zip(reports.short_ids(client_ids), architectures)]
+    reports.plot_client_matrix(
+        out,
+        'knowledge_coefficients',
+        "Knowledge coefficients c[n, m] (row n: client n's mix)",
+        np.asarray(result.state['coefficients']),
+        client_ids,
+        row_labels=labels,
+    )
+    reports.write_csv(os.path.join(out, 'communication.csv'), [dict(process.extras['communication'])])
+    return [('Knowledge coefficients', 'knowledge_coefficients.png')]
+
+
+def _local_dp(uploads, dp_uploads=None):
+    return algorithm.Privacy(
+        uploads,
+        local=True,
+        fixed_clip_only=LOCAL_DP_ADAPTIVE,
+        no_secure=LOCAL_DP_SECURE,
+        dp_uploads=dp_uploads,
+    )
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'ktpfl',
+        'KT-pFL (Zhang et al., 2021): soft predictions on public data mixed by a learned coefficient matrix',
+        KTpFLSettings,
+        _build,
+        lambda state: {'architecture_id': int(state['architecture'])},
+        _plots,
+        check=_check_sampling,
+        privacy=_local_dp(
+            "each client's soft predictions, clipped and noised on the client (local DP)", _soft_prediction_uploads
+        ),
+        own_architectures=True,
+    ),
+    algorithm.Algorithm(
+        'ktpfl_homo',
+        'KT-pFL, homogeneous variant (Zhang et al., 2021): parameters mixed by the coefficient matrix',
+        KTpFLHomoSettings,
+        _build_homogeneous,
+        plots=_plots,
+        privacy=_local_dp("each client's parameters, clipped and noised on the client (local DP)"),
+    ),
+)

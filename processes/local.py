@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, device_state, local_training, template
 from tff_pfl.data import client_data
@@ -160,3 +161,18 @@ def build_local_process(
         device=device,
         no_global_model='local-only training has no server model; each client trains its own',
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_local_process(spec, model_fn, settings, seed=run.seed)
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'local',
+        'Local-only training',
+        LocalSettings,
+        _build,
+        privacy=algorithm.Privacy(why_not='uploads nothing but training metrics: there is no model to protect'),
+    ),
+)

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -247,3 +248,25 @@ def build_perfedavg_process(
         model_aggregator=model_aggregator,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_perfedavg_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'perfedavg_fo',
+        'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
+        PerFedAvgSettings,
+        _build,
+        privacy=algorithm.Privacy('meta-model updates'),
+    ),
+    algorithm.Algorithm(
+        'perfedavg_hf',
+        'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
+        PerFedAvgHFSettings,
+        _build,
+        privacy=algorithm.Privacy('meta-model updates'),
+    ),
+)

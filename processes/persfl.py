@@ -22,12 +22,14 @@ Choices where the paper is silent are listed in docs/algorithms/persfl.md.
 
 import collections
 import dataclasses
+import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, distillation, local_training, template
 from tff_pfl.data import client_data
@@ -296,5 +298,86 @@ def build_persfl_process(
         personalize_builder=averaging.broadcast_personalize(client_personalize),
         model_aggregator=model_aggregator,
         seed=seed,
-        grid_candidates=candidates,
+        extras={'grid_candidates': tuple((float(t), float(lam)) for t, lam in candidates)},
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_persfl_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+def _columns(state):
+    return collections.OrderedDict(
+        teacher_round=int(state['teacher_round']),
+        teacher_val_loss=float(state['teacher_loss']),
+        temperature=float(state['temperature']),
+        imitation=float(state['imitation']),
+        personalized_val_accuracy=float(state['personalized_val_accuracy']),
+    )
+
+
+def _plots(out, result, process):
+    client_ids, fields = reports.client_fields(
+        result.client_states, ('teacher_round', 'temperature', 'imitation', 'grid_val_accuracy')
+    )
+    short = reports.short_ids(client_ids)
+    reports.plot_client_bars(
+        short,
+        {'teacher round': [int(v) for v in fields['teacher_round']]},
+        os.path.join(out, 'teacher_rounds.png'),
+        "Round of each client's optimal teacher",
+        'round',
+    )
+    reports.plot_client_bars(
+        short,
+        {'T (temperature)': [float(v) for v in fields['temperature']]},
+        os.path.join(out, 'chosen_temperature.png'),
+        'Chosen temperature T per client',
+        'T',
+    )
+    reports.plot_client_bars(
+        short,
+        {'lambda (imitation)': [float(v) for v in fields['imitation']]},
+        os.path.join(out, 'chosen_imitation.png'),
+        'Chosen imitation lambda per client',
+        'lambda',
+    )
+    grid = fields['grid_val_accuracy']
+    labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.extras['grid_candidates']]
+    reports.plot_heatmap(
+        grid,
+        os.path.join(out, 'distillation_grid.png'),
+        'Validation accuracy of each (T, lambda) candidate',
+        row_labels=short,
+        col_labels=labels,
+    )
+    header = ['client_id'] + labels
+    rows = [dict(zip(header, [c] + [float(v) for v in row])) for c, row in zip(client_ids, grid)]
+    reports.write_csv(os.path.join(out, 'distillation_grid.csv'), rows)
+    return [
+        ('Teacher round per client', 'teacher_rounds.png'),
+        ('Chosen temperature per client', 'chosen_temperature.png'),
+        ('Chosen imitation per client', 'chosen_imitation.png'),
+        ('Validation accuracy over the (T, lambda) grid', 'distillation_grid.png'),
+    ]
+
+
+def _declare(name, title, settings_cls):
+    """PersFL and PersFL-GD: the soft loss of stage 2 (Eq. 3 KL or Eq. 7 cross-entropy) is the settings type."""
+    return algorithm.Algorithm(
+        name,
+        title,
+        settings_cls,
+        _build,
+        _columns,
+        _plots,
+        privacy=algorithm.Privacy("stage 1's model updates (stage 2 stays on the clients)"),
+    )
+
+
+ALGORITHMS = (
+    _declare(
+        'persfl', 'PersFL (Divi et al., 2021): optimal teachers, then a per-client distillation grid', PersFLSettings
+    ),
+    _declare('persfl_gd', 'PersFL-GD (Divi et al., 2021): PersFL with cross-entropy instead of KL', PersFLGDSettings),
+)

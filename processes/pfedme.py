@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, template
 from tff_pfl.data import client_data
@@ -211,3 +212,18 @@ def build_pfedme_process(
         model_aggregator=model_aggregator,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_pfedme_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'pfedme',
+        'pFedMe (Dinh et al., 2020): Moreau envelopes',
+        PFedMeSettings,
+        _build,
+        privacy=algorithm.Privacy("the local models' updates (the personalized theta_i stays on the clients)"),
+    ),
+)

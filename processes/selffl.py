@@ -25,12 +25,15 @@ Choices where the paper is silent: docs/algorithms/selffl.md.
 
 import collections
 import dataclasses
+import math
+import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, privacy, template
 from tff_pfl.data import client_data
@@ -454,3 +457,75 @@ def build_selffl_process(
         server_info=server_info,
         seed=seed,
     )
+
+
+def _build(settings, spec, model_fn, run):
+    return build_selffl_process(
+        spec, model_fn, settings, activity_rate=run.client_fraction, dp=run.dp, secure=run.secure, seed=run.seed
+    )
+
+
+def _columns(state):
+    return collections.OrderedDict(
+        num_participations=int(state['num_participations']),
+        local_steps=int(state['local_steps']),
+        sigma_m_sq=float(state['sigma_m_sq']),
+    )
+
+
+def _plots(out, result, process):
+    del process
+    client_ids, fields = reports.client_fields(result.client_states, ('sigma_m_sq', 'local_steps'))
+    short = reports.short_ids(client_ids)
+    sigma_m_sq, steps = fields['sigma_m_sq'], fields['local_steps']
+    order = sorted(range(len(client_ids)), key=lambda i: float(sigma_m_sq[i]))
+    if len(order) > 60:  # a readable sample of clients, spread over the range
+        order = [order[int(i)] for i in np.linspace(0, len(order) - 1, 60)]
+    reports.plot_client_bars(
+        [short[i] for i in order],
+        {'local steps (last round)': [int(steps[i]) for i in order]},
+        os.path.join(out, 'local_steps.png'),
+        'Self-FL local steps per client (sorted by sigma_m^2)',
+        'steps',
+    )
+    reports.plot_client_bars(
+        [short[i] for i in order],
+        {'sigma_m^2': [float(sigma_m_sq[i]) for i in order]},
+        os.path.join(out, 'intra_client_variance.png'),
+        'Intra-client uncertainty sigma_m^2',
+        'sigma_m^2',
+    )
+    return [('Local steps per client', 'local_steps.png'), ('Intra-client uncertainty', 'intra_client_variance.png')]
+
+
+# Under DP each client's record (two vector parts of norm <= C, three scalars of <= C/2) has norm
+# <= C sqrt(2.75) and gets that noise scale; the precision-weighted mean divides the noised sum by
+# sum(w_m), about n / 2 (docs/privacy.md): noise 2 sqrt(2.75) z C / n = sqrt(11) z C / n.
+DP_NOISE_FACTOR = math.sqrt(11.0)
+# Why Self-FL's DP takes a fixed clip and no secure aggregation without DP (one line each).
+ADAPTIVE_CLIP_REFUSED = (
+    "Self-FL's DP record bounds its scalar parts by the clip, which the clients must know: give --dp_clip, "
+    'not --dp_target_quantile'
+)
+SECURE_NEEDS_DP = (
+    "--secure_aggregation: Self-FL's sums need a bounded range, which its DP record gives: "
+    'use it with --dp_noise_multiplier and --dp_clip'
+)
+
+ALGORITHMS = (
+    algorithm.Algorithm(
+        'selffl',
+        'Self-FL (Chen et al., 2022): uncertainty-driven starting points, local steps and aggregation',
+        SelfFLSettings,
+        _build,
+        _columns,
+        _plots,
+        privacy=algorithm.Privacy(
+            'the sums of updates, precision weights and variance statistics, as one record per client '
+            '(personal models stay on the clients)',
+            noise_factor=DP_NOISE_FACTOR,
+            fixed_clip_only=ADAPTIVE_CLIP_REFUSED,
+            secure_needs_dp=SECURE_NEEDS_DP,
+        ),
+    ),
+)

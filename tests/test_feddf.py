@@ -107,7 +107,7 @@ def heterogeneous(spec):
 
 def test_heterogeneous_round_distils_and_pfeddf_finetunes(spec, heterogeneous, tff_runtime):
     proc = heterogeneous
-    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
+    assert proc.extras['architectures'] == ('logistic', 'mnist_dnn', 'logistic')
     plain = feddf.build_feddf_process(spec, _small(architectures=('logistic', 'mnist_dnn'), feddf_distill_epochs=0))
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
@@ -196,8 +196,8 @@ def test_local_steps_are_exact(vector_problem, tff_runtime, cls):
         spec, cls(local_steps=3, batch_size=4, public_examples=20, public_batch=15, public_distill_batch_size=10)
     )
     # No --architectures on 4-dim vectors: the vector models, in turn.
-    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
-    assert proc.communication['logit_bytes_up_per_client'] == 15 * 3 * 4
+    assert proc.extras['architectures'] == ('logistic', 'mnist_dnn', 'logistic')
+    assert proc.extras['communication']['logit_bytes_up_per_client'] == 15 * 3 * 4
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     for _ in range(2):

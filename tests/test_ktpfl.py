@@ -161,8 +161,8 @@ def test_only_soft_predictions_reach_the_server(process):
             else [type_spec.member]
         ):
             assert int(np.prod(tensor.shape)) <= largest, type_spec  # no weights (mnist_dnn has 3.6k+)
-    assert proc.communication['soft_prediction_bytes_up_per_client'] == 30 * 4 * 4
-    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')  # assigned in turn, declared
+    assert proc.extras['communication']['soft_prediction_bytes_up_per_client'] == 30 * 4 * 4
+    assert proc.extras['architectures'] == ('logistic', 'mnist_dnn', 'logistic')  # assigned in turn, declared
 
 
 def test_rounds_train_distil_and_learn_c(process, tff_runtime):
@@ -270,9 +270,9 @@ def test_local_steps_are_exact(vector_problem, tff_runtime, c_update):
         ),
     )
     # No --architectures on 4-dim vectors: the vector models, in turn.
-    assert proc.architectures == ('logistic', 'mnist_dnn', 'logistic')
+    assert proc.extras['architectures'] == ('logistic', 'mnist_dnn', 'logistic')
     # No --public_batch: every public example, every round (20 examples x 3 classes x 4 bytes).
-    assert proc.communication['soft_prediction_bytes_up_per_client'] == 20 * 3 * 4
+    assert proc.extras['communication']['soft_prediction_bytes_up_per_client'] == 20 * 3 * 4
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     for _ in range(2):
@@ -418,7 +418,10 @@ def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):
     spec = make_linear_problem(tmp_path / 'data')  # clients of 37, 50 and 23 examples
     model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
     proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(local_steps=3, batch_size=4))
-    assert proc.architectures == () and proc.communication['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
+    assert (
+        'architectures' not in proc.extras
+        and proc.extras['communication']['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
+    )
     state = proc.initialize()
     states = [proc.initial_client_state(c) for c in spec.client_ids]
     for _ in range(2):

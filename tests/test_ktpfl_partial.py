@@ -234,7 +234,7 @@ def test_ktpfl_homo_with_a_sample_mixes_only_the_sample(spec, tff_runtime):
     np.testing.assert_allclose(uploaded.state['coefficients'], want, atol=1e-5)
     assert np.asarray(uploaded.state['coefficients'])[[0, 2]].tolist() == [[0.25] * 4] * 2
     assert adopted.metrics['num_clients'] == 2
-    assert proc.communication['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
+    assert proc.extras['communication']['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
 
 
 def test_rows_of_the_round_clients_and_back():

@@ -88,7 +88,7 @@ def test_teacher_selection_matches_numpy(problem, tff_runtime):
         assert after['teacher_round'] == want_round
         # The chosen candidate is the best on validation (first on ties) ...
         best = int(np.argmax(after['grid_val_accuracy']))
-        assert (after['temperature'], after['imitation']) == process.grid_candidates[best]
+        assert (after['temperature'], after['imitation']) == process.extras['grid_candidates'][best]
         assert after['personalized_val_accuracy'] == after['grid_val_accuracy'][best]
         # ... and its validation accuracy is what numpy measures for its weights.
         x, y = client_data.read_split_numpy(spec, c, 'val')
@@ -142,7 +142,8 @@ def test_local_steps_are_exact_and_the_grid_is_declared(problem, tff_runtime, so
         assert metrics['mean_local_steps'] == 3.0
     # The grid is a declared output of the constructor, not an attribute set afterwards.
     assert 'grid_candidates' not in vars(process)
-    assert process.grid_candidates == tuple(distillation.grid_candidates(SETTINGS.temperatures, SETTINGS.imitations))
+    candidates = distillation.grid_candidates(SETTINGS.temperatures, SETTINGS.imitations)
+    assert process.extras['grid_candidates'] == tuple(candidates)
 
 
 @pytest.mark.parametrize(

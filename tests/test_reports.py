@@ -1,4 +1,4 @@
-"""Tests for tff_pfl.program.reports."""
+"""Tests for tff_pfl.reports."""
 
 import csv
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib import pyplot as plt
 
-from tff_pfl.program import reports
+from tff_pfl import reports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,7 +266,7 @@ def test_round_release_writes_csv_and_tensorboard_and_drops_later_rounds_when_re
 def test_importing_and_plotting_leave_pyplot_and_its_backend_alone(tmp_path):
     # A notebook's inline backend must survive `import reports` and a plot.
     code = (
-        'import sys; from tff_pfl.program import reports; '
+        'import sys; from tff_pfl import reports; '
         f'reports.plot_curves([{{"round": 1, "a": 0.5}}], "round", ["a"], {str(tmp_path / "c.png")!r}, "t", "y"); '
         'assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"; print("ok")'
     )

@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from tff_pfl import algorithm as algorithm_lib
 from tff_pfl.program import algorithms, experiment, health, training_loop
 
 
@@ -103,7 +104,7 @@ def _dp(algorithm, z, **values):
     ],
 )
 def test_dp_noise_warns_when_its_norm_on_the_mean_exceeds_the_clip(algorithm, d, n, boundary_z):
-    upload = [health.Upload(d, n)]
+    upload = [algorithm_lib.Upload(d, n)]
     assert health.dp_noise_ratio(_dp(algorithm, boundary_z), upload[0]) == pytest.approx(1.0)
     above = health.pre_run_warnings(_dp(algorithm, boundary_z * (1 + 1e-6)), upload)
     below = health.pre_run_warnings(_dp(algorithm, boundary_z * (1 - 1e-6)), upload)
@@ -113,7 +114,7 @@ def test_dp_noise_warns_when_its_norm_on_the_mean_exceeds_the_clip(algorithm, d,
 
 def test_dp_checks_the_worst_of_several_means_and_skips_without_uploads():
     config = _dp('feddf', 1.0)
-    uploads = [health.Upload(100, 20.0, 'logistic'), health.Upload(10_000, 20.0, 'mnist_dnn')]
+    uploads = [algorithm_lib.Upload(100, 20.0, 'logistic'), algorithm_lib.Upload(10_000, 20.0, 'mnist_dnn')]
     (line,) = health.pre_run_warnings(config, uploads)
     assert '(mnist_dnn)' in line and '5 x the norm' in line  # sqrt(10,000) / 20
     assert not health.pre_run_warnings(config) and not health.pre_run_warnings(config, uploads[:1])
@@ -122,8 +123,8 @@ def test_dp_checks_the_worst_of_several_means_and_skips_without_uploads():
 def test_dp_uploads_count_the_models_parameters_over_the_expected_clients():
     config = _dp('fedavg', 1.0, client_fraction=0.5, num_clients=30)
     spec = types.SimpleNamespace(num_clients=30, feature_shape=(60,), num_classes=10)
-    process = types.SimpleNamespace(architectures=())
-    assert health.dp_uploads(config, spec, process) == [health.Upload(60 * 10 + 10, 15.0)]
+    process = types.SimpleNamespace(extras={})
+    assert health.dp_uploads(config, spec, process) == [algorithm_lib.Upload(60 * 10 + 10, 15.0)]
     assert health.dp_uploads(_config(), spec, process) == []
 
 

@@ -186,8 +186,8 @@ def config_from_flags() -> experiment.ExperimentConfig:
             given[name] = _from_flag(name, flags.FLAGS[name].value, common_hints[name])
     values.update(given)
     algorithm = values.get('algorithm', 'fedavg')
-    if algorithm not in algorithms.names():
-        raise experiment.ConfigError(f'unknown algorithm {algorithm!r}; known: {", ".join(algorithms.names())}')
+    if algorithms.unknown(algorithm):
+        raise experiment.ConfigError(algorithms.unknown(algorithm))
     settings_cls = algorithms.get(algorithm).settings
     own = set(settings_cls.field_names())
     hints = typing.get_type_hints(settings_cls)

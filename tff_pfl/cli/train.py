@@ -72,9 +72,8 @@ def main(argv) -> None:
     """
     if len(argv) > 1:
         _fail(f'unexpected arguments: {" ".join(argv[1:])}')
-    from tff_pfl import runtime
+    from tff_pfl import reports, runtime
     from tff_pfl.data import partition, sources
-    from tff_pfl.program import reports
 
     logging.set_verbosity(logging.WARNING)
     try:

@@ -311,17 +311,6 @@ class PrecisionWeightedMeanFactory(tff.aggregators.WeightedAggregationFactory):
         return tff.templates.AggregationProcess(initialize, next_fn)
 
 
-# Why Self-FL's DP takes a fixed clip and no secure aggregation without DP (one line each).
-SELFFL_ADAPTIVE = (
-    "Self-FL's DP record bounds its scalar parts by the clip, which the clients must know: give --dp_clip, "
-    'not --dp_target_quantile'
-)
-SELFFL_SECURE = (
-    "--secure_aggregation: Self-FL's sums need a bounded range, which its DP record gives: "
-    'use it with --dp_noise_multiplier and --dp_clip'
-)
-
-
 def _initial_state(fixed_sigma0_sq):
     """The state before any round: sigma0_sq unknown (-1) unless fixed, no precision, no typical sigma_m^2."""
 

@@ -100,9 +100,9 @@ def build_averaging_process(
         FedPer keeps the others on the clients.
       seed: fixes the initial global model.
       **declared_outputs: passed on to `template.PersonalizedProcess`: the
-        process's declared extra outputs (e.g. PersFL's `grid_candidates`,
-        `architectures`, `communication`), so that nothing is assigned to the
-        process after construction.
+        process's `extras` (what the algorithm's report hooks read, e.g.
+        PersFL's `grid_candidates`), so that nothing is assigned to the process
+        after construction.
 
     Returns:
       A `template.PersonalizedProcess` whose server state is `<model,

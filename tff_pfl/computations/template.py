@@ -22,7 +22,9 @@ states into `next` and writes the returned ones back.
 """
 
 import collections
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -87,9 +89,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         evaluate: tff.Computation,
         personalize: tff.Computation | None = None,
         device: DeviceProcess | None = None,
-        grid_candidates: Sequence[tuple[float, float]] = (),
-        architectures: Sequence[str] = (),
-        communication: Mapping[str, int] | None = None,
+        extras: Mapping[str, Any] | None = None,
         global_model: str | None = None,
         no_global_model: str = 'its server holds no global model',
     ):
@@ -104,12 +104,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
           device: optional; the same algorithm with device-held client
             states (`DeviceProcess`), whose round is one or more phases
             of the shape `(S@SERVER, D@CLIENTS) -> <S@SERVER, M@SERVER>`.
-          grid_candidates: PersFL's stage-2 grid, the `(T, lambda)` of each
-            candidate in the order of a client's `grid_val_accuracy`.
-          architectures: the model name of each client (in client order), for
-            algorithms whose clients have their own architectures.
-          communication: bytes exchanged per client and round, by name, for
-            algorithms that report them (KT-pFL, FedDF).
+          extras: what the algorithm's own report hooks read from the
+            process, by name (declared by the algorithm, e.g. PersFL's
+            `grid_candidates`, KT-pFL's `architectures` and `communication`).
           global_model: the field of the server state that holds the global
             model's trainable weights, in the order of the model's
             `trainable_weights` (`get_model_weights`); None: the algorithm
@@ -136,9 +133,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._personalize = personalize
         self._device = device
         self._client_state_type = client_state_type
-        self._grid_candidates = tuple((float(t), float(lam)) for t, lam in grid_candidates)
-        self._architectures = tuple(architectures)
-        self._communication = collections.OrderedDict(communication or {})
+        self._extras = types.MappingProxyType(dict(extras or {}))
         self._global_model = global_model
         self._no_global_model = no_global_model
         self._model_weights_fns = None
@@ -198,19 +193,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         return self._device
 
     @property
-    def grid_candidates(self) -> tuple[tuple[float, float], ...]:
-        """PersFL's `(T, lambda)` candidates in grid order; empty for other algorithms."""
-        return self._grid_candidates
-
-    @property
-    def architectures(self) -> tuple[str, ...]:
-        """Each client's model name (client order); empty when every client shares `model_fn`."""
-        return self._architectures
-
-    @property
-    def communication(self) -> Mapping[str, int]:
-        """Bytes exchanged per client and round, by name; empty when not reported."""
-        return self._communication
+    def extras(self) -> Mapping[str, Any]:
+        """What the algorithm's own report hooks read, by name (read-only; empty for most)."""
+        return self._extras
 
     @property
     def has_global_model(self) -> bool:
@@ -276,7 +261,8 @@ class ServerlessProcess(PersonalizedProcess):
 
     `next` is one exchange at a star node (SERVER stands for the star); the
     loop (`tff_pfl.program.decentralized`) also needs each client's local
-    work between exchanges, the exchange mode and the largest neighbourhood.
+    work between exchanges, the exchange mode, the largest neighbourhood and
+    how a star's neighbours are drawn.
     """
 
     def __init__(
@@ -287,6 +273,7 @@ class ServerlessProcess(PersonalizedProcess):
         local_work: tff.Computation,
         mode: str,
         max_neighbours: int,
+        draw_neighbours: Callable[..., list[int]],
         **kwargs,
     ):
         """Builds the process.
@@ -298,12 +285,16 @@ class ServerlessProcess(PersonalizedProcess):
             -> <{C}@CLIENTS, M@SERVER>`, each client's training for its slots.
           mode: 'kdpdfl', 'fedavg' or 'local' (no exchange).
           max_neighbours: the most neighbours a star gathers (slots of `next`).
+          draw_neighbours: `(rng, num_clients, star, *, mean_reachable,
+            max_neighbours) -> sorted client indices`, the star's neighbours
+            in one exchange (driver side, from the loop's NumPy generator).
           **kwargs: the other `PersonalizedProcess` arguments.
         """
         super().__init__(initialize_fn, next_fn, **kwargs)
         self._local_work = local_work
         self._mode = mode
         self._max_neighbours = int(max_neighbours)
+        self._draw_neighbours = draw_neighbours
 
     @property
     def local_work(self) -> tff.Computation:
@@ -319,3 +310,20 @@ class ServerlessProcess(PersonalizedProcess):
     def max_neighbours(self) -> int:
         """The most neighbours one exchange gathers."""
         return self._max_neighbours
+
+    def draw_neighbours(self, rng, num_clients: int, star: int, *, mean_reachable: float) -> list[int]:
+        """The star's neighbours in one exchange, at most `max_neighbours`.
+
+        Args:
+          rng: the loop's NumPy generator.
+          num_clients: the number of clients.
+          star: the star's client index.
+          mean_reachable: the expected number of reachable peers.
+
+        Returns:
+          Sorted client indices, possibly empty (the `draw_neighbours` given
+          at construction).
+        """
+        return self._draw_neighbours(
+            rng, num_clients, star, mean_reachable=mean_reachable, max_neighbours=self._max_neighbours
+        )

@@ -638,3 +638,18 @@ def get(name: str) -> ModelBuilder:
     if name not in _REGISTRY:
         raise ValueError(f'unknown model {name!r}; known: {", ".join(names())}')
     return _REGISTRY[name]
+
+
+def parameter_count(name: str, feature_shape: Sequence[int], num_classes: int) -> int:
+    """The number of parameters of a registered model for the data (built in a throwaway graph).
+
+    Args:
+      name: a registered model name.
+      feature_shape: one example's shape.
+      num_classes: the number of classes.
+
+    Returns:
+      The parameter count.
+    """
+    with tf.Graph().as_default():
+        return int(get(name)(feature_shape, num_classes).count_params())

@@ -26,8 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tff_pfl import metrics as metrics_lib
+from tff_pfl import reports
 from tff_pfl.computations import heterogeneous
-from tff_pfl.program import bench_layout, bench_suite, reports
+
+# `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
+from tff_pfl.program import bench_layout, bench_suite
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'

@@ -46,8 +46,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow_federated as tff
 
+from tff_pfl import reports
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_layout, bench_peers, bench_report, bench_suite, experiment, reports
+
+# Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
+from tff_pfl.program import bench_layout, bench_peers, bench_report, bench_suite, experiment
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 CHECKPOINT_EVERY = 5

@@ -1,7 +1,7 @@
 """The run loop of serverless algorithms (KD-PDFL and its baselines).
 
 Time runs in slots. Every `exchange_interval` slots a random client wakes up
-as the star node and draws its reachable neighbours (`kdpdfl.draw_neighbours`);
+as the star node and draws its reachable neighbours (`process.draw_neighbours`);
 the driver hands the star's state to the process as the SERVER value of one
 exchange and the neighbours' states as CLIENTS, then stores what comes back.
 The star and its neighbours spend two slots on the exchange (gather, then
@@ -87,8 +87,6 @@ def run(
         a mode that exchanges, `source_ids` does not hold one id per client,
         or the newest checkpoint in `checkpoints` belongs to another run.
     """
-    from processes import kdpdfl
-
     if not isinstance(process, template.ServerlessProcess):
         raise TypeError(f'decentralized.run takes a template.ServerlessProcess, got {type(process).__name__}')
     if exchange_interval < 2:
@@ -115,9 +113,7 @@ def run(
         exchanging = process.mode != 'local' and (finetune_from is None or first_slot < finetune_from)
         if exchanging:
             star = int(rng.integers(num_clients))
-            neighbours = kdpdfl.draw_neighbours(
-                rng, num_clients, star, mean_reachable=mean_reachable, max_neighbours=process.max_neighbours
-            )
+            neighbours = process.draw_neighbours(rng, num_clients, star, mean_reachable=mean_reachable)
             row['star'] = star
             row['num_neighbours'] = len(neighbours)
             if neighbours:

@@ -27,11 +27,11 @@ import tempfile
 import typing
 from collections.abc import Callable
 
-from tff_pfl import models, runtime
+from tff_pfl import models, reports, runtime
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import privacy as privacy_lib
 from tff_pfl.data import natural
-from tff_pfl.program import algorithms, checkpoints, health, reports, training_loop
+from tff_pfl.program import algorithms, checkpoints, decentralized, health, training_loop
 
 
 class ConfigError(settings_lib.SettingsError):
@@ -199,8 +199,8 @@ class ExperimentConfig(settings_lib.Settings):
         """
         values = dict(values)
         algorithm = values.get('algorithm', 'fedavg')
-        if algorithm not in algorithms.names():
-            raise ConfigError(f'{where}unknown algorithm {algorithm!r}; known: {", ".join(algorithms.names())}')
+        if algorithms.unknown(algorithm):
+            raise ConfigError(f'{where}{algorithms.unknown(algorithm)}')
         common_names = set(cls.common_fields()) | {'output_dir'}
         common = {k: v for k, v in values.items() if k in common_names}
         rest = {k: v for k, v in values.items() if k not in common_names}
@@ -379,7 +379,7 @@ class ExperimentConfig(settings_lib.Settings):
           value, so sampling does not amplify; a client that takes part in
           every round is accounted).
         """
-        return 1.0 if algorithms.get(self.algorithm).local_dp else self.client_fraction
+        return 1.0 if algorithms.get(self.algorithm).privacy.local else self.client_fraction
 
     def dp_delta_for(self, num_clients: int) -> float:
         """The delta epsilon is reported at.
@@ -394,8 +394,8 @@ class ExperimentConfig(settings_lib.Settings):
 
     def _check_privacy(self, entry) -> None:
         if self.secure_aggregation:
-            if entry.private_uploads is None:
-                raise ConfigError(f'--secure_aggregation: {self.algorithm} {entry.no_privacy}')
+            if entry.privacy.uploads is None:
+                raise ConfigError(f'--secure_aggregation: {self.algorithm} {entry.privacy.why_not}')
             if len(self.workers) > 1:
                 raise ConfigError('--secure_aggregation runs on one worker: give one --workers address or none')
         dp_fields = [n for n in self.common_fields() if n.startswith('dp_') and getattr(self, n) is not None]
@@ -403,8 +403,8 @@ class ExperimentConfig(settings_lib.Settings):
             return
         if self.dp_noise_multiplier is None:
             raise ConfigError(f'--{dp_fields[0]} needs --dp_noise_multiplier (user-level DP)')
-        if entry.private_uploads is None:
-            raise ConfigError(f'--dp_noise_multiplier: {self.algorithm} {entry.no_privacy}')
+        if entry.privacy.uploads is None:
+            raise ConfigError(f'--dp_noise_multiplier: {self.algorithm} {entry.privacy.why_not}')
         if self.dp_initial_clip is not None and self.dp_clip is not None:
             raise ConfigError('--dp_initial_clip applies to adaptive clipping (--dp_target_quantile), not to --dp_clip')
         if self.dp_delta is not None and not 0 < self.dp_delta < 1:
@@ -445,8 +445,8 @@ class ExperimentConfig(settings_lib.Settings):
         Raises:
           ConfigError: on the first value that cannot run.
         """
-        if self.algorithm not in algorithms.names():
-            raise ConfigError(f'unknown algorithm {self.algorithm!r}; known: {", ".join(algorithms.names())}')
+        if algorithms.unknown(self.algorithm):
+            raise ConfigError(algorithms.unknown(self.algorithm))
         for module in self.model_modules:
             problem = models.import_module(module)
             if problem:
@@ -467,7 +467,9 @@ class ExperimentConfig(settings_lib.Settings):
             )
         if self.model_name() not in models.names():
             raise ConfigError(f'unknown model {self.model_name()!r}; known: {", ".join(models.names())}')
-        problem = entry.check(self) if entry.check else None
+        problem = (entry.check(self.settings, self.client_fraction) if entry.check else None) or (
+            algorithms.privacy_problem(entry, self)
+        )
         if problem:
             raise ConfigError(problem)
         self._check_privacy(entry)
@@ -862,9 +864,16 @@ def run_experiment(
                 # A source's own client ids (TFF's Shakespeare roles, a user's ClientData ids) in clients.csv.
                 source_ids=spec.source_ids,
             )
-            custom_run = algorithms.get(config.algorithm).run
-            if custom_run is not None:
-                result = custom_run(process, spec, config, config.settings, **loop)
+            if algorithms.get(config.algorithm).serverless:
+                result = decentralized.run(
+                    process,
+                    spec.client_ids,
+                    intervals=config.rounds,
+                    seed=config.seed,
+                    eval_every=config.eval_every,
+                    **config.settings.loop_arguments(),
+                    **loop,
+                )
             else:
                 dp = config.privacy(spec.num_clients)
                 result = training_loop.run(
@@ -1024,12 +1033,12 @@ def privacy_lines(config: ExperimentConfig, num_clients: int, rounds) -> list[st
     where = (
         f'each upload gets noise of stddev 2 x {dp.noise_multiplier:g} x {dp.clip:g} on its client; epsilon of a '
         'client that took part in every round (no amplification by sampling)'
-        if entry.local_dp
+        if entry.privacy.local
         else f'the noised sum is divided by {dp.clients_per_round:g} expected clients'
     )
     return [
         '',
-        f'User-level DP ({entry.private_uploads}): noise multiplier '
+        f'User-level DP ({entry.privacy.uploads}): noise multiplier '
         f'{dp.noise_multiplier:g}, {clipping}, {sampling}; {where}. epsilon = {spent:.4g} at delta = '
         f'{config.dp_delta_for(num_clients):.3g} after {len(rounds)} rounds (RDP accountant; docs/privacy.md).',
     ]

@@ -30,6 +30,9 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from tff_pfl import algorithm, models
+from tff_pfl.program import algorithms
+
 # A server step of weight w per round covers 1 - (1 - w)^R of the way to a fixed target in R
 # rounds; a run whose settings cover less than half of it in all its rounds barely moves.
 MIN_SHARE_MOVED = 0.5
@@ -41,11 +44,7 @@ SERVER_STEPS = {
     'server_learning_rate': "the clients' mean update",
     'pfedme_beta': "the step towards the clients' mean",
 }
-# Self-FL under DP: each client's record (two vector parts of norm <= C, three scalars of <= C/2)
-# has norm <= C sqrt(2.75) and gets that noise scale; the precision-weighted mean divides the
-# noised sum by sum(w_m), about n / 2 (docs/privacy.md): noise 2 sqrt(2.75) z C / n = sqrt(11) z C / n.
-SELFFL_DP_NOISE_FACTOR = math.sqrt(11.0)
-# Local DP (the KT-pFL family): noise of stddev 2 z C on every coordinate of each upload.
+# Local DP (`Privacy.local`): noise of stddev 2 z C on every coordinate of each upload.
 LOCAL_DP_NOISE_FACTOR = 2.0
 
 # The stall check: from the first evaluation at or after this share of the rounds on.
@@ -54,23 +53,6 @@ STALL_MARGIN = 0.05
 # The divergence check.
 DIVERGE_GROWTH = 100.0
 DIVERGE_UNIFORM = 1000.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Upload:
-    """One noised mean a DP round forms.
-
-    Attributes:
-      dimension: d, the coordinates of one client's clipped upload (a model's
-        parameters; the KT-pFL family's soft predictions: public batch x classes).
-      clients: n, the expected number of clients the mean averages
-        (client_fraction x the clients that upload it).
-      label: what it is, for the message (e.g. an architecture's name); may be empty.
-    """
-
-    dimension: int
-    clients: float
-    label: str = ''
 
 
 def share_moved(weight: float, rounds: int) -> float:
@@ -150,34 +132,33 @@ def _learning_rate_warnings(config) -> list[str]:
     return found
 
 
-def dp_noise_ratio(config, upload: Upload) -> float:
+def dp_noise_ratio(config, upload) -> float:
     """The norm of the DP noise on a round's noised mean over the clip: above 1 the noise swamps the mean.
 
     Central DP (DP-FedAvg): the sum of n clipped uploads gets N(0, (z C)^2) per coordinate and is
     divided by n, so the mean's noise has stddev z C / n per coordinate and norm about
     z C sqrt(d) / n, while the mean of uploads clipped to C has norm at most C: the ratio is
-    z sqrt(d) / n, whatever C (also under adaptive clipping). Self-FL's record:
-    `SELFFL_DP_NOISE_FACTOR` z sqrt(d) / n. Local DP (`local_dp`): each upload gets 2 z C per
-    coordinate, the mean of n of them 2 z C / sqrt(n): 2 z sqrt(d / n).
+    z sqrt(d) / n, whatever C (also under adaptive clipping); an algorithm whose mean is formed
+    otherwise declares its factor (`Privacy.noise_factor`, e.g. Self-FL's record). Local DP
+    (`Privacy.local`): each upload gets 2 z C per coordinate, the mean of n of them 2 z C / sqrt(n):
+    2 z sqrt(d / n).
 
     Args:
       config: an `experiment.ExperimentConfig` with `dp_noise_multiplier` set.
-      upload: the mean's `Upload` (d and n).
+      upload: the mean's `tff_pfl.algorithm.Upload` (d and n).
 
     Returns:
       The ratio (0 without noise).
     """
-    from tff_pfl.program import algorithms
-
     z = float(config.dp_noise_multiplier or 0.0)
     d, n = float(upload.dimension), float(upload.clients)
-    if algorithms.get(config.algorithm).local_dp:
+    modes = algorithms.get(config.algorithm).privacy
+    if modes.local:
         return LOCAL_DP_NOISE_FACTOR * z * math.sqrt(d / n)
-    factor = SELFFL_DP_NOISE_FACTOR if config.algorithm == 'selffl' else 1.0
-    return factor * z * math.sqrt(d) / n
+    return modes.noise_factor * z * math.sqrt(d) / n
 
 
-def _dp_warnings(config, uploads: Sequence[Upload] | None) -> list[str]:
+def _dp_warnings(config, uploads: Sequence | None) -> list[str]:
     if config.dp_noise_multiplier is None or not config.dp_noise_multiplier > 0 or not uploads:
         return []
     ratio, worst = max((dp_noise_ratio(config, u), u) for u in uploads)
@@ -192,7 +173,7 @@ def _dp_warnings(config, uploads: Sequence[Upload] | None) -> list[str]:
     ]
 
 
-def pre_run_warnings(config, uploads: Sequence[Upload] | None = None) -> list[str]:
+def pre_run_warnings(config, uploads: Sequence | None = None) -> list[str]:
     """The warnings a run's settings call for before round 1: one line each, naming the setting to change.
 
     Args:
@@ -206,26 +187,7 @@ def pre_run_warnings(config, uploads: Sequence[Upload] | None = None) -> list[st
     return _server_step_warnings(config) + _learning_rate_warnings(config) + _dp_warnings(config, uploads)
 
 
-def parameter_count(model_name: str, feature_shape, num_classes: int) -> int:
-    """The number of parameters of a registered model for the data (built in a throwaway graph).
-
-    Args:
-      model_name: a `tff_pfl.models` name.
-      feature_shape: one example's shape.
-      num_classes: the number of classes.
-
-    Returns:
-      The parameter count.
-    """
-    import tensorflow as tf
-
-    from tff_pfl import models
-
-    with tf.Graph().as_default():
-        return int(models.get(model_name)(feature_shape, num_classes).count_params())
-
-
-def dp_uploads(config, spec, process) -> list[Upload]:
+def dp_uploads(config, spec, process) -> list:
     """The noised means of a DP round of this run, for `pre_run_warnings` (empty without DP).
 
     Args:
@@ -234,26 +196,18 @@ def dp_uploads(config, spec, process) -> list[Upload]:
       process: its built process (the clients' architectures).
 
     Returns:
-      One `Upload` per noised mean: the model's parameters over client_fraction x N clients (FedPer
-      counts its whole model, an upper bound); the KT-pFL family's soft predictions (public batch
-      x classes); FedDF one per architecture, over that architecture's clients.
+      One `tff_pfl.algorithm.Upload` per noised mean: as the algorithm declares them
+      (`Privacy.dp_uploads`, e.g. KT-pFL's soft predictions, FedDF's one per architecture), else
+      the run's model's parameters over client_fraction x N clients (FedPer counts its whole
+      model, an upper bound).
     """
     if config.dp_noise_multiplier is None:
         return []
-    q, n = config.client_fraction, spec.num_clients
-    if config.algorithm == 'ktpfl':
-        from tff_pfl.computations import heterogeneous
-
-        batch = heterogeneous.public_batch_for(config.settings, spec)
-        return [Upload(batch * spec.num_classes, q * n, 'soft predictions')]
-    architectures = tuple(getattr(process, 'architectures', ()) or ())
-    if architectures and config.algorithm in ('feddf', 'pfeddf'):
-        return [
-            Upload(parameter_count(a, spec.feature_shape, spec.num_classes), q * architectures.count(a), a)
-            for a in sorted(set(architectures))
-        ]
-    name = architectures[0] if architectures else config.model_name()
-    return [Upload(parameter_count(name, spec.feature_shape, spec.num_classes), q * n)]
+    declared = algorithms.get(config.algorithm).privacy.dp_uploads
+    if declared is not None:
+        return declared(config.settings, spec, process, config.client_fraction)
+    dimension = models.parameter_count(config.model_name(), spec.feature_shape, spec.num_classes)
+    return [algorithm.Upload(dimension, config.client_fraction * spec.num_clients)]
 
 
 def stall_margin(num_classes: int) -> float:

@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from tff_pfl.program import bench_layout, bench_report, bench_suite, reports
+from tff_pfl import reports
+from tff_pfl.program import bench_layout, bench_report, bench_suite
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
 RESULTS_DIR = os.path.join('benchmarks', 'results')

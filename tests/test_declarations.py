@@ -1,0 +1,108 @@
+"""Each algorithm is declared in its own module, and the registry only collects the declarations."""
+
+import ast
+import pathlib
+import types
+
+import pytest
+
+from tff_pfl import algorithm
+from tff_pfl.program import algorithms, experiment
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _process_modules():
+    return sorted(p.stem for p in (ROOT / 'processes').glob('*.py') if p.stem != '__init__')
+
+
+def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithms():
+    registered = {m.__name__.split('.')[-1] for m in algorithms._MODULES}
+    assert registered == set(_process_modules())
+    declared = [entry for module in algorithms._MODULES for entry in module.ALGORITHMS]
+    assert all(isinstance(entry, algorithm.Algorithm) for entry in declared)
+    assert sorted(entry.name for entry in declared) == algorithms.names()
+    assert len(algorithms.names()) == 20
+    for module in algorithms._MODULES:
+        for entry in module.ALGORITHMS:
+            # The declaration sits beside its settings and builder.
+            assert entry.settings.__module__ == module.__name__, entry.name
+            assert algorithms.get(entry.name) is entry
+
+
+def test_a_name_declared_twice_is_refused():
+    first = types.SimpleNamespace(__name__='processes.a', ALGORITHMS=(algorithms.get('local'),))
+    second = types.SimpleNamespace(__name__='processes.b', ALGORITHMS=(algorithms.get('local'),))
+    with pytest.raises(ValueError, match=r"algorithm 'local' is declared twice \(second time in processes.b\)"):
+        algorithms._collect((first, second))
+
+
+def test_only_the_registry_imports_processes():
+    importers = []
+    for path in sorted((ROOT / 'tff_pfl').rglob('*.py')):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n == 'processes' or n.startswith('processes.') for n in names):
+                importers.append(str(path.relative_to(ROOT)))
+    assert importers == ['tff_pfl/program/algorithms.py']
+
+
+def test_own_architectures_is_declared_exactly_where_the_settings_name_the_architectures():
+    for name in algorithms.names():
+        entry = algorithms.get(name)
+        assert entry.own_architectures == ('architectures' in entry.settings.field_names()), name
+
+
+def test_unknown_algorithm_is_one_line_in_every_entry_point():
+    line = algorithms.unknown('fedsgd')
+    assert line.startswith("unknown algorithm 'fedsgd'; known: apfl, ditto,") and '\n' not in line
+    assert algorithms.unknown('persfl') is None
+    with pytest.raises(experiment.ConfigError) as from_dict:
+        experiment.ExperimentConfig.from_dict({'algorithm': 'fedsgd', 'output_dir': 'x'}, where='run.toml: ')
+    assert str(from_dict.value) == 'run.toml: ' + line
+    with pytest.raises(experiment.ConfigError) as validate:
+        experiment.ExperimentConfig(output_dir='x', algorithm='fedsgd').validate()
+    assert str(validate.value) == line
+
+
+@pytest.mark.parametrize(
+    'name, values, refusal',
+    [
+        ('selffl', dict(dp_noise_multiplier=0.5, dp_target_quantile=0.5), 'ADAPTIVE_CLIP_REFUSED'),
+        ('selffl', dict(secure_aggregation=True), 'SECURE_NEEDS_DP'),
+        ('feddf', dict(secure_aggregation=True), 'SECURE_NEEDS_DP'),
+        ('ktpfl', dict(secure_aggregation=True, dp_noise_multiplier=0.5, dp_clip=1.0), 'LOCAL_DP_SECURE'),
+        ('ktpfl_homo', dict(dp_noise_multiplier=0.5, dp_target_quantile=0.5), 'LOCAL_DP_ADAPTIVE'),
+    ],
+)
+def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
+    config = experiment.ExperimentConfig(output_dir='x', algorithm=name, **values)
+    with pytest.raises(experiment.ConfigError) as refused:
+        config.validate()
+    module = algorithms.get(name).build.__module__
+    assert str(refused.value) == getattr(__import__(module, fromlist=['_']), refusal)
+
+
+@pytest.mark.parametrize(
+    'name, values',
+    [
+        ('selffl', dict(dp_noise_multiplier=0.5, dp_clip=1.0, secure_aggregation=True)),
+        ('feddf', dict(dp_noise_multiplier=0.5, dp_clip=1.0, secure_aggregation=True)),
+        ('ktpfl', dict(dp_noise_multiplier=0.5, dp_clip=1.0)),
+        ('fedavg', dict(dp_noise_multiplier=0.5, dp_target_quantile=0.5, secure_aggregation=True)),
+    ],
+)
+def test_declared_privacy_modes_take_what_they_support(name, values):
+    experiment.ExperimentConfig(output_dir='x', algorithm=name, **values).validate()
+
+
+def test_run_options_make_the_upload_aggregator_only_when_asked():
+    made = []
+    run = algorithm.RunOptions(seed=3, make_model_aggregator=lambda: made.append(1) or 'factory')
+    assert not made
+    assert run.model_aggregator == 'factory' and made == [1]
+    assert algorithm.RunOptions().model_aggregator is None
