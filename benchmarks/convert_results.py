@@ -2,7 +2,7 @@
 
 A `tff-pfl-bench --results_dir` results directory keeps one record per complete
 run, `<results_dir>/records/<partition>/<algorithm>/seed<k>.json` (the run's
-`bench_result.json`, `tff_pfl.program.bench_run`). Results committed before
+`bench_result.json`, `tff_pfl_bench.bench_run`). Results committed before
 the harness kept records hold only `results.csv` (one row per run and client),
 `summary.csv` (one row per partition and algorithm), `report.md` and plots.
 This script builds, for every run of `results.csv` without a record, a record
@@ -55,7 +55,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import metrics as metrics_lib  # noqa: E402
 from tff_pfl import reports  # noqa: E402
-from tff_pfl.program import bench_layout, bench_report, bench_suite  # noqa: E402
+from tff_pfl_bench import bench_layout, bench_report, bench_suite  # noqa: E402
 
 RESULTS = os.path.join('benchmarks', 'results')
 SOURCE = 'results.csv'

@@ -34,7 +34,8 @@ from absl import app, flags
 from tff_pfl import models, reports
 from tff_pfl.computations import local_training
 from tff_pfl.data import client_data
-from tff_pfl.program import bench_suite, experiment
+from tff_pfl.program import experiment
+from tff_pfl_bench import bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

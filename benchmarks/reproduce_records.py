@@ -32,7 +32,7 @@ import sys
 
 from absl import app, flags
 
-from tff_pfl.program import bench_suite
+from tff_pfl_bench import bench_suite
 
 _SCRATCH = flags.DEFINE_string('scratch', '/tmp/reproduce_records', 'Where the reruns go (created).')
 _OUTPUT = flags.DEFINE_string('output', None, 'Write <output>.json and <output>.md (default: print only).')
@@ -119,7 +119,7 @@ def main(argv):
         command = [
             sys.executable,
             '-m',
-            'tff_pfl.cli.bench',
+            'tff_pfl_bench.cli',
             f'--suite=benchmarks/suites/{suite}.toml',
             f'--output_dir={out}',
             f'--seeds={SEED}',

@@ -22,7 +22,6 @@ alpha_i v_i + (1 - alpha_i) w with the current global w.
 
 import collections
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -210,13 +209,8 @@ def _build(settings, spec, model_fn, run):
 
 def _plots(out, result, process):
     del process
-    client_ids, fields = reports.client_fields(result.client_states, ('alpha',))
-    reports.plot_client_bars(
-        reports.short_ids(client_ids),
-        {'alpha': [float(v) for v in fields['alpha']]},
-        os.path.join(out, 'apfl_alpha.png'),
-        'APFL mixing weight alpha per client',
-        'alpha',
+    reports.plot_client_field(
+        out, result.client_states, 'alpha', 'apfl_alpha.png', 'alpha', 'APFL mixing weight alpha per client', 'alpha'
     )
     return [('APFL alpha per client', 'apfl_alpha.png')]
 

@@ -24,7 +24,6 @@ global model (zero epochs).
 
 import collections
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -214,13 +213,15 @@ def _build(settings, spec, model_fn, run):
 
 def _finetune_plots(out, result, process):
     del process
-    client_ids, fields = reports.client_fields(result.client_states, ('finetune_epochs',))
-    reports.plot_client_bars(
-        reports.short_ids(client_ids),
-        {'fine-tuning epochs': [int(v) for v in fields['finetune_epochs']]},
-        os.path.join(out, 'finetune_epochs.png'),
+    reports.plot_client_field(
+        out,
+        result.client_states,
+        'finetune_epochs',
+        'finetune_epochs.png',
+        'fine-tuning epochs',
         'Fine-tuning epochs chosen on validation',
         'epochs',
+        kind=int,
     )
     return [('Fine-tuning epochs per client', 'finetune_epochs.png')]
 

@@ -317,31 +317,29 @@ def _columns(state):
 
 
 def _plots(out, result, process):
-    client_ids, fields = reports.client_fields(
-        result.client_states, ('teacher_round', 'temperature', 'imitation', 'grid_val_accuracy')
-    )
+    states = result.client_states
+    for field, file, label, title, ylabel, kind in (
+        (
+            'teacher_round',
+            'teacher_rounds.png',
+            'teacher round',
+            "Round of each client's optimal teacher",
+            'round',
+            int,
+        ),
+        ('temperature', 'chosen_temperature.png', 'T (temperature)', 'Chosen temperature T per client', 'T', float),
+        (
+            'imitation',
+            'chosen_imitation.png',
+            'lambda (imitation)',
+            'Chosen imitation lambda per client',
+            'lambda',
+            float,
+        ),
+    ):
+        reports.plot_client_field(out, states, field, file, label, title, ylabel, kind=kind)
+    client_ids, fields = reports.client_fields(states, ('grid_val_accuracy',))
     short = reports.short_ids(client_ids)
-    reports.plot_client_bars(
-        short,
-        {'teacher round': [int(v) for v in fields['teacher_round']]},
-        os.path.join(out, 'teacher_rounds.png'),
-        "Round of each client's optimal teacher",
-        'round',
-    )
-    reports.plot_client_bars(
-        short,
-        {'T (temperature)': [float(v) for v in fields['temperature']]},
-        os.path.join(out, 'chosen_temperature.png'),
-        'Chosen temperature T per client',
-        'T',
-    )
-    reports.plot_client_bars(
-        short,
-        {'lambda (imitation)': [float(v) for v in fields['imitation']]},
-        os.path.join(out, 'chosen_imitation.png'),
-        'Chosen imitation lambda per client',
-        'lambda',
-    )
     grid = fields['grid_val_accuracy']
     labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.extras['grid_candidates']]
     reports.plot_heatmap(

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ('tff_pfl', 'processes', 'deploy', 'tests')
+PACKAGES = ('tff_pfl', 'processes', 'deploy', 'tff_pfl_bench', 'tests')
 
 
 def _glob(package_dir, patterns, exclude=()):
@@ -115,7 +115,7 @@ def _project_imports(path):
         else:
             continue
         for module in modules:
-            if module.split('.')[0] in PACKAGES[:3]:
+            if module.split('.')[0] in PACKAGES[:4]:
                 package = _package_of_import(module)
                 if package:
                     found.add(package)

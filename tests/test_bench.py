@@ -16,7 +16,8 @@ from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
-from tff_pfl.program import bench_layout, bench_report, bench_run, bench_suite, experiment
+from tff_pfl.program import experiment
+from tff_pfl_bench import bench_layout, bench_report, bench_run, bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -785,7 +786,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
 def _start(*flags):
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
     return subprocess.Popen(
-        [sys.executable, '-m', 'tff_pfl.cli.bench', *flags],
+        [sys.executable, '-m', 'tff_pfl_bench.cli', *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

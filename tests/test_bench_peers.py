@@ -12,7 +12,8 @@ import pytest
 
 from tff_pfl import models
 from tff_pfl.data import client_data
-from tff_pfl.program import bench_layout, bench_peers, bench_run, bench_suite, experiment
+from tff_pfl.program import experiment
+from tff_pfl_bench import bench_layout, bench_peers, bench_run, bench_suite
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
 TINY = """

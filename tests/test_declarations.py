@@ -1,4 +1,5 @@
-"""Each algorithm is declared in its own module, and the registry only collects the declarations."""
+"""Each algorithm is declared in its own module, the registry only collects the declarations, and the
+library imports neither the algorithms (but through the registry) nor the benchmark tool."""
 
 import ast
 import pathlib
@@ -37,18 +38,29 @@ def test_a_name_declared_twice_is_refused():
         algorithms._collect((first, second))
 
 
+def _importers(packages, imported):
+    """The files under `packages` that import the top-level package `imported`."""
+    found = []
+    for package in packages:
+        for path in sorted((ROOT / package).rglob('*.py')):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n.split('.')[0] == imported for n in names):
+                    found.append(str(path.relative_to(ROOT)))
+    return sorted(set(found))
+
+
 def test_only_the_registry_imports_processes():
-    importers = []
-    for path in sorted((ROOT / 'tff_pfl').rglob('*.py')):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            if any(n == 'processes' or n.startswith('processes.') for n in names):
-                importers.append(str(path.relative_to(ROOT)))
-    assert importers == ['tff_pfl/program/algorithms.py']
+    assert _importers(['tff_pfl'], 'processes') == ['tff_pfl/program/algorithms.py']
+
+
+def test_the_library_never_imports_the_benchmark_tool():
+    assert _importers(['tff_pfl', 'processes', 'deploy'], 'tff_pfl_bench') == []
+    assert _importers(['tff_pfl_bench'], 'tff_pfl_bench')  # the test reads imports: it sees the tool's own
 
 
 def test_own_architectures_is_declared_exactly_where_the_settings_name_the_architectures():

@@ -82,7 +82,7 @@ def test_commands_in_the_documentation_use_flags_that_exist():
     binaries = {
         'tff-pfl-train': _defined_flags('tff_pfl/cli/train.py') | _settings_flags(),
         'tff-pfl-export': _defined_flags('tff_pfl/cli/train.py', 'tff_pfl/cli/export.py') | _settings_flags(),
-        'tff-pfl-bench': _defined_flags('tff_pfl/cli/bench.py'),
+        'tff-pfl-bench': _defined_flags('tff_pfl_bench/cli.py'),
     }
     unknown, checked = [], 0
     for path in MARKDOWN + NOTEBOOKS:

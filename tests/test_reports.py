@@ -280,3 +280,30 @@ def test_importing_and_plotting_leave_pyplot_and_its_backend_alone(tmp_path):
     )
     assert result.stdout.strip() == 'ok', result.stderr[-2000:]
     assert (tmp_path / 'c.png').stat().st_size > 0
+
+
+def test_client_fields_and_plots_of_client_states(tmp_path):
+    states = {
+        'client_00002': {'alpha': np.float32(0.25), 'steps': np.int32(3)},
+        'client_00010': {'alpha': np.float32(0.75), 'steps': np.int32(5)},
+    }
+    ids, fields = reports.client_fields(states, ('alpha', 'steps'))
+    assert ids == ['client_00002', 'client_00010'] and reports.short_ids(ids) == ['00002', '00010']
+    np.testing.assert_array_equal(fields['alpha'], [0.25, 0.75])
+    np.testing.assert_array_equal(fields['steps'], [3, 5])
+
+    class View(dict):  # a store's view reads the fields itself
+        def fields(self, names):
+            return {n: np.array([7.0]) for n in names}
+
+    assert reports.client_fields(View(client_00001=None), ('alpha',))[1]['alpha'].tolist() == [7.0]
+    reports.plot_client_field(str(tmp_path), states, 'steps', 'steps.png', 'steps', 'Steps', 'steps', kind=int)
+    assert (tmp_path / 'steps.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    reports.plot_client_matrix(str(tmp_path), 'w', 'W', np.array([[1.0, 0.0], [0.5, 0.5]]), ids)
+    with open(tmp_path / 'w.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [
+        {'client_id': 'client_00002', '00002': '1', '00010': '0'},
+        {'client_id': 'client_00010', '00002': '0.5', '00010': '0.5'},
+    ]
+    assert (tmp_path / 'w.png').exists()

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl.program import bench_layout, bench_report, bench_suite, scoreboard
+from tff_pfl_bench import bench_layout, bench_report, bench_suite, scoreboard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -271,7 +271,7 @@ def test_main_writes_checks_and_refuses_bad_input(tmp_path, monkeypatch, capsys)
     with open(scoreboard.OUTPUT, 'a') as f:
         f.write('edited by hand\n')
     assert scoreboard.main(['--check']) == 1
-    assert 'out of date; rerun: uv run --locked python -m tff_pfl.program.scoreboard' in capsys.readouterr().err
+    assert 'out of date; rerun: uv run --locked python -m tff_pfl_bench.scoreboard' in capsys.readouterr().err
     assert scoreboard.main(['--force']) == 2
     assert capsys.readouterr().err == 'scoreboard: error: unexpected arguments: --force (only --check)\n'
     (tmp_path / 'benchmarks' / 'suites' / 'bad.toml').write_text(UNRUN.replace('top10', 'top5'))

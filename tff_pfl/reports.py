@@ -488,6 +488,27 @@ def client_fields(client_states, fields: Sequence[str]) -> tuple[list[str], dict
     return ids, values
 
 
+def plot_client_field(
+    output_dir: str, client_states, field: str, file: str, label: str, title: str, ylabel: str, kind=float
+) -> None:
+    """One field of every client's state as `output_dir/file`, a bar per client (`plot_client_bars`).
+
+    Args:
+      output_dir: the run's directory.
+      client_states: the run's client states (as for `client_fields`).
+      field: the state field.
+      file: the PNG's file name.
+      label: the series' legend label.
+      title: the figure title.
+      ylabel: the y-axis label.
+      kind: `float` or `int`, how each value is shown.
+    """
+    client_ids, fields = client_fields(client_states, (field,))
+    plot_client_bars(
+        short_ids(client_ids), {label: [kind(v) for v in fields[field]]}, os.path.join(output_dir, file), title, ylabel
+    )
+
+
 def plot_client_matrix(
     output_dir: str,
     name: str,

@@ -67,7 +67,8 @@ from collections.abc import Mapping, Sequence
 
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms as algorithms_lib
-from tff_pfl.program import bench_peers, experiment
+from tff_pfl.program import experiment
+from tff_pfl_bench import bench_peers
 
 MODELS = ('global_model', 'personalized_model')
 

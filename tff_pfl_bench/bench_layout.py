@@ -8,7 +8,7 @@ import contextlib
 import fcntl
 import os
 
-from tff_pfl.program import bench_suite
+from tff_pfl_bench import bench_suite
 
 RESULT_FILE = 'bench_result.json'
 SUITE_FILE = 'suite.toml'

@@ -1,7 +1,7 @@
 """The scoreboard: every paper number the benchmark suites target, next to ours.
 
-    uv run --locked python -m tff_pfl.program.scoreboard           # writes docs/reports/scoreboard.md
-    uv run --locked python -m tff_pfl.program.scoreboard --check   # exit 1 if that file is out of date
+    uv run --locked python -m tff_pfl_bench.scoreboard           # writes docs/reports/scoreboard.md
+    uv run --locked python -m tff_pfl_bench.scoreboard --check   # exit 1 if that file is out of date
 
 Run from the repository root. Reads every `benchmarks/suites/*.toml` that has a
 `[paper]` table (`bench_suite`) and the suite's committed results,
@@ -35,14 +35,14 @@ from collections.abc import Mapping, Sequence
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import reports
-from tff_pfl.program import bench_layout, bench_report, bench_suite
+from tff_pfl_bench import bench_layout, bench_report, bench_suite
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
 RESULTS_DIR = os.path.join('benchmarks', 'results')
 OUTPUT = os.path.join('docs', 'reports', 'scoreboard.md')
 # Ours is "within" the paper when |ours - paper| <= TOLERANCE points (%).
 TOLERANCE = 2.0
-GENERATE = 'uv run --locked python -m tff_pfl.program.scoreboard'
+GENERATE = 'uv run --locked python -m tff_pfl_bench.scoreboard'
 
 _METRIC_TEXT = {
     'mean': 'mean',

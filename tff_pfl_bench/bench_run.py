@@ -50,7 +50,8 @@ from tff_pfl import reports
 from tff_pfl.computations import audit
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
-from tff_pfl.program import bench_layout, bench_peers, bench_report, bench_suite, experiment
+from tff_pfl.program import experiment
+from tff_pfl_bench import bench_layout, bench_peers, bench_report, bench_suite
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 CHECKPOINT_EVERY = 5

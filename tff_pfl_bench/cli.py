@@ -9,7 +9,7 @@ command resumes), then aggregates every complete run into `report.md`,
 sittings or over processes; `--report_only` only re-aggregates;
 `--results_dir` keeps every run's record beside the committed report, so a
 later sitting on a fresh checkout adds to it. See
-`tff_pfl.program.bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
+`tff_pfl_bench.bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
 
 Bad input prints one line `tff-pfl-bench: error: ...` and exits with 2.
 """
@@ -118,7 +118,8 @@ def main(argv) -> None:
     text = _read_suite(_SUITE.value)
     from tff_pfl import runtime
     from tff_pfl.data import partition, sources
-    from tff_pfl.program import bench_report, bench_run, bench_suite, experiment
+    from tff_pfl.program import experiment
+    from tff_pfl_bench import bench_report, bench_run, bench_suite
 
     logging.set_verbosity(logging.WARNING)
     errors = (bench_suite.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
@@ -135,7 +136,7 @@ def main(argv) -> None:
     except errors as e:
         _fail(str(e))
     if _ISOLATE_NETWORK.value:
-        runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.bench', *sys.argv[1:]])
+        runtime.isolate_network(_PROG, ['-m', 'tff_pfl_bench.cli', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     runtime.refuse_implicit_runtime()
     try:

@@ -30,7 +30,7 @@ from tff_pfl import reports
 from tff_pfl.computations import heterogeneous
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
-from tff_pfl.program import bench_layout, bench_suite
+from tff_pfl_bench import bench_layout, bench_suite
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'
