@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from tff_pfl.program import checkpoints, training_loop
+from tff_pfl.program import checkpoints, client_states, training_loop
 
 
 class _Process:
@@ -83,7 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix='checkpoint_integrity_') as workdir:
         directory = os.path.join(workdir, 'checkpoints')
         runs = checkpoints.RunCheckpoints(directory)
-        store = training_loop.ClientStateStore(process, ids)
+        store = client_states.ClientStateStore(process, ids)
         rng = np.random.default_rng(0)
         server = {'model': [np.zeros((60, 10), np.float32), np.zeros(10, np.float32)]}
         for round_num in range(1, args.rounds + 1):
@@ -102,7 +102,7 @@ def main() -> None:
             checkpoints.RunCheckpoints(directory).check()
 
         def resume():
-            restored = training_loop.ClientStateStore(process, ids)
+            restored = client_states.ClientStateStore(process, ids)
             restored.restore(checkpoints.RunCheckpoints(directory).load_latest(server))
 
         cold = _seconds(check, args.repeats, before=lambda: _drop_cache(directory))

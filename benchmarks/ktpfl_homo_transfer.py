@@ -35,7 +35,7 @@ from processes import ktpfl
 from tff_pfl import models, reports, runtime
 from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
-from tff_pfl.program import training_loop
+from tff_pfl.program import client_states, training_loop
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,7 +104,7 @@ def run_one(spec, seed: int, rate: float) -> dict:
     process = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, _settings(rate), seed=seed)
     archs = heterogeneous.Architectures([model_fn])
     evaluate_val = heterogeneous.build_personalized_evaluation(spec, archs, process.client_state_type, 'val')
-    store = training_loop.ClientStateStore(process, ids)
+    store = client_states.ClientStateStore(process, ids)
     state = process.initialize()
     result = {'seed': seed, 'transfer_rate': rate, 'val_accuracy': {}, 'train_accuracy': [], 'transfer_distance': []}
     for round_num in range(1, _ROUNDS.value + 1):

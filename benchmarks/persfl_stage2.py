@@ -54,7 +54,7 @@ from tff_pfl import losses, models, reports, runtime
 from tff_pfl.computations import distillation, local_training
 from tff_pfl.data import client_data, pipeline
 from tff_pfl.models import stacked
-from tff_pfl.program import training_loop
+from tff_pfl.program import client_states
 
 DATASETS = collections.OrderedDict(
     [('mnist', '../shared/data/mnist.npz'), ('fashion_mnist', '../shared/data/fashion_mnist.npz')]
@@ -174,7 +174,7 @@ def run_stage1(unit_dir: str, dataset: str, seed: int, rounds: int) -> None:
     start = time.perf_counter()
     with runtime.local_runtime(max_concurrent_computation_calls=2, log_path=os.path.join(unit_dir, 'worker.log')):
         process = persfl.build_persfl_process(spec, model_fn, settings, seed=seed)
-        store = training_loop.ClientStateStore(process, ids)
+        store = client_states.ClientStateStore(process, ids)
         state = process.initialize()
         global_models = [[np.asarray(w) for w in state['model']]]
         for _ in range(rounds):

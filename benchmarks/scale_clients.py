@@ -10,7 +10,7 @@ clients of exactly 15 examples (2 classes each). Then
 PersFL with the MLP 784-100-10, 1000 clients, rate 0.1: two models of state
 per client (its optimal teacher and its personalized model, 0.6 MB), run
 with the client-state store on the heap, memory-mapped (the default above
-`training_loop.SPILL_BYTES`), and memory-mapped with the TFF worker on
+`client_states.SPILL_BYTES`), and memory-mapped with the TFF worker on
 glibc's default malloc arenas instead of `runtime.WORKER_MALLOC_ARENAS`.
 
 Each run is `tff-pfl-train`'s code (`experiment.run_experiment`) in a
@@ -38,7 +38,7 @@ import process_memory  # benchmarks/, the script's own directory
 from absl import app, flags
 
 from tff_pfl import runtime
-from tff_pfl.program import experiment, training_loop
+from tff_pfl.program import client_states, experiment
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 12, 'Training rounds per run.')
@@ -69,7 +69,7 @@ PERSFL = dict(
 )
 
 
-class _RecordingStore(training_loop.ClientStateStore):
+class _RecordingStore(client_states.ClientStateStore):
     """The run's store, kept for its size."""
 
     last = None
@@ -141,7 +141,7 @@ def _run(name, num_clients, settings, workdir, rounds):
 
 def _jobs():
     """(name, num_clients, settings, rounds, spill_bytes, malloc_arenas) of every run, in order."""
-    spill, arenas = training_loop.SPILL_BYTES, runtime.WORKER_MALLOC_ARENAS
+    spill, arenas = client_states.SPILL_BYTES, runtime.WORKER_MALLOC_ARENAS
     jobs = [
         (name, n, dict(SELFFL_SETTING, **settings), _ROUNDS.value, spill, arenas)
         for n in map(int, _SIZES.value)
@@ -166,8 +166,8 @@ def main(argv):
     del argv
     if _JOB.value >= 0:  # one run, in a fresh process, so that runs do not share the driver's memory
         name, num_clients, settings, rounds, spill, arenas = _jobs()[_JOB.value]
-        training_loop.ClientStateStore = _RecordingStore
-        training_loop.SPILL_BYTES, runtime.WORKER_MALLOC_ARENAS = spill, arenas
+        client_states.ClientStateStore = _RecordingStore
+        client_states.SPILL_BYTES, runtime.WORKER_MALLOC_ARENAS = spill, arenas
         record = _run(name, num_clients, settings, _WORKDIR.value, rounds)
         with open(os.path.join(_WORKDIR.value, f'record_{_JOB.value}.json'), 'w') as f:
             json.dump(record, f)

@@ -69,7 +69,7 @@ import shared_population
 from absl import app, flags
 
 from tff_pfl import metrics
-from tff_pfl.program import checkpoints, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, training_loop
 
 _ROUNDS = flags.DEFINE_integer('rounds', 200, 'Training rounds per run.')
 _ACTIVE = flags.DEFINE_integer('active', 100, 'Clients per round.')
@@ -167,7 +167,7 @@ ALGORITHMS = {
 }
 
 
-class _RecordingStore(training_loop.ClientStateStore):
+class _RecordingStore(client_states.ClientStateStore):
     """The run's store: kept for its size; the final stage on a seeded sample of `final_clients`, timed and scored.
 
     Above `final_clients` clients the last round personalizes and evaluates the
@@ -489,7 +489,7 @@ def main(argv):
     del argv
     if _JOB.value >= 0:  # one run, in a fresh process, so that runs do not share the driver's memory
         name, num_clients = _jobs()[_JOB.value]
-        training_loop.ClientStateStore = _RecordingStore
+        client_states.ClientStateStore = _RecordingStore
         _RecordingStore.final_clients = _FINAL_CLIENTS.value
         _RecordingStore.final_round = _ROUNDS.value
         from tff_pfl.data import pipeline

@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 # FedAvg on the tiny data, 8 rounds, a checkpoint every 2; the crashed run stops in round 7 (checkpoints 4 and 6).
@@ -176,7 +176,7 @@ class _Process:
 
 def _checkpoints(directory, rounds, ids=('a', 'b', 'c')):
     """Checkpoints of `rounds` (client i trained in round r: w = r + i), each saved by one store and one object."""
-    store = training_loop.ClientStateStore(_Process, list(ids))
+    store = client_states.ClientStateStore(_Process, list(ids))
     runs = checkpoints.RunCheckpoints(str(directory))
     for round_num in rounds:
         chosen = [ids[round_num % len(ids)]]
@@ -237,7 +237,7 @@ def test_the_checkpoint_resumed_from_is_kept_until_a_newer_good_one_exists(tmp_p
     _checkpoints(tmp_path, [2, 4])
     _empty(tmp_path / 'round_4.npz')
     runs = checkpoints.RunCheckpoints(str(tmp_path))
-    store = training_loop.ClientStateStore(_Process, ['a', 'b', 'c'])
+    store = client_states.ClientStateStore(_Process, ['a', 'b', 'c'])
     restored = runs.load_latest({'round_num': np.int32(0)})
     assert restored.round_num == 2
     assert [(d.path, d.why) for d in restored.skipped] == [(str(tmp_path / 'round_4.npz'), 'empty file')]

@@ -2,12 +2,13 @@
 
 import collections
 import csv
+import inspect
 import os
 
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 
@@ -45,8 +46,8 @@ def _assert_same(a, b):
 
 def test_a_spilled_store_keeps_what_the_heap_store_keeps_and_leaves_no_file(tmp_path):
     ids = [f'client_{i}' for i in range(7)]
-    heap = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path))
-    spilled = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
+    heap = client_states.ClientStateStore(_Process, ids, spill_dir=str(tmp_path))
+    spilled = client_states.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
     for step, chosen in enumerate([ids[1:4], ids[::3], ids], start=1):
         for store in (heap, spilled):
             store.put(chosen, [_trained(s, step) for s in store.get(chosen)])
@@ -84,7 +85,7 @@ def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path, mon
     """The store grows with the clients that took part; the others' initial states come in one call per read."""
     _CountingProcess.made = []
     ids = [f'c{i}' for i in range(1000)]
-    store = training_loop.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path), spill_bytes=20 * 40)
+    store = client_states.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path), spill_bytes=20 * 40)
     assert store.num_stored == 0 and store.nbytes == 0 and _CountingProcess.made == []
     first = store.get(['c5', 'c7', 'c9'])
     assert _CountingProcess.made == [['c5', 'c7', 'c9']] and store.num_stored == 0
@@ -104,7 +105,7 @@ def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path, mon
     _assert_same(store.states(), expected)
     # Iterating every state reads the clients without one in batches, not one call per client.
     _CountingProcess.made = []
-    monkeypatch.setattr(training_loop, 'CLIENTS_PER_CALL', 400)
+    monkeypatch.setattr(client_states, 'CLIENTS_PER_CALL', 400)
     states = list(store.states().values())
     assert [len(batch) for batch in _CountingProcess.made] == [400 - 30, 400, 200]  # 30 of the first 400 are stored
     assert dict(zip(ids, states)).keys() == dict(store.states().items()).keys()
@@ -115,10 +116,10 @@ def test_a_client_has_no_stored_state_until_its_first_state_is_put(tmp_path, mon
 def test_fields_of_every_client_read_the_stored_clients_and_one_initial_state(tmp_path, monkeypatch):
     _CountingProcess.made = []
     ids = [f'c{i}' for i in range(250)]
-    store = training_loop.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path))
+    store = client_states.ClientStateStore(_CountingProcess, ids, spill_dir=str(tmp_path))
     chosen = ['c3', 'c100', 'c249']
     store.put(chosen, [_trained(s, 2) for s in store.get(chosen)])
-    monkeypatch.setattr(training_loop, 'CLIENTS_PER_CALL', 100)
+    monkeypatch.setattr(client_states, 'CLIENTS_PER_CALL', 100)
     _CountingProcess.made = []
     fields = store.states().fields(['num_participations', 'loss'])
     # One call for two unstored clients' initial states (they agree), then the stored ones; no per-batch calls.
@@ -143,7 +144,7 @@ def _segment_ids(directory):
 def test_checkpoints_write_the_changed_clients_and_restore_the_same_states(tmp_path, monkeypatch):
     """First checkpoint: every stored client; then only the changes; a long chain is compacted; old files go."""
     ids = [f'c{i}' for i in range(11)]
-    store = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
+    store = client_states.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
     runs = checkpoints.RunCheckpoints(str(tmp_path / 'checkpoints'))
     rng = np.random.default_rng(0)
 
@@ -160,7 +161,7 @@ def test_checkpoints_write_the_changed_clients_and_restore_the_same_states(tmp_p
     round_of(4, ['c0'])
     assert sorted(os.listdir(runs.directory)) == ['clients_3.npz', 'clients_4.npz', 'round_3.npz', 'round_4.npz']
     monkeypatch.setattr(checkpoints, 'PIECE_BYTES', 2 * 24)  # 2 rows of the (3, 2) leaf per piece
-    restored_into = training_loop.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
+    restored_into = client_states.ClientStateStore(_Process, ids, spill_dir=str(tmp_path), spill_bytes=0)
     restored_into.restore(runs.load_latest({'round_num': np.int32(0)}))
     assert restored_into.stored_ids() == ['c1', 'c2', 'c3', 'c4', 'c0']
     _assert_same(restored_into.states(), store.states())
@@ -170,7 +171,7 @@ def test_checkpoints_write_the_changed_clients_and_restore_the_same_states(tmp_p
     restored_into.put(['c5'], [_trained(s, 5) for s in restored_into.get(['c5'])])
     training_loop.save_checkpoint(resumed, 5, {'round_num': np.int32(5)}, restored_into, rng, [])
     assert _segment_ids(runs.directory) == [['c1', 'c2', 'c3', 'c4'], ['c0'], ['c5']]
-    other = training_loop.ClientStateStore(_Process, ['c0', 'c1'])
+    other = client_states.ClientStateStore(_Process, ['c0', 'c1'])
     with pytest.raises(ValueError, match=r"clients_3.npz: client 'c2' is not a client of this run"):
         other.restore(runs.load_latest({'round_num': np.int32(0)}))
 
@@ -191,14 +192,14 @@ def test_a_checkpoint_of_the_earlier_format_loads_as_one_full_segment(tmp_path):
     os.makedirs(tmp_path / 'old')
     np.savez(tmp_path / 'old' / 'round_2.npz', **flat)
     runs = checkpoints.RunCheckpoints(str(tmp_path / 'old'))
-    store = training_loop.ClientStateStore(_Process, ids)
+    store = client_states.ClientStateStore(_Process, ids)
     store.restore(runs.load_latest({'round_num': np.int32(0)}))
     _assert_same(store.states(), states)
     assert runs.wants_everything(0, store.nbytes)
 
 
 def test_a_checkpoint_with_a_missing_segment_is_refused_in_one_line(tmp_path):
-    store = training_loop.ClientStateStore(_Process, ['a', 'b'])
+    store = client_states.ClientStateStore(_Process, ['a', 'b'])
     store.put(['a'], store.get(['a']))
     runs = checkpoints.RunCheckpoints(str(tmp_path))
     training_loop.save_checkpoint(runs, 1, {'round_num': np.int32(1)}, store, np.random.default_rng(0), [])
@@ -269,8 +270,8 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
         )
 
     experiment.run_experiment(config(tmp_path / 'plain'), log=lambda line: None)
-    monkeypatch.setattr(training_loop, 'SPILL_BYTES', 0)
-    monkeypatch.setattr(training_loop, 'CLIENTS_PER_CALL', 3)
+    monkeypatch.setattr(client_states, 'SPILL_BYTES', 0)
+    monkeypatch.setattr(client_states, 'CLIENTS_PER_CALL', 3)
     crashed = tmp_path / 'crashed'
     label = 'round 5/' if algorithm == 'persfl' else 'interval 5/'
     with pytest.raises(KeyboardInterrupt):
@@ -287,3 +288,16 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
     for name in ('metrics.csv', 'clients.csv'):
         assert _rows(crashed / name) == _rows(tmp_path / 'plain' / name), name
     assert not [f for f in os.listdir(crashed) if f.startswith('client_store_')]
+
+
+@pytest.mark.parametrize('store', [client_states.ClientStateStore, client_states.DeviceStateStore])
+def test_both_stores_follow_the_one_protocol_the_loops_use(store):
+    members = [n for n in vars(client_states.ClientStates) if not n.startswith('_')]
+    assert 'nbytes' in client_states.ClientStates.__annotations__ and isinstance(vars(store)['nbytes'], property)
+    for name in members:
+        protocol = inspect.signature(getattr(client_states.ClientStates, name))
+        own = inspect.signature(getattr(store, name))
+        # The store takes every argument of the protocol's method, by the same name, and may take more.
+        assert list(protocol.parameters) == list(own.parameters)[: len(protocol.parameters)], (store, name)
+        extra = list(own.parameters.values())[len(protocol.parameters) :]
+        assert all(p.default is not inspect.Parameter.empty for p in extra), (store, name)

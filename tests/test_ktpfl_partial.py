@@ -13,7 +13,7 @@ from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.data import client_data
-from tff_pfl.program import experiment, training_loop
+from tff_pfl.program import client_states, experiment, training_loop
 
 SIZES = (37, 50, 23, 30)  # four clients
 PUBLIC = 20
@@ -171,7 +171,7 @@ def test_ktpfl_round_with_half_of_the_clients(spec, tff_runtime):
     )
     proc = ktpfl.build_ktpfl_process(spec, settings, seed=1)
     ids = list(spec.client_ids)
-    store = training_loop.ClientStateStore(proc, ids)
+    store = client_states.ClientStateStore(proc, ids)
     state = proc.initialize()
     state, _ = store.run_round(proc, state, ids)  # every client: c leaves 1/N
     c1 = np.asarray(state['coefficients'])

@@ -13,7 +13,7 @@ from tff_pfl import models
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import audit, distillation
 from tff_pfl.data import client_data
-from tff_pfl.program import training_loop
+from tff_pfl.program import client_states, training_loop
 
 SETTINGS = persfl.PersFLSettings(
     local_epochs=1,
@@ -56,7 +56,7 @@ def test_teacher_selection_matches_numpy(problem, tff_runtime):
     spec, _ = problem
     process = _build(problem)
     state = process.initialize()
-    store = training_loop.ClientStateStore(process, spec.client_ids)
+    store = client_states.ClientStateStore(process, spec.client_ids)
     expected = {c: (np.inf, -1, None) for c in spec.client_ids}  # loss, round, weights
     rng = np.random.default_rng(0)
     for round_num in range(6):

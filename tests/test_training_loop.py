@@ -8,7 +8,7 @@ import pytest
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.program import training_loop
+from tff_pfl.program import client_states, training_loop
 
 
 def test_sample_clients_is_seeded_and_sized():
@@ -80,7 +80,7 @@ def test_poisson_rounds_may_be_empty_and_then_change_nothing(process, tff_runtim
 
 def test_store_rejects_a_state_in_the_wrong_slot(process, tff_runtime):
     spec, proc = process
-    store = training_loop.ClientStateStore(proc, spec.client_ids)
+    store = client_states.ClientStateStore(proc, spec.client_ids)
     states = store.get(spec.client_ids[:2])
     with pytest.raises(RuntimeError, match='slot'):
         store.put(spec.client_ids[:2], states[::-1])
@@ -103,7 +103,7 @@ def test_sampled_evaluations_score_a_seeded_sample_and_change_no_training_number
     assert len(set(chosen.tolist())) == 3 and list(chosen) == sorted(chosen)
     assert training_loop.evaluation_sample(5, 2, 8, 8) is None and training_loop.evaluation_sample(5, 2, 8, 0) is None
     # Round 2's sample against a full evaluation of the same clients at round 2.
-    store = training_loop.ClientStateStore(proc, spec.client_ids)
+    store = client_states.ClientStateStore(proc, spec.client_ids)
     rng = np.random.default_rng([5, 0x5A3D])
     state = proc.initialize()
     for _ in range(2):

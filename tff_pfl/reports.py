@@ -481,7 +481,7 @@ def client_fields(client_states, fields: Sequence[str]) -> tuple[list[str], dict
     Returns:
       The client ids, and each field stacked over them in that order.
     """
-    if hasattr(client_states, 'fields'):  # a training_loop.StateView
+    if hasattr(client_states, 'fields'):  # a client_states.StateView
         return list(client_states), client_states.fields(fields)
     ids = list(client_states)
     values = {f: np.stack([np.asarray(client_states[c][f]) for c in ids]) for f in fields}

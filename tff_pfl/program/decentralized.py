@@ -23,7 +23,7 @@ import numpy as np
 
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import health, training_loop
+from tff_pfl.program import client_states, health, training_loop
 
 
 def run(
@@ -96,7 +96,7 @@ def run(
     source_map = training_loop.source_id_map(client_ids, source_ids)
     rng = np.random.default_rng([seed, 0x4B44])
     num_clients = len(client_ids)
-    store = training_loop.ClientStateStore(process, client_ids, spill_dir=spill_dir)
+    store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     state = process.initialize()
     started, summaries = time.monotonic(), {}
     state, rows, first_interval = training_loop.resume(
