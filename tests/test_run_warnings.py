@@ -7,7 +7,7 @@ import types
 import pytest
 
 from tff_pfl import algorithm as algorithm_lib
-from tff_pfl.program import algorithms, experiment, health, training_loop
+from tff_pfl.program import algorithms, experiment, health, run_report, training_loop
 
 
 def _config(**values):
@@ -195,9 +195,9 @@ def test_the_progress_line_ends_with_the_tags():
 
 def test_the_report_has_a_warnings_section_only_with_warnings():
     result = types.SimpleNamespace(warnings=[])
-    assert experiment.warning_lines(result) == []
+    assert run_report.warning_lines(result) == []
     result.warnings = ['before round 1: a', 'round 3: DIVERGING: b']
-    assert experiment.warning_lines(result) == ['', '## Warnings', '', '- before round 1: a', '- round 3: DIVERGING: b']
+    assert run_report.warning_lines(result) == ['', '## Warnings', '', '- before round 1: a', '- round 3: DIVERGING: b']
 
 
 # --- end to end ------------------------------------------------------------------------------

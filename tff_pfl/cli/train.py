@@ -18,7 +18,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 from absl import app, flags, logging
 
 from tff_pfl.cli import common, config_flags
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_report
 
 # The settings' flags: one per field of the common settings and of every
 # algorithm's settings dataclass, generated (tff_pfl/cli/config_flags.py).
@@ -94,12 +94,12 @@ def main(argv) -> None:
     except KeyboardInterrupt:
         print(f'{_PROG}: interrupted', file=sys.stderr)
         sys.exit(130)
-    rows, columns = experiment.client_table(result)
+    rows, columns = run_report.client_table(result)
     print()
     # A large population's every client is in clients.csv, not on the terminal.
     print(reports.format_table(rows, columns, max_rows=PRINTED_CLIENTS, more='clients in clients.csv'))
     print()
-    rows, columns = experiment.summary_table(result)
+    rows, columns = run_report.summary_table(result)
     print(reports.format_table(rows, columns))
     out = os.path.abspath(config.output_dir)
     print(f'\nreport: {os.path.join(out, "report.md")}')
