@@ -29,11 +29,8 @@ from absl import (
     flags,  # noqa: E402
 )
 
-from tff_pfl.program import (
-    algorithms,  # noqa: E402
-    experiment,  # noqa: E402
-    reports,  # noqa: E402
-)
+from tff_pfl import reports  # noqa: E402
+from tff_pfl.program import algorithms, experiment, run_config  # noqa: E402
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _CLIENTS = flags.DEFINE_list('num_clients', ['10', '20', '40'], 'M values of the table.')
@@ -92,12 +89,12 @@ def _run(name, algorithm, **overrides):
         finetune_from_slot=_FINETUNE_FROM.value,
     )
     values.update(overrides)
-    unknown = set(values) - set(experiment.ExperimentConfig.common_fields()) - algorithms.all_setting_names()
+    unknown = set(values) - set(run_config.ExperimentConfig.common_fields()) - algorithms.all_setting_names()
     if unknown:
         raise ValueError(f'not a setting: {sorted(unknown)}')
     # Each method takes the settings it has: local learning has no neighbours, FedAvg no distances.
-    own = set(experiment.ExperimentConfig.common_fields()) | set(algorithms.get(algorithm).settings.field_names())
-    config = experiment.make_config(
+    own = set(run_config.ExperimentConfig.common_fields()) | set(algorithms.get(algorithm).settings.field_names())
+    config = run_config.make_config(
         output_dir=os.path.join(_RUNS_DIR.value, name),
         algorithm=algorithm,
         **{k: v for k, v in values.items() if k in own},

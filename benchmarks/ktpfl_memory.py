@@ -48,7 +48,7 @@ _OUT = flags.DEFINE_string('out', 'benchmarks/results/ktpfl_memory', 'Result pat
 def _measure(case: str) -> dict:
     """Runs `ktpfl_homo` for `--rounds` rounds in this process and returns the worker's peak RSS."""
     from processes import ktpfl
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     num_clients, fraction = case.split(':')
     peak, stop = [0.0], threading.Event()
@@ -71,7 +71,7 @@ def _measure(case: str) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     with tempfile.TemporaryDirectory() as tmp:
-        config = experiment.make_config(
+        config = run_config.make_config(
             output_dir=os.path.join(tmp, 'run'),
             algorithm='ktpfl_homo',
             dataset=f'npz:{os.path.abspath(_DATA.value)}',

@@ -26,7 +26,7 @@ from absl import app, flags
 
 from processes import feddf, ktpfl
 from tff_pfl import reports
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _CASES = flags.DEFINE_list('cases', ['kt_case1', 'kt_case2'], 'Partitions to run.')
@@ -146,7 +146,7 @@ def main(argv):
         for method in _METHODS.value:
             algorithm, settings_class, extra, reported = METHODS[method]
             out_dir = os.path.join(_RUNS_DIR.value, case, method)
-            config = experiment.ExperimentConfig(
+            config = run_config.ExperimentConfig(
                 output_dir=out_dir,
                 algorithm=algorithm,
                 partition=case,

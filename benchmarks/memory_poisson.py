@@ -23,7 +23,7 @@ import tensorflow_federated as tff
 from absl import app, flags
 
 from tff_pfl import runtime
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 _DATA = flags.DEFINE_string('data', '../shared/data/fashion_mnist.npz', 'Keras-layout Fashion-MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 100, 'Rounds per side.')
@@ -57,7 +57,7 @@ def main(argv):
         runtime.ClosingExecutorFactory, original = factory, runtime.ClosingExecutorFactory
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                config = experiment.make_config(
+                config = run_config.make_config(
                     output_dir=os.path.join(tmp, 'run'),
                     algorithm='fedavg',
                     dataset=f'npz:{_DATA.value}',

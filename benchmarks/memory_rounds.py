@@ -16,7 +16,7 @@ import tempfile
 import psutil
 from absl import app, flags
 
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 100, 'Rounds per algorithm.')
@@ -51,7 +51,7 @@ def main(argv):
                 print(f'{algorithm} {line.split("  ")[0]}: driver {driver:.0f} MB, worker {worker:.0f} MB', flush=True)
 
         with tempfile.TemporaryDirectory() as tmp:
-            config = experiment.make_config(
+            config = run_config.make_config(
                 output_dir=os.path.join(tmp, algorithm),
                 algorithm=algorithm,
                 dataset=f'npz:{_MNIST.value}',

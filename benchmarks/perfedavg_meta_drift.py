@@ -34,7 +34,7 @@ from absl import app, flags
 from tff_pfl import models, reports
 from tff_pfl.computations import local_training
 from tff_pfl.data import client_data
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 from tff_pfl_bench import bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +52,7 @@ SUITE = os.path.join(REPO, 'benchmarks', 'suites', 'ktpfl_fmnist_table2.toml')
 WINDOW = 20  # steps per mean in the report's loss columns
 
 
-def _prepare(seed: int) -> tuple[client_data.ClientDataSpec, experiment.ExperimentConfig]:
+def _prepare(seed: int) -> tuple[client_data.ClientDataSpec, run_config.ExperimentConfig]:
     """The suite's Per-FedAvg run of `--partition` and `seed`: its partition (written once) and its settings."""
     suite = bench_suite.load_suite(SUITE)
     runs = suite.select(seeds=[seed], algorithms=['Per-FedAvg'], partitions=[_PARTITION.value])

@@ -38,7 +38,7 @@ import process_memory  # benchmarks/, the script's own directory
 from absl import app, flags
 
 from tff_pfl import runtime
-from tff_pfl.program import client_states, experiment
+from tff_pfl.program import client_states, experiment, run_config
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 12, 'Training rounds per run.')
@@ -91,7 +91,7 @@ def _run(name, num_clients, settings, workdir, rounds):
         if match:
             print(f'{name} N={num_clients}: {line}', flush=True)
 
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=os.path.join(workdir, f'{name}_{num_clients}'),
         dataset=f'npz:{_MNIST.value}',
         num_clients=num_clients,

@@ -69,7 +69,7 @@ import shared_population
 from absl import app, flags
 
 from tff_pfl import metrics
-from tff_pfl.program import checkpoints, client_states, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, run_config, training_loop
 
 _ROUNDS = flags.DEFINE_integer('rounds', 200, 'Training rounds per run.')
 _ACTIVE = flags.DEFINE_integer('active', 100, 'Clients per round.')
@@ -255,7 +255,7 @@ def _run(name, num_clients, workdir):
             if done % 20 == 0 or done == total:
                 print(f'{name} N={num_clients}: {line}', flush=True)
 
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=os.path.join(workdir, f'{name}_{num_clients}'),
         num_clients=num_clients,
         client_fraction=_ACTIVE.value / num_clients,

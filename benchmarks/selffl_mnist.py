@@ -17,7 +17,7 @@ import time
 from absl import app, flags
 
 from tff_pfl import reports
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _NUM_CLIENTS = flags.DEFINE_integer('num_clients', 1000, 'Clients.')
@@ -48,7 +48,7 @@ def main(argv):
     }
     results, curves = {}, {}
     for name, extra in runs.items():
-        config = experiment.ExperimentConfig.from_dict(
+        config = run_config.ExperimentConfig.from_dict(
             {'output_dir': os.path.join(_RUNS_DIR.value, name), **common, **extra}
         )
         start = time.monotonic()

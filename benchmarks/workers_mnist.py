@@ -30,7 +30,7 @@ import portpicker
 from absl import app, flags
 
 from tff_pfl import runtime
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Runs of each way per algorithm.')
@@ -55,7 +55,7 @@ TIMING = {'round_seconds', 'personalize_seconds'}
 
 def _config(out, algorithm, workers):
     """The run's configuration in its flat form: common and algorithm settings side by side."""
-    return experiment.ExperimentConfig.from_dict(
+    return run_config.ExperimentConfig.from_dict(
         dict(
             output_dir=out,
             algorithm=algorithm,

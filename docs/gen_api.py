@@ -55,7 +55,8 @@ PUBLIC = [
     ('tff_pfl.computations.local_training', ['loss_from', 'metrics_from']),
     ('tff_pfl.computations.privacy', ['DPConfig']),
     ('tff_pfl.program.training_loop', ['run', 'RunResult']),
-    ('tff_pfl.program.experiment', ['make_config', 'run_experiment', 'ExperimentConfig']),
+    ('tff_pfl.program.run_config', ['make_config', 'ExperimentConfig']),
+    ('tff_pfl.program.experiment', ['run_experiment']),
     ('tff_pfl.runtime', ['local_runtime', 'runtime_for', 'refuse_implicit_runtime']),
 ]
 

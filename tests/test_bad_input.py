@@ -103,13 +103,13 @@ def _dataset(data, tmp_path) -> dict:
 @pytest.mark.parametrize('what, data, changes, message', CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_before_anything_is_written(what, data, changes, message, tmp_path):
     from tff_pfl.data import partition, sources
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     del what
     kwargs = dict(num_clients=4, rounds=1, output_dir=str(tmp_path / 'run'), **_dataset(data, tmp_path))
     kwargs.update(changes)
-    with pytest.raises((experiment.ConfigError, sources.DataError, partition.PartitionError)) as raised:
-        experiment.run_experiment(experiment.make_config(**kwargs), log=lambda line: None)
+    with pytest.raises((run_config.ConfigError, sources.DataError, partition.PartitionError)) as raised:
+        experiment.run_experiment(run_config.make_config(**kwargs), log=lambda line: None)
     assert message in str(raised.value)
     assert '\n' not in str(raised.value)
     assert not os.path.exists(kwargs['output_dir'])

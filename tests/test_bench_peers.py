@@ -278,8 +278,8 @@ def test_marked_labels_survive_float32_for_every_client_a_peer_takes():
 def test_a_peer_refuses_more_clients_than_its_marks_hold():
     too_many = [f'c{i}' for i in range(bench_peers.MAX_MARKED_CLIENTS + 1)]
     clients = bench_peers._Clients(types.SimpleNamespace(client_ids=too_many, num_classes=10), {})
-    with pytest.raises(bench_peers.experiment.ConfigError, match=r'tff_fed_recon scores at most 16383 clients'):
+    with pytest.raises(bench_peers.run_config.ConfigError, match=r'tff_fed_recon scores at most 16383 clients'):
         bench_peers._check_markable('tff_fed_recon', clients)
     clients = bench_peers._Clients(types.SimpleNamespace(client_ids=['c0'], num_classes=bench_peers._TEST_MARK), {})
-    with pytest.raises(bench_peers.experiment.ConfigError, match=r'at most 1023 classes'):
+    with pytest.raises(bench_peers.run_config.ConfigError, match=r'at most 1023 classes'):
         bench_peers._check_markable('tff_fed_recon', clients)

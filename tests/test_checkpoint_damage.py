@@ -10,7 +10,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, client_states, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, run_config, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 # FedAvg on the tiny data, 8 rounds, a checkpoint every 2; the crashed run stops in round 7 (checkpoints 4 and 6).
@@ -30,7 +30,7 @@ SETTINGS = dict(
 
 
 def _config(tiny_npz, out):
-    return experiment.make_config(output_dir=str(out), dataset=f'npz:{tiny_npz}', **SETTINGS)
+    return run_config.make_config(output_dir=str(out), dataset=f'npz:{tiny_npz}', **SETTINGS)
 
 
 def _rows(path):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,12 +146,12 @@ def test_bad_input_one_line_exit_2_in_process(flags, message, tmp_path, train_in
     ],
 )
 def test_config_validation(changes, message):
-    with pytest.raises(experiment.ConfigError, match=re.escape(message)):
-        experiment.make_config(output_dir='x', **changes).validate()
+    with pytest.raises(run_config.ConfigError, match=re.escape(message)):
+        run_config.make_config(output_dir='x', **changes).validate()
 
 
 def test_partition_error_writes_nothing(tiny_npz, tmp_path):
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'run'),
         dataset=f'npz:{tiny_npz}',
         partition='ds1',
@@ -166,8 +166,8 @@ def test_partition_error_writes_nothing(tiny_npz, tmp_path):
 def test_existing_output_dir_is_refused(tmp_path):
     (tmp_path / 'run').mkdir()
     (tmp_path / 'run' / 'metrics.csv').write_text('round\n')
-    config = experiment.make_config(output_dir=str(tmp_path / 'run'))
-    with pytest.raises(experiment.ConfigError, match='not empty'):
+    config = run_config.make_config(output_dir=str(tmp_path / 'run'))
+    with pytest.raises(run_config.ConfigError, match='not empty'):
         experiment.run_experiment(config)
     assert (tmp_path / 'run' / 'metrics.csv').read_text() == 'round\n'
 
@@ -177,15 +177,15 @@ def test_unwritable_output_dir(tmp_path):
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):  # root ignores permission bits
         pytest.skip('running as a user that can write anywhere')
-    config = experiment.make_config(output_dir=str(locked / 'run'))
-    with pytest.raises(experiment.ConfigError, match='not writable'):
+    config = run_config.make_config(output_dir=str(locked / 'run'))
+    with pytest.raises(run_config.ConfigError, match='not writable'):
         experiment.run_experiment(config)
 
 
 @pytest.mark.parametrize('algorithm', ['fedavg', 'kdpdfl_local'])
 def test_a_run_that_diverges_stops_and_says_where(algorithm, tmp_path):
     """The round loop and the serverless loop: training loss inf from round 1, outputs complete, report says so."""
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'run'),
         algorithm=algorithm,
         dataset='synthetic',

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, client_states, experiment, training_loop
+from tff_pfl.program import checkpoints, client_states, experiment, run_config, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 
@@ -256,7 +256,7 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
     """Store memory-mapped, evaluation and personalization 3 clients per call, crash after round 5: same numbers."""
 
     def config(out):
-        return experiment.make_config(
+        return run_config.make_config(
             output_dir=str(out),
             algorithm=algorithm,
             dataset=f'npz:{tiny_npz}',

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from tff_pfl import algorithm
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, run_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -73,11 +73,11 @@ def test_unknown_algorithm_is_one_line_in_every_entry_point():
     line = algorithms.unknown('fedsgd')
     assert line.startswith("unknown algorithm 'fedsgd'; known: apfl, ditto,") and '\n' not in line
     assert algorithms.unknown('persfl') is None
-    with pytest.raises(experiment.ConfigError) as from_dict:
-        experiment.ExperimentConfig.from_dict({'algorithm': 'fedsgd', 'output_dir': 'x'}, where='run.toml: ')
+    with pytest.raises(run_config.ConfigError) as from_dict:
+        run_config.ExperimentConfig.from_dict({'algorithm': 'fedsgd', 'output_dir': 'x'}, where='run.toml: ')
     assert str(from_dict.value) == 'run.toml: ' + line
-    with pytest.raises(experiment.ConfigError) as validate:
-        experiment.ExperimentConfig(output_dir='x', algorithm='fedsgd').validate()
+    with pytest.raises(run_config.ConfigError) as validate:
+        run_config.ExperimentConfig(output_dir='x', algorithm='fedsgd').validate()
     assert str(validate.value) == line
 
 
@@ -92,8 +92,8 @@ def test_unknown_algorithm_is_one_line_in_every_entry_point():
     ],
 )
 def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
-    config = experiment.ExperimentConfig(output_dir='x', algorithm=name, **values)
-    with pytest.raises(experiment.ConfigError) as refused:
+    config = run_config.ExperimentConfig(output_dir='x', algorithm=name, **values)
+    with pytest.raises(run_config.ConfigError) as refused:
         config.validate()
     module = algorithms.get(name).build.__module__
     assert str(refused.value) == getattr(__import__(module, fromlist=['_']), refusal)
@@ -109,7 +109,7 @@ def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
     ],
 )
 def test_declared_privacy_modes_take_what_they_support(name, values):
-    experiment.ExperimentConfig(output_dir='x', algorithm=name, **values).validate()
+    run_config.ExperimentConfig(output_dir='x', algorithm=name, **values).validate()
 
 
 def test_run_options_make_the_upload_aggregator_only_when_asked():

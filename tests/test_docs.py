@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from tff_pfl.program import algorithms
+from tff_pfl.program import algorithms, run_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MARKDOWN = sorted(
@@ -120,7 +120,6 @@ def test_documented_training_commands_are_valid_configurations():
 
     from tff_pfl import models
     from tff_pfl.cli import train
-    from tff_pfl.program import experiment
 
     refused = []
     commands = list(_train_commands())
@@ -131,7 +130,7 @@ def test_documented_training_commands_are_valid_configurations():
             flags.FLAGS(['tff-pfl-train', *args])
             try:
                 train.config_from_flags()
-            except experiment.ConfigError as e:
+            except run_config.ConfigError as e:
                 refused.append(f'{path.relative_to(REPO)}: {" ".join(args)}: {e}')
     finally:
         flags.FLAGS.unparse_flags()

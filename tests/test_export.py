@@ -13,7 +13,7 @@ import tensorflow_federated as tff
 from deploy import loader
 from tff_pfl import models
 from tff_pfl.computations import device_state
-from tff_pfl.program import algorithms, experiment, export
+from tff_pfl.program import algorithms, export, run_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +30,7 @@ def _small(algorithm):
 
 
 def _config(out, algorithm, **kwargs):
-    return experiment.make_config(
+    return run_config.make_config(
         output_dir=str(out), algorithm=algorithm, dataset='synthetic', num_clients=4, **_small(algorithm), **kwargs
     )
 
@@ -324,7 +324,7 @@ def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
         extra['model'] = 'mnist_dnn'
     if algorithm == 'fedavg_ft':
         extra['finetune_epochs'] = 1
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'out'),
         algorithm=algorithm,
         dataset=f'npz:{tiny_npz}',
@@ -351,7 +351,7 @@ def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
 
 
 def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'out'),
         algorithm='fedper',
         dataset='synthetic',
@@ -359,7 +359,7 @@ def test_a_model_that_does_not_fit_the_data_is_a_config_error(tmp_path):
         num_clients=3,
         personal_layers=1,
     )
-    with pytest.raises(experiment.ConfigError, match='personal_layers=1 leaves no shared layer'):
+    with pytest.raises(run_config.ConfigError, match='personal_layers=1 leaves no shared layer'):
         export.export(config, log=lambda line: None)
     assert not (tmp_path / 'out').exists()
 
@@ -386,7 +386,7 @@ def test_devices_prepare_their_client_data_from_the_clients_dir_layout(tmp_path)
         for name, n in (('ann', 9), ('ben', 6), ('cai', 12), ('dee', 7))
     }
     devices = _devices_dir(tmp_path / 'devices', clients)
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'export'),
         algorithm='fedavg',
         dataset=f'clients:{devices}',

@@ -212,7 +212,7 @@ def test_local_steps_are_exact(vector_problem, tff_runtime, cls):
 @pytest.mark.parametrize('algorithm', ['pfeddf', 'ktpfl_homo'])
 def test_experiment_runs(tiny_npz, tmp_path, algorithm):
     from processes import ktpfl
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
     if algorithm == 'pfeddf':
@@ -227,7 +227,7 @@ def test_experiment_runs(tiny_npz, tmp_path, algorithm):
         )
     else:
         algorithm_settings = ktpfl.KTpFLHomoSettings(kt_transfer_steps=1, **LOCAL)
-    config = experiment.ExperimentConfig(
+    config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm=algorithm,
         dataset=f'npz:{tiny_npz}',

@@ -227,10 +227,10 @@ def test_the_driver_reports_local_steps_per_slot(problem, tff_runtime):
 
 
 def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = experiment.ExperimentConfig(
+    config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm='kdpdfl',
         dataset=f'npz:{tiny_npz}',
@@ -248,8 +248,8 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
     assert graph.shape == (4, 4) and (np.diag(graph) == 0).all() and (graph >= 0).all()
     assert (out / 'collaboration_graph.png').stat().st_size > 0
     assert [r['slot'] for r in result.rounds] == [3, 6, 9]
-    with pytest.raises(experiment.ConfigError, match='exchange_interval'):
-        experiment.ExperimentConfig(
+    with pytest.raises(run_config.ConfigError, match='exchange_interval'):
+        run_config.ExperimentConfig(
             output_dir='x', algorithm='kdpdfl', settings=kdpdfl.KDPDFLSettings(exchange_interval=1)
         ).validate()
 

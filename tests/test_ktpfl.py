@@ -283,10 +283,10 @@ def test_local_steps_are_exact(vector_problem, tff_runtime, c_update):
 
 
 def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = experiment.ExperimentConfig(
+    config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm='ktpfl',
         dataset=f'npz:{tiny_npz}',
@@ -307,11 +307,11 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
     assert (out / 'knowledge_coefficients.png').stat().st_size > 0
     assert len((out / 'knowledge_coefficients.csv').read_text().splitlines()) == 4
     assert [row['architecture_id'] for row in result.clients] == [0, 1, 0]
-    with pytest.raises(experiment.ConfigError, match='public_examples'):
-        experiment.ExperimentConfig(
+    with pytest.raises(run_config.ConfigError, match='public_examples'):
+        run_config.ExperimentConfig(
             output_dir='x', algorithm='ktpfl', settings=ktpfl.KTpFLSettings(public_examples=0)
         ).validate()
-    experiment.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()  # the defaults need no flag
+    run_config.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()  # the defaults need no flag
 
 
 def _numpy_homogeneous_objective(c, params, sizes, rho, lam):

@@ -19,7 +19,7 @@ import os
 import pytest
 
 from tff_pfl import settings as settings_lib
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, experiment, run_config
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'mnist_gate.npz')
 NUM_CLIENTS = 8
@@ -44,7 +44,7 @@ def run(algorithm: str, out: str, rounds: int | None = None, **changes) -> dict:
     """One gate run; returns model name -> mean test accuracy over the clients."""
     if algorithm in PUBLIC_EXAMPLES:
         changes['public_examples'] = PUBLIC_EXAMPLES[algorithm]
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=out,
         algorithm=algorithm,
         dataset=f'npz:{DATA}',

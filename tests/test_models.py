@@ -330,7 +330,7 @@ BY_NAME = {'feddf', 'pfeddf', 'ktpfl'}
 
 def test_every_builder_given_a_model_refuses_one_ending_in_softmax(tmp_path):
     from tests.conftest import make_linear_problem
-    from tff_pfl.program import algorithms, experiment
+    from tff_pfl.program import algorithms, run_config
 
     spec = make_linear_problem(tmp_path / 'data', public_examples=12)
 
@@ -347,7 +347,7 @@ def test_every_builder_given_a_model_refuses_one_ending_in_softmax(tmp_path):
     built = set()
     for name in algorithms.names():
         extra = {'architectures': ('logistic',)} if name == 'ktpfl' else {}
-        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **extra).validate()
+        config = run_config.make_config(output_dir='', algorithm=name, num_clients=3, **extra).validate()
         try:
             algorithms.build(name, config.settings, spec, model_fn, config)
         except ValueError as e:
@@ -387,16 +387,16 @@ def test_register_makes_a_model_available_by_name_and_guards_the_built_in_ones()
 
 
 def test_model_modules_registers_a_users_model_for_model_and_architectures(tmp_path):
-    from tff_pfl.program import experiment
+    from tff_pfl.program import run_config
 
     path = tmp_path / 'my_models.py'
     path.write_text(USER_MODELS)
     try:
-        config = experiment.make_config(
+        config = run_config.make_config(
             output_dir=str(tmp_path / 'run'), model='user_small_mlp', model_modules=(str(path),)
         ).validate()
         assert config.model_name() == 'user_small_mlp'
-        experiment.make_config(
+        run_config.make_config(
             output_dir=str(tmp_path / 'run'),
             algorithm='ktpfl',
             architectures=('user_small_mlp', 'logistic'),
@@ -404,8 +404,8 @@ def test_model_modules_registers_a_users_model_for_model_and_architectures(tmp_p
         ).validate()
     finally:
         models.unregister('user_small_mlp')
-    with pytest.raises(experiment.ConfigError, match="unknown model 'user_small_mlp'"):
-        experiment.make_config(output_dir=str(tmp_path / 'run'), model='user_small_mlp').validate()
+    with pytest.raises(run_config.ConfigError, match="unknown model 'user_small_mlp'"):
+        run_config.make_config(output_dir=str(tmp_path / 'run'), model='user_small_mlp').validate()
 
 
 @pytest.mark.parametrize(

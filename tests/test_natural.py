@@ -339,10 +339,10 @@ def test_binary_refuses_a_download_without_network_in_one_line(tmp_path):
 @pytest.mark.parametrize('algorithm', ['persfl', 'fedper', 'perfedavg_hf', 'kdpdfl'])
 def test_algorithms_train_and_score_characters(algorithm, shakespeare_cache, tmp_path, tff_runtime):
     """One round on the tiny Shakespeare layout: each client is scored on its own test characters."""
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     overrides = {'persfl': dict(temperatures=(1.0, 4.0), imitations=(0.0, 0.5), distill_epochs=1)}.get(algorithm, {})
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'run'),
         algorithm=algorithm,
         dataset='tff:shakespeare',

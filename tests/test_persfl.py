@@ -13,7 +13,7 @@ from tff_pfl import models
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import audit, distillation
 from tff_pfl.data import client_data
-from tff_pfl.program import client_states, training_loop
+from tff_pfl.program import client_states, run_config, training_loop
 
 SETTINGS = persfl.PersFLSettings(
     local_epochs=1,
@@ -211,7 +211,7 @@ def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
     from tff_pfl.program import experiment
 
     out = tmp_path / 'run'
-    config = experiment.ExperimentConfig(
+    config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm='persfl_gd',
         dataset=f'npz:{tiny_npz}',

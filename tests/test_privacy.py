@@ -13,7 +13,7 @@ from processes import fedavg, selffl
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import aggregators, audit, privacy
-from tff_pfl.program import algorithms, experiment, training_loop
+from tff_pfl.program import algorithms, experiment, run_config, training_loop
 
 
 def _aggregate(dp, values):
@@ -251,7 +251,7 @@ def test_ktpfl_family_noises_on_the_clients_and_without_noise_is_the_plain_round
         ('loose', {'dp_noise_multiplier': 0.0, 'dp_clip': 1e4}),
         ('noised', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0}),
     ]:
-        config = experiment.make_config(
+        config = run_config.make_config(
             output_dir='', algorithm=name, num_clients=3, local_epochs=1, batch_size=8, **extra, **dp
         )
         config.validate()
@@ -280,7 +280,7 @@ def test_feddf_dp_round_without_noise_and_a_loose_clip_is_the_plain_round(secure
         ('plain', {}),
         ('loose', {'dp_noise_multiplier': 0.0, 'dp_clip': 1e3, 'secure_aggregation': secure}),
     ]:
-        config = experiment.make_config(
+        config = run_config.make_config(
             output_dir='', algorithm='feddf', num_clients=3, feddf_distill_epochs=0, **common, **extra
         )
         config.validate()
@@ -292,7 +292,7 @@ def test_feddf_dp_round_without_noise_and_a_loose_clip_is_the_plain_round(secure
 
 
 def _config(**fields):
-    return experiment.ExperimentConfig.from_dict({'output_dir': '', 'num_clients': 100, **fields})
+    return run_config.ExperimentConfig.from_dict({'output_dir': '', 'num_clients': 100, **fields})
 
 
 @pytest.mark.parametrize(
@@ -353,7 +353,7 @@ def _config(**fields):
     ],
 )
 def test_bad_privacy_settings_are_one_line(fields, message):
-    with pytest.raises(experiment.ConfigError) as error:
+    with pytest.raises(run_config.ConfigError) as error:
         _config(**fields).validate()
     assert message in str(error.value) and '\n' not in str(error.value)
 
@@ -362,7 +362,7 @@ def test_a_target_epsilon_the_schedule_exceeds_is_refused_with_the_epsilon_it_wo
     fields = {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'client_fraction': 0.1, 'dp_delta': 1e-5}
     reach = privacy.epsilon(_config(**fields).privacy(), 0.1, 100, 1e-5)
     _config(**fields, rounds=100, dp_target_epsilon=reach * 1.01).validate()
-    with pytest.raises(experiment.ConfigError, match=f'reach epsilon {reach:.5g} at delta 1e-05'):
+    with pytest.raises(run_config.ConfigError, match=f'reach epsilon {reach:.5g} at delta 1e-05'):
         _config(**fields, rounds=100, dp_target_epsilon=reach * 0.99).validate()
     # The default delta is 1 / N^1.1.
     assert _config(**fields).dp_delta_for(1000) == 1e-5
@@ -373,7 +373,7 @@ def test_a_target_epsilon_the_schedule_exceeds_is_refused_with_the_epsilon_it_wo
 
 def test_a_dp_run_reports_epsilon_after_every_round(tmp_path, tff_runtime):
     out = str(tmp_path / 'run')
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=out,
         algorithm='persfl',
         num_clients=12,
@@ -411,7 +411,7 @@ def test_an_interrupted_dp_run_resumes_from_its_checkpoint_with_its_aggregator_s
         dp_noise_multiplier=0.0,
         dp_target_quantile=0.5,
     )
-    whole = experiment.run_experiment(experiment.make_config(output_dir=str(tmp_path / 'whole'), **fields))
+    whole = experiment.run_experiment(run_config.make_config(output_dir=str(tmp_path / 'whole'), **fields))
     calls = []
     sample = training_loop.sample_clients
 
@@ -421,7 +421,7 @@ def test_an_interrupted_dp_run_resumes_from_its_checkpoint_with_its_aggregator_s
             raise KeyboardInterrupt
         return sample(*args, **kwargs)
 
-    config = experiment.make_config(output_dir=str(tmp_path / 'cut'), **fields)
+    config = run_config.make_config(output_dir=str(tmp_path / 'cut'), **fields)
     monkeypatch.setattr(training_loop, 'sample_clients', interrupted)
     with pytest.raises(KeyboardInterrupt):
         experiment.run_experiment(config)
@@ -462,7 +462,7 @@ def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path
         ('plain', {}),
         ('dp+secure', {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'secure_aggregation': not local}),
     ]:
-        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **own, **extra)
+        config = run_config.make_config(output_dir='', algorithm=name, num_clients=3, **own, **extra)
         config.validate()
         built[label] = algorithms.build(name, config.settings, spec, model_fn, config)
     for label, process in built.items():
@@ -488,7 +488,7 @@ def test_what_stays_on_the_clients_under_dp_never_crosses(tmp_path):
         ('apfl', 'logistic'),
     ]:
         model_fn = functools.partial(models.get(model_name), spec.feature_shape, spec.num_classes)
-        config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, model=model_name, **dp)
+        config = run_config.make_config(output_dir='', algorithm=name, num_clients=3, model=model_name, **dp)
         config.validate()
         built[name] = algorithms.build(name, config.settings, spec, model_fn, config)
     uploads = {
@@ -533,7 +533,7 @@ def test_dp_noise_script_prints_calibrated_multipliers(capsys):
 
 def _uploads(name, spec, model_fn):
     extra = {'architectures': ('logistic',)} if algorithms.get(name).own_architectures else {'model': 'logistic'}
-    config = experiment.make_config(output_dir='', algorithm=name, num_clients=3, **extra)
+    config = run_config.make_config(output_dir='', algorithm=name, num_clients=3, **extra)
     process = algorithms.build(name, config.settings, spec, model_fn, config)
     phases = process.device.phases if process.device is not None else {'next': process.next}
     if process.device is not None:
@@ -583,7 +583,7 @@ def test_what_the_algorithms_without_dp_upload(tmp_path):
 def test_a_weight_the_secure_sum_cannot_hold_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.setattr(privacy, 'SECURE_WEIGHT_LIMIT', 10)  # Synthetic(1,1)'s clients have more examples
     out = tmp_path / 'run'
-    config = experiment.make_config(output_dir=str(out), num_clients=5, rounds=1, secure_aggregation=True)
-    with pytest.raises(experiment.ConfigError, match='more than the secure sum of weights holds \\(10\\)'):
+    config = run_config.make_config(output_dir=str(out), num_clients=5, rounds=1, secure_aggregation=True)
+    with pytest.raises(run_config.ConfigError, match='more than the secure sum of weights holds \\(10\\)'):
         experiment.run_experiment(config, log=lambda line: None)
     assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ import pytest
 import tensorflow_federated as tff
 
 from tff_pfl.computations import template
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, experiment, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = algorithms.names()
@@ -43,7 +43,7 @@ def test_runs_from_its_defaults_and_takes_exactly_the_local_steps_asked(algorith
     changes = dict(local_steps=LOCAL_STEPS) if steps else {}
     if algorithms.get(algorithm).own_architectures:
         changes['public_examples'] = 200  # the paper's 3000 exceed these 6 clients' 804 examples
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'run'), algorithm=algorithm, num_clients=6, rounds=1, eval_every=0, **changes
     ).validate()
     processes = []

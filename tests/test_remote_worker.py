@@ -8,7 +8,7 @@ import portpicker
 import pytest
 
 from tff_pfl import runtime
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, experiment, run_config
 
 
 @pytest.fixture(scope='module')
@@ -42,7 +42,7 @@ def _rows(path):
 def _config(out, algorithm='persfl', **kwargs):
     small = dict(batch_size=16, temperatures=(1.0, 5.0), imitations=(0.0, 0.5), distill_epochs=1, local_epochs=1)
     own = algorithms.get(algorithm).settings.field_names()
-    return experiment.make_config(
+    return run_config.make_config(
         output_dir=str(out),
         algorithm=algorithm,
         dataset='synthetic',
@@ -84,7 +84,7 @@ def test_two_workers_give_the_local_runtimes_numbers(algorithm, extra, two_worke
 
 def test_unreachable_worker_is_refused_before_anything_is_written(tmp_path):
     port = portpicker.pick_unused_port()
-    with pytest.raises(experiment.ConfigError, match=f'no TFF worker answers at localhost:{port}'):
+    with pytest.raises(run_config.ConfigError, match=f'no TFF worker answers at localhost:{port}'):
         experiment.run_experiment(_config(tmp_path / 'out', workers=(f'localhost:{port}',)))
     assert not os.path.exists(tmp_path / 'out')
 
@@ -98,14 +98,14 @@ def test_unreachable_worker_is_refused_before_anything_is_written(tmp_path):
     ],
 )
 def test_bad_worker_flags_are_refused(workers, message, tmp_path):
-    with pytest.raises(experiment.ConfigError, match=message):
+    with pytest.raises(run_config.ConfigError, match=message):
         _config(tmp_path / 'out', workers=workers).validate()
 
 
 @pytest.mark.parametrize('algorithm, extra', [('kdpdfl', {}), ('kdpdfl_fedavg', {}), ('kdpdfl_local', {})])
 def test_rounds_with_more_than_one_aggregation_are_refused_on_several_workers(algorithm, extra, tmp_path):
     with pytest.raises(
-        experiment.ConfigError, match=f'{algorithm} cannot be split over several workers: .*; give one worker'
+        run_config.ConfigError, match=f'{algorithm} cannot be split over several workers: .*; give one worker'
     ):
         _config(tmp_path / 'out', algorithm, workers=('a:1', 'b:2'), **extra).validate()
     _config(tmp_path / 'out', algorithm, workers=('a:1',), **extra).validate()

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, experiment
+from tff_pfl.program import checkpoints, experiment, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = {'round_seconds', 'personalize_seconds'}
@@ -165,7 +165,7 @@ def test_a_crash_while_writing_keeps_the_last_good_checkpoint(tmp_path, monkeypa
 def test_same_seed_same_results(tiny_npz, uninterrupted, tmp_path):
     """Partition, sampling and training repeat exactly for the same configuration."""
     again = tmp_path / 'again'
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(again),
         algorithm='persfl',
         dataset=f'npz:{tiny_npz}',

@@ -7,11 +7,11 @@ import types
 import pytest
 
 from tff_pfl import algorithm as algorithm_lib
-from tff_pfl.program import algorithms, experiment, health, run_report, training_loop
+from tff_pfl.program import algorithms, experiment, health, run_config, run_report, training_loop
 
 
 def _config(**values):
-    return experiment.make_config(output_dir='/tmp/unused', **values).validate()
+    return run_config.make_config(output_dir='/tmp/unused', **values).validate()
 
 
 def _named(warnings, name):
@@ -205,7 +205,7 @@ def test_the_report_has_a_warnings_section_only_with_warnings():
 
 def test_a_run_whose_loss_explodes_says_it_diverged(tmp_path):
     """lr 1e9 on Synthetic(1,1): a loss of about 1e10 from round 1, finite, so the run trains every round."""
-    config = experiment.make_config(
+    config = run_config.make_config(
         output_dir=str(tmp_path / 'run'), num_clients=4, rounds=3, client_learning_rate=1e9, checkpoint_every=0
     )
     lines = []

@@ -244,10 +244,10 @@ def test_settings_are_the_papers_and_take_no_local_epochs():
 
 
 def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
-    from tff_pfl.program import experiment
+    from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = experiment.ExperimentConfig(
+    config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm='selffl',
         dataset=f'npz:{tiny_npz}',

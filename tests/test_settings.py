@@ -11,7 +11,7 @@ import pytest
 
 from tff_pfl import settings as settings_lib
 from tff_pfl.cli import config_flags
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ALGORITHMS = algorithms.names()
@@ -41,7 +41,7 @@ def test_command_line_defaults_are_the_dataclass_defaults(algorithm, parse):
     settings_cls = algorithms.get(algorithm).settings
     assert type(config.settings) is settings_cls
     assert config.settings == settings_cls()
-    api = experiment.ExperimentConfig(output_dir='x', algorithm=algorithm)
+    api = run_config.ExperimentConfig(output_dir='x', algorithm=algorithm)
     assert config == api
     assert api.settings == settings_cls()
 
@@ -68,14 +68,14 @@ def test_one_name_one_meaning():
             meaning = (settings_lib.help_of(field), hints[field.name])
             first = seen.setdefault(field.name, (algorithm, meaning))
             assert first[1] == meaning, f'{field.name}: {first[0]} says {first[1]}, {algorithm} says {meaning}'
-    common = set(experiment.ExperimentConfig.common_fields())
+    common = set(run_config.ExperimentConfig.common_fields())
     assert not common & set(seen), 'an algorithm setting has the name of a common setting'
 
 
 def test_a_flag_of_another_algorithm_is_refused(parse):
-    with pytest.raises(experiment.ConfigError, match='--kd_mu1 does not apply to fedavg'):
+    with pytest.raises(run_config.ConfigError, match='--kd_mu1 does not apply to fedavg'):
         parse('--kd_mu1=2')
-    with pytest.raises(experiment.ConfigError, match='--local_steps does not apply to selffl'):
+    with pytest.raises(run_config.ConfigError, match='--local_steps does not apply to selffl'):
         parse('--algorithm=selffl', '--local_steps=2')
 
 
@@ -97,19 +97,19 @@ def test_config_json_and_toml_files_rerun_the_same_configuration(parse, tmp_path
     # A flag wins over the file.
     assert parse(f'--config={toml}', '--rounds=9').rounds == 9
     toml.write_text('algorithm = "fedavg"\nditto_lambda = 0.5\n')
-    with pytest.raises(experiment.ConfigError, match='ditto_lambda does not apply to fedavg'):
+    with pytest.raises(run_config.ConfigError, match='ditto_lambda does not apply to fedavg'):
         parse(f'--config={toml}')
     toml.write_text('rounds = [1, 2\n')
-    with pytest.raises(experiment.ConfigError, match='is not valid TOML'):
+    with pytest.raises(run_config.ConfigError, match='is not valid TOML'):
         parse(f'--config={toml}')
 
 
 def test_config_json_records_only_the_algorithm_settings_that_apply():
-    flat = experiment.ExperimentConfig(output_dir='x', algorithm='fedavg').to_dict()
+    flat = run_config.ExperimentConfig(output_dir='x', algorithm='fedavg').to_dict()
     assert 'kd_mu1' not in flat and 'distill_epochs' not in flat
     assert set(flat) == {
         'output_dir',
-        *experiment.ExperimentConfig.common_fields(),
+        *run_config.ExperimentConfig.common_fields(),
         *algorithms.get('fedavg').settings.field_names(),
     }
 
@@ -121,7 +121,7 @@ def test_helpfull_groups_the_flags_by_algorithm():
         assert algorithm in titles
     names = [name for entries in groups.values() for name, _, _ in entries]
     assert len(names) == len(set(names))
-    assert set(names) == set(experiment.ExperimentConfig.common_fields()) | algorithms.all_setting_names()
+    assert set(names) == set(run_config.ExperimentConfig.common_fields()) | algorithms.all_setting_names()
 
 
 def test_docs_settings_page_is_generated_from_the_dataclasses():

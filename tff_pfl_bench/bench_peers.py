@@ -44,7 +44,7 @@ import tensorflow_federated as tff
 from tff_pfl import losses, models, runtime
 from tff_pfl.computations import audit, local_training
 from tff_pfl.data import client_data
-from tff_pfl.program import checkpoints, experiment, training_loop
+from tff_pfl.program import checkpoints, experiment, run_config, training_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,16 +163,16 @@ def config_values(name: str, values: Mapping) -> dict:
       `values` with `algorithm` = `PEERS[name].settings_of`.
 
     Raises:
-      experiment.ConfigError: a setting the peer does not take (one line).
+      run_config.ConfigError: a setting the peer does not take (one line).
     """
     peer = PEERS[name]
     for key in values:
         if key not in COMMON_SETTINGS and key not in peer.settings and key != 'output_dir':
-            raise experiment.ConfigError(_refusal(name, key))
+            raise run_config.ConfigError(_refusal(name, key))
     return {**values, 'algorithm': peer.settings_of}
 
 
-def check_config(name: str, config: experiment.ExperimentConfig) -> None:
+def check_config(name: str, config: run_config.ExperimentConfig) -> None:
     """Refuses a configuration that sets what the peer does not take.
 
     Args:
@@ -180,19 +180,19 @@ def check_config(name: str, config: experiment.ExperimentConfig) -> None:
       config: its configuration (`config_values`'s algorithm).
 
     Raises:
-      experiment.ConfigError: a common setting or a setting of
+      run_config.ConfigError: a common setting or a setting of
         `PEERS[name].settings_of` that differs from its default and that the
         peer does not take (one line).
     """
     peer = PEERS[name]
-    defaults = experiment.ExperimentConfig(output_dir='')
-    for field in experiment.ExperimentConfig.common_fields():
+    defaults = run_config.ExperimentConfig(output_dir='')
+    for field in run_config.ExperimentConfig.common_fields():
         if field not in COMMON_SETTINGS and getattr(config, field) != getattr(defaults, field):
-            raise experiment.ConfigError(_refusal(name, field))
+            raise run_config.ConfigError(_refusal(name, field))
     own_defaults = type(config.settings)()
     for field in type(config.settings).field_names():
         if field not in peer.settings and getattr(config.settings, field) != getattr(own_defaults, field):
-            raise experiment.ConfigError(_refusal(name, field))
+            raise run_config.ConfigError(_refusal(name, field))
 
 
 def _refusal(name: str, key: str) -> str:
@@ -389,7 +389,7 @@ def _load_clients(spec: client_data.ClientDataSpec) -> _Clients:
     return _Clients(spec, splits)
 
 
-def prepare_data(config: experiment.ExperimentConfig, out: str, log: Callable[[str], None]) -> _Clients:
+def prepare_data(config: run_config.ExperimentConfig, out: str, log: Callable[[str], None]) -> _Clients:
     """Writes the run's client data, config.json and partition summary as `run_experiment` does.
 
     Args:
@@ -421,7 +421,7 @@ def _dataset(x, y, batch_size: int | None = None) -> tf.data.Dataset:
 # Models.
 
 
-def _keras_fn(config: experiment.ExperimentConfig, clients: _Clients) -> Callable[[], tf.keras.Model]:
+def _keras_fn(config: run_config.ExperimentConfig, clients: _Clients) -> Callable[[], tf.keras.Model]:
     builder = models.get(config.model_name())
     spec = clients.spec
 
@@ -479,7 +479,7 @@ def _summary_row(rows: list, model: str, evaluations: Sequence[tuple]) -> None:
 
 def run_peer(
     name: str,
-    config: experiment.ExperimentConfig,
+    config: run_config.ExperimentConfig,
     *,
     log: Callable[[str], None] = print,
     on_data: Callable[[str], None] | None = None,
@@ -532,12 +532,12 @@ def run_peer(
 def _check_markable(name: str, clients: '_Clients') -> None:
     """Refuses data whose marked test labels float32 could not hold (`_TEST_MARK`)."""
     if len(clients.ids) > MAX_MARKED_CLIENTS:
-        raise experiment.ConfigError(
+        raise run_config.ConfigError(
             f'{name} scores at most {MAX_MARKED_CLIENTS} clients (their test labels are marked inside '
             f'TFF datasets and read back through float32), got {len(clients.ids)}'
         )
     if clients.spec.num_classes >= _TEST_MARK:
-        raise experiment.ConfigError(
+        raise run_config.ConfigError(
             f'{name} scores at most {_TEST_MARK - 1} classes (marked test labels), got {clients.spec.num_classes}'
         )
 

@@ -67,13 +67,13 @@ from collections.abc import Mapping, Sequence
 
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms as algorithms_lib
-from tff_pfl.program import experiment
+from tff_pfl.program import experiment, run_config
 from tff_pfl_bench import bench_peers
 
 MODELS = ('global_model', 'personalized_model')
 
 _RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
-_COMMON_HINTS = typing.get_type_hints(experiment.ExperimentConfig)
+_COMMON_HINTS = typing.get_type_hints(run_config.ExperimentConfig)
 _SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper', 'paper_source')
 # What a `[paper]` number can be: the across-client mean, the sample-weighted
 # mean, the mean of the worst 10% of clients, and the sample-weighted mean of
@@ -214,7 +214,7 @@ class Suite:
 
     def config(
         self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
-    ) -> experiment.ExperimentConfig:
+    ) -> run_config.ExperimentConfig:
         """The run's configuration (not validated; `load_suite` did that).
 
         Args:
@@ -232,17 +232,17 @@ class Suite:
         # algorithm's. The entries'
         # own keys must apply (ExperimentConfig.from_dict refuses the others).
         own = set(setting_names(algorithm.algorithm))
-        common = set(experiment.ExperimentConfig.common_fields())
+        common = set(run_config.ExperimentConfig.common_fields())
         values = {k: v for k, v in self.defaults.items() if k in common or k in own}
         values.update((k, v) for k, v in partition.fields.items() if k in common or k in own)
         values.update(algorithm.overrides)
         values.update(algorithm.partition_overrides.get(partition.name, {}))
         values.update(output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed)
         if bench_peers.is_peer(algorithm.algorithm):  # TFF's own process: the configuration of its settings' algorithm
-            config = experiment.ExperimentConfig.from_dict(bench_peers.config_values(algorithm.algorithm, values))
+            config = run_config.ExperimentConfig.from_dict(bench_peers.config_values(algorithm.algorithm, values))
             bench_peers.check_config(algorithm.algorithm, config)
             return config
-        return experiment.ExperimentConfig.from_dict(values)
+        return run_config.ExperimentConfig.from_dict(values)
 
     def runs(self) -> list[Run]:
         """Every run, partition-major, then seed, then algorithm.
@@ -473,7 +473,7 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         paper=paper,
         paper_source=paper_source.strip(),
     )
-    used = set(experiment.ExperimentConfig.common_fields()).union(*(setting_names(a.algorithm) for a in entries))
+    used = set(run_config.ExperimentConfig.common_fields()).union(*(setting_names(a.algorithm) for a in entries))
     for key in config_defaults:
         if key not in used:
             fail(f'defaults.{key}', "is a setting of none of the suite's algorithms")
@@ -512,7 +512,7 @@ def _validate_configs(suite: Suite, fail) -> None:
             where = f'algorithms "{algorithm.name}" on partitions "{partition.name}"'
             try:
                 config = suite.config(partition, algorithm, suite.seeds[0], output_dir='x').validate()
-            except experiment.ConfigError as e:
+            except run_config.ConfigError as e:
                 fail(where, str(e))
             data = _data_key(config)
             if reference is None:
@@ -567,7 +567,7 @@ def _paper_cell(value, key, fail) -> dict:
     return cell
 
 
-def _data_key(config: experiment.ExperimentConfig) -> dict:
+def _data_key(config: run_config.ExperimentConfig) -> dict:
     """What decides a run's client data, seed aside."""
     key = {field: getattr(config, field) for field in _DATA_FIELDS}
     # Public examples drawn from another source leave the clients' data as it is.
@@ -618,7 +618,7 @@ def _config_fields(table: Mapping, where: str, fail, reserved: Sequence[str]) ->
     for key, value in table.items():
         if key in reserved:
             fail(f'{where}.{key}', 'set by the harness, not allowed here')
-        hint = _COMMON_HINTS.get(key) if key in experiment.ExperimentConfig.common_fields() else None
+        hint = _COMMON_HINTS.get(key) if key in run_config.ExperimentConfig.common_fields() else None
         if hint is None:
             users = algorithms_lib.users_of(key)
             if not users:

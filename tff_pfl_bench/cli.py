@@ -118,11 +118,11 @@ def main(argv) -> None:
     text = _read_suite(_SUITE.value)
     from tff_pfl import runtime
     from tff_pfl.data import partition, sources
-    from tff_pfl.program import experiment
+    from tff_pfl.program import run_config
     from tff_pfl_bench import bench_report, bench_run, bench_suite
 
     logging.set_verbosity(logging.WARNING)
-    errors = (bench_suite.SuiteError, experiment.ConfigError, sources.DataError, partition.PartitionError)
+    errors = (bench_suite.SuiteError, run_config.ConfigError, sources.DataError, partition.PartitionError)
     # The suite and the selection are checked before re-executing in a network
     # namespace: a bad suite costs one start-up, not two.
     try:

@@ -1,6 +1,6 @@
 """Flags generated from the settings dataclasses, and the run configuration they give.
 
-One flag per field: the common settings (`experiment.ExperimentConfig`) and
+One flag per field: the common settings (`run_config.ExperimentConfig`) and
 every algorithm's settings (`processes/<algo>.py`), named like the fields.
 Every generated flag defaults to "unset": a run takes the dataclass default
 for a flag it was not given, so the command line cannot hold a default of
@@ -24,7 +24,7 @@ import typing
 from absl import flags
 
 from tff_pfl import settings as settings_lib
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, run_config
 
 _COMMON_GROUP = 'common settings (tff_pfl/program/experiment.py ExperimentConfig)'
 
@@ -75,10 +75,10 @@ def setting_groups() -> dict[str, list[tuple[str, type, str]]]:
       algorithm's own class), titled with the algorithms that use it.
     """
     groups = {_COMMON_GROUP: []}
-    hints = typing.get_type_hints(experiment.ExperimentConfig)
-    defaults = experiment.ExperimentConfig(output_dir='')
-    for name in experiment.ExperimentConfig.common_fields():
-        field = experiment.ExperimentConfig.__dataclass_fields__[name]
+    hints = typing.get_type_hints(run_config.ExperimentConfig)
+    defaults = run_config.ExperimentConfig(output_dir='')
+    for name in run_config.ExperimentConfig.common_fields():
+        field = run_config.ExperimentConfig.__dataclass_fields__[name]
         text = f'{settings_lib.help_of(field)} (default: {_format(getattr(defaults, name))})'
         groups[_COMMON_GROUP].append((name, hints[name], text))
     seen = set()
@@ -129,7 +129,7 @@ def _from_flag(name: str, raw, hint):
             return tuple(element(v) for v in raw)
         except ValueError:
             kind = 'numbers' if element in (int, float) else 'values'
-            raise experiment.ConfigError(f'--{name} must be {kind}, got {",".join(raw)}') from None
+            raise run_config.ConfigError(f'--{name} must be {kind}, got {",".join(raw)}') from None
     return raw
 
 
@@ -143,51 +143,51 @@ def read_config_file(path: str) -> dict:
       `name -> value`.
 
     Raises:
-      experiment.ConfigError: unreadable, not TOML/JSON, or not a flat table.
+      run_config.ConfigError: unreadable, not TOML/JSON, or not a flat table.
     """
     try:
         with open(path, 'rb') as f:
             raw = f.read()
     except OSError as e:
-        raise experiment.ConfigError(f'--config: cannot read {path}: {e.strerror}') from None
+        raise run_config.ConfigError(f'--config: cannot read {path}: {e.strerror}') from None
     try:
         if path.endswith('.json'):
             values = json.loads(raw)
         else:
             values = tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as e:
-        raise experiment.ConfigError(
+        raise run_config.ConfigError(
             f'--config: {path} is not valid {"JSON" if path.endswith(".json") else "TOML"}: {str(e).splitlines()[0]}'
         ) from None
     if not isinstance(values, dict) or any(isinstance(v, dict) for v in values.values()):
-        raise experiment.ConfigError(f'--config: {path} must be a flat table of settings (name = value)')
+        raise run_config.ConfigError(f'--config: {path} must be a flat table of settings (name = value)')
     return values
 
 
-def config_from_flags() -> experiment.ExperimentConfig:
+def config_from_flags() -> run_config.ExperimentConfig:
     """The validated run configuration from the parsed flags (and `--config`).
 
     Returns:
-      The validated `experiment.ExperimentConfig`; `output_dir` defaults to
+      The validated `run_config.ExperimentConfig`; `output_dir` defaults to
       `runs/<algorithm>-<time>`.
 
     Raises:
-      experiment.ConfigError: a flag or file key that does not apply to the
+      run_config.ConfigError: a flag or file key that does not apply to the
         algorithm, or a value the configuration refuses.
     """
     values = {}
     path = flags.FLAGS['config'].value
     if path:
         values.update(read_config_file(path))
-    common_hints = typing.get_type_hints(experiment.ExperimentConfig)
+    common_hints = typing.get_type_hints(run_config.ExperimentConfig)
     given = {}
-    for name in experiment.ExperimentConfig.common_fields():
+    for name in run_config.ExperimentConfig.common_fields():
         if flags.FLAGS[name].present:
             given[name] = _from_flag(name, flags.FLAGS[name].value, common_hints[name])
     values.update(given)
     algorithm = values.get('algorithm', 'fedavg')
     if algorithms.unknown(algorithm):
-        raise experiment.ConfigError(algorithms.unknown(algorithm))
+        raise run_config.ConfigError(algorithms.unknown(algorithm))
     settings_cls = algorithms.get(algorithm).settings
     own = set(settings_cls.field_names())
     hints = typing.get_type_hints(settings_cls)
@@ -196,12 +196,12 @@ def config_from_flags() -> experiment.ExperimentConfig:
             continue
         if name not in own:
             users = ', '.join(algorithms.users_of(name))
-            raise experiment.ConfigError(f'--{name} does not apply to {algorithm} (it is a setting of {users})')
+            raise run_config.ConfigError(f'--{name} does not apply to {algorithm} (it is a setting of {users})')
         values[name] = _from_flag(name, flags.FLAGS[name].value, hints[name])
     output_dir = flags.FLAGS['output_dir'].value or values.get('output_dir')
     values['output_dir'] = output_dir or os.path.join('runs', f'{algorithm}-{time.strftime("%Y%m%d-%H%M%S")}')
     where = f'--config {path}: ' if path else ''
-    return experiment.ExperimentConfig.from_dict(values, where=where).validate()
+    return run_config.ExperimentConfig.from_dict(values, where=where).validate()
 
 
 _DOC_INTRO = """# Settings
@@ -209,7 +209,7 @@ _DOC_INTRO = """# Settings
 Generated from the settings dataclasses by `uv run --locked python -m tff_pfl.cli.config_flags >
 docs/settings.md`; a test keeps this page equal to that output. Each algorithm's settings are one
 frozen dataclass next to its builder in `processes/<algo>.py`, the only place their defaults are
-written; the common settings are `tff_pfl.program.experiment.ExperimentConfig`.
+written; the common settings are `tff_pfl.program.run_config.ExperimentConfig`.
 
 A run's configuration is the common settings plus the chosen algorithm's. It is layered, later
 wins: the dataclass defaults, a `--config` file (TOML or JSON, flat `name = value` pairs: the

@@ -21,7 +21,7 @@ from tff_pfl.cli import (
     common,
     train,  # defines the shared flags
 )
-from tff_pfl.program import experiment
+from tff_pfl.program import run_config
 
 _PROG = 'tff-pfl-export'
 
@@ -48,7 +48,7 @@ def main(argv) -> None:
     try:
         config = train.config_from_flags()
         manifest = export.export(config, overwrite=flags.FLAGS['overwrite'].value)
-    except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+    except (run_config.ConfigError, sources.DataError, partition.PartitionError) as e:
         common.fail(_PROG, str(e))
     except KeyboardInterrupt:
         print(f'{_PROG}: interrupted', file=sys.stderr)

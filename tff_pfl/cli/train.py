@@ -18,7 +18,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 from absl import app, flags, logging
 
 from tff_pfl.cli import common, config_flags
-from tff_pfl.program import experiment, run_report
+from tff_pfl.program import experiment, run_config, run_report
 
 # The settings' flags: one per field of the common settings and of every
 # algorithm's settings dataclass, generated (tff_pfl/cli/config_flags.py).
@@ -41,16 +41,16 @@ def _fail(message) -> None:
     common.fail(_PROG, message)
 
 
-def config_from_flags() -> experiment.ExperimentConfig:
+def config_from_flags() -> run_config.ExperimentConfig:
     """Builds and validates the configuration from the parsed flags.
 
     See `tff_pfl.cli.config_flags.config_from_flags`.
 
     Returns:
-      The validated `experiment.ExperimentConfig`.
+      The validated `run_config.ExperimentConfig`.
 
     Raises:
-      experiment.ConfigError: a flag value the configuration refuses, or a
+      run_config.ConfigError: a flag value the configuration refuses, or a
         flag that does not apply to the chosen algorithm.
     """
     return config_flags.config_from_flags()
@@ -78,7 +78,7 @@ def main(argv) -> None:
     logging.set_verbosity(logging.WARNING)
     try:
         config = config_from_flags()
-    except experiment.ConfigError as e:
+    except run_config.ConfigError as e:
         _fail(str(e))  # before re-executing in a namespace: bad flags cost one start-up, not two
     if _ISOLATE_NETWORK.value and not config.workers and not config.download:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.train', *sys.argv[1:]])
@@ -86,7 +86,7 @@ def main(argv) -> None:
     runtime.refuse_implicit_runtime()
     try:
         result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
-    except (experiment.ConfigError, sources.DataError, partition.PartitionError) as e:
+    except (run_config.ConfigError, sources.DataError, partition.PartitionError) as e:
         _fail(str(e))
     except experiment.RunComplete as e:
         print(f'{_PROG}: {e}; nothing to do')

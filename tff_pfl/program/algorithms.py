@@ -106,7 +106,7 @@ def privacy_problem(entry: algorithm.Algorithm, config) -> str | None:
 
     Args:
       entry: the algorithm's declaration.
-      config: the run's `experiment.ExperimentConfig`.
+      config: the run's `run_config.ExperimentConfig`.
 
     Returns:
       One line, or None when its privacy modes take the run's settings.
@@ -127,7 +127,7 @@ def run_options(config, spec) -> algorithm.RunOptions:
     """What the run gives the builder: its seed, sampling, DP and the upload aggregator they make.
 
     Args:
-      config: the run's `experiment.ExperimentConfig`.
+      config: the run's `run_config.ExperimentConfig`.
       spec: the `client_data.ClientDataSpec` of its client data.
 
     Returns:

@@ -39,7 +39,7 @@ import tensorflow_federated as tff
 
 from tff_pfl.computations import audit
 from tff_pfl.data import client_data
-from tff_pfl.program import algorithms, experiment
+from tff_pfl.program import algorithms, experiment, run_config
 
 MANIFEST = 'manifest.json'
 FORMAT_VERSION = 1
@@ -121,7 +121,7 @@ def exported_computations(process) -> collections.OrderedDict:
 
 
 def export(
-    config: experiment.ExperimentConfig,
+    config: run_config.ExperimentConfig,
     *,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
@@ -138,7 +138,7 @@ def export(
       The manifest.
 
     Raises:
-      experiment.ConfigError, sources.DataError, partition.PartitionError:
+      run_config.ConfigError, sources.DataError, partition.PartitionError:
         bad input, raised before anything is written. If writing fails
         later, the output directory is removed.
     """

@@ -75,7 +75,7 @@ def smoothing_weight(config) -> float | None:
     """Self-FL's server smoothing weight w: `selffl_smoothing`, or the activity rate when it is 0.
 
     Args:
-      config: an `experiment.ExperimentConfig`.
+      config: an `run_config.ExperimentConfig`.
 
     Returns:
       w, or None for another algorithm.
@@ -144,7 +144,7 @@ def dp_noise_ratio(config, upload) -> float:
     2 z sqrt(d / n).
 
     Args:
-      config: an `experiment.ExperimentConfig` with `dp_noise_multiplier` set.
+      config: an `run_config.ExperimentConfig` with `dp_noise_multiplier` set.
       upload: the mean's `tff_pfl.algorithm.Upload` (d and n).
 
     Returns:
@@ -177,7 +177,7 @@ def pre_run_warnings(config, uploads: Sequence | None = None) -> list[str]:
     """The warnings a run's settings call for before round 1: one line each, naming the setting to change.
 
     Args:
-      config: a validated `experiment.ExperimentConfig`.
+      config: a validated `run_config.ExperimentConfig`.
       uploads: the noised means a DP round forms (`dp_uploads`); None: the
         DP check is skipped.
 
@@ -191,7 +191,7 @@ def dp_uploads(config, spec, process) -> list:
     """The noised means of a DP round of this run, for `pre_run_warnings` (empty without DP).
 
     Args:
-      config: the run's `experiment.ExperimentConfig`.
+      config: the run's `run_config.ExperimentConfig`.
       spec: its `client_data.ClientDataSpec`.
       process: its built process (the clients' architectures).
 

@@ -52,7 +52,7 @@ def write_results(out: str, config, spec, result: training_loop.RunResult, proce
 
     Args:
       out: the run's directory.
-      config: the run's `experiment.ExperimentConfig`.
+      config: the run's `run_config.ExperimentConfig`.
       spec: its `client_data.ClientDataSpec`.
       result: the finished run.
       process: its process (what the algorithm's plots read).
