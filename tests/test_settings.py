@@ -104,6 +104,52 @@ def test_config_json_and_toml_files_rerun_the_same_configuration(parse, tmp_path
         parse(f'--config={toml}')
 
 
+def test_the_partition_settings_each_mean_one_thing_and_old_files_read_the_old_name(parse, tmp_path):
+    config = parse('--partition=shards', '--shards_per_client=3', '--num_clients=4')
+    assert config.partition_params() == {'shards_per_client': 3}
+    assert parse('--partition=ds1', '--classes_per_client=3').partition_params() == {'k': 3}
+    # The old name of the shards' setting: a flag is refused, saying the new one ...
+    with pytest.raises(
+        run_config.ConfigError,
+        match='^--classes_per_client does not apply to partition shards: its setting is --shards_per_client now$',
+    ):
+        parse('--partition=shards', '--classes_per_client=3')
+    # ... a file written before (config.json, --config) reads as the new one.
+    old = dict(config.to_dict(), classes_per_client=3)
+    del old['shards_per_client']
+    path = tmp_path / 'config.json'
+    path.write_text(json.dumps(old))
+    assert parse(f'--config={path}') == config
+    today = config.to_dict()
+    assert run_config.migrate(old) == {k: v for k, v in today.items() if k != 'classes_per_client'}
+    assert run_config.migrate(today) == today
+    assert run_config.migrate({'partition': 'ds1', 'classes_per_client': 3}) == {
+        'partition': 'ds1',
+        'classes_per_client': 3,
+    }
+
+
+def test_an_old_run_directory_of_the_shards_partition_still_resumes(tmp_path):
+    from tff_pfl.program import experiment
+
+    config = run_config.make_config(
+        output_dir=str(tmp_path / 'run'), partition='shards', shards_per_client=2, num_clients=4
+    ).validate()
+    os.makedirs(config.output_dir)
+    old = dict(config.to_dict(), classes_per_client=2)
+    del old['shards_per_client']
+    with open(os.path.join(config.output_dir, 'config.json'), 'w') as f:
+        json.dump(old, f)
+    # Same run: no field changed (a checkpoint would be resumed); another value: not resumable.
+    assert experiment._changed_fields(experiment._saved_config(config.output_dir), config) == []
+    other = run_config.make_config(
+        output_dir=config.output_dir, partition='shards', shards_per_client=3, num_clients=4
+    ).validate()
+    assert experiment._changed_fields(experiment._saved_config(config.output_dir), other) == [
+        'shards_per_client: 2 -> 3'
+    ]
+
+
 def test_config_json_records_only_the_algorithm_settings_that_apply():
     flat = run_config.ExperimentConfig(output_dir='x', algorithm='fedavg').to_dict()
     assert 'kd_mu1' not in flat and 'distill_epochs' not in flat

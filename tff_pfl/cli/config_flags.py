@@ -161,7 +161,7 @@ def read_config_file(path: str) -> dict:
         ) from None
     if not isinstance(values, dict) or any(isinstance(v, dict) for v in values.values()):
         raise run_config.ConfigError(f'--config: {path} must be a flat table of settings (name = value)')
-    return values
+    return run_config.migrate(values)
 
 
 def config_from_flags() -> run_config.ExperimentConfig:

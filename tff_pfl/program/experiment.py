@@ -226,7 +226,7 @@ def _saved_config(out: str) -> dict | None:
         return None
     try:
         with open(path) as f:
-            return json.load(f)
+            return run_config.migrate(json.load(f))
     except (OSError, json.JSONDecodeError) as e:
         raise run_config.ConfigError(
             f'output_dir {out} has an unreadable config.json ({e}); pass --overwrite to replace it'

@@ -33,7 +33,7 @@ _PARTITION_FIELDS = {
         'dirichlet_alpha': 'alpha',
         'kd_split_sizes': ('min_train', 'max_train', 'val_examples', 'test_examples'),
     },
-    'shards': {'classes_per_client': 'shards_per_client'},
+    'shards': {'shards_per_client': 'shards_per_client'},
     'iid': {'examples_per_client': 'examples_per_client'},
     'ds3': {'classes_per_client': 'classes_per_client', 'base_examples_per_class': 'base_examples'},
     'kt_case1': {'kt_case1_counts': ('major', 'minor')},
@@ -44,8 +44,43 @@ _PARTITION_DEFAULTS = {'dirichlet': {'alpha': 0.9}}
 PARTITIONS = tuple(_PARTITION_FIELDS)
 # The common settings that parameterize some partition, in the order of first use.
 _PARTITION_SETTINGS = tuple(dict.fromkeys(name for fields in _PARTITION_FIELDS.values() for name in fields))
+# Settings renamed so that no name means two things: (partition, old name) -> its name now.
+# `migrate` reads the old name in files written before (config.json, --config); a flag refuses it.
+_RENAMED = {('shards', 'classes_per_client'): 'shards_per_client'}
+
+
+def migrate(values: dict) -> dict:
+    """The flat form of a file written by an earlier version, in today's names (the one mapping).
+
+    `shards` took its shards per client as `classes_per_client` until that
+    name meant one thing; a `config.json` or `--config` file that says so
+    reads as `shards_per_client`.
+
+    Args:
+      values: a flat `name -> value` form (`config.json`, a `--config` file).
+
+    Returns:
+      A new dict with today's names and the same values (anything but a
+      dict is returned as it is, for the caller to refuse).
+    """
+    if not isinstance(values, dict):
+        return values
+    values = dict(values)
+    for (partition_name, old), new in _RENAMED.items():
+        if values.get('partition') == partition_name and old in values and new not in values:
+            values[new] = values.pop(old)
+    return values
+
 
 _setting = settings_lib.setting
+
+
+def _stray_line(stray: list[str], partition_name: str) -> str:
+    if not stray:
+        return ''
+    line = f'--{stray[0]} does not apply to partition {partition_name}'
+    renamed = _RENAMED.get((partition_name, stray[0]))
+    return f'{line}: its setting is --{renamed} now' if renamed else line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +108,9 @@ class ExperimentConfig(settings_lib.Settings):
     partition: str = _setting('natural', ' | '.join(PARTITIONS) + ' (docs/data.md).')
     num_clients: int = _setting(30, 'Number of clients.')
     classes_per_client: int | None = _setting(
-        None, 'ds1: k (default 4); shards: shards per client (2); ds3, kt_case2: classes per client (2).'
+        None, 'ds1: k, the classes of each client (default 4); ds3, kt_case2: classes per client (2).'
     )
+    shards_per_client: int | None = _setting(None, 'shards: label-sorted shards per client (2).')
     dirichlet_alpha: float | None = _setting(
         None, 'ds2, dirichlet, dirichlet_clients, kd_dirichlet: Dirichlet concentration (0.9; kd_dirichlet 0.1).'
     )
@@ -259,14 +295,20 @@ class ExperimentConfig(settings_lib.Settings):
     def _checks(self):
         optional_positive = [
             (name, getattr(self, name))
-            for name in ('classes_per_client', 'examples_per_class', 'examples_per_client', 'base_examples_per_class')
+            for name in (
+                'classes_per_client',
+                'shards_per_client',
+                'examples_per_class',
+                'examples_per_client',
+                'base_examples_per_class',
+            )
             if getattr(self, name) is not None
         ]
         applies = _PARTITION_FIELDS.get(self.partition, {})
         stray = [name for name in _PARTITION_SETTINGS if getattr(self, name) is not None and name not in applies]
         return super()._checks() + [
             (self.partition in PARTITIONS, f'unknown partition {self.partition!r}; known: {", ".join(PARTITIONS)}'),
-            (not stray, f'--{stray[0] if stray else ""} does not apply to partition {self.partition}'),
+            (not stray, _stray_line(stray, self.partition)),
             (self.rounds >= 1, f'rounds must be >= 1, got {self.rounds}'),
             (0.0 < self.client_fraction <= 1.0, f'client_fraction must be in (0, 1], got {self.client_fraction}'),
             (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
