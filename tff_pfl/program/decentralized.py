@@ -1,4 +1,4 @@
-"""The run loop of serverless algorithms (KD-PDFL and its baselines).
+"""The serverless algorithms' round (KD-PDFL and its baselines), on the one run loop.
 
 Time runs in slots. Every `exchange_interval` slots a random client wakes up
 as the star node and draws its reachable neighbours (`process.draw_neighbours`);
@@ -7,7 +7,9 @@ exchange and the neighbours' states as CLIENTS, then stores what comes back.
 The star and its neighbours spend two slots on the exchange (gather, then
 broadcast); in every other slot every client trains locally
 (`process.local_work`, one slot of local work each). One row of metrics per
-exchange interval.
+exchange interval. The interval is the `step` of `training_loop.run_rounds`,
+the loop federated runs use too (resume, divergence check, evaluation,
+release, checkpoints, progress).
 
 The loop reads what it needs from the process's declared properties
 (`template.ServerlessProcess`: `mode`, `max_neighbours`, `local_work`); the
@@ -16,14 +18,13 @@ arguments.
 """
 
 import collections
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import client_states, health, training_loop
+from tff_pfl.program import client_states, training_loop
 
 
 def run(
@@ -93,20 +94,11 @@ def run(
         raise ValueError(f'exchange_interval must be >= 2 (gather and broadcast slots), got {exchange_interval}')
     if process.mode != 'local' and (mean_reachable is None or not mean_reachable > 0):
         raise ValueError(f'mode {process.mode!r} draws neighbours: mean_reachable must be > 0, got {mean_reachable}')
-    source_map = training_loop.source_id_map(client_ids, source_ids)
     rng = np.random.default_rng([seed, 0x4B44])
     num_clients = len(client_ids)
     store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
-    state = process.initialize()
-    started, summaries = time.monotonic(), {}
-    state, rows, first_interval = training_loop.resume(
-        checkpoints, state, store, rng, client_ids, intervals, 'interval', log, on_resume
-    )
-    monitor = health.RunMonitor(intervals, num_classes)
-    monitor.replay(rows)
-    diverged_interval = None
-    for interval in range(first_interval, intervals + 1):
-        interval_start = time.monotonic()
+
+    def one_interval(interval, state):
         first_slot = (interval - 1) * exchange_interval
         slots = np.full(num_clients, exchange_interval, np.int32)
         row = collections.OrderedDict(round=interval, slot=first_slot + exchange_interval)
@@ -132,41 +124,26 @@ def run(
         states, train_metrics = process.local_work(store.all(), list(slots), np.int32(first_slot))
         store.put(store.ids(), states)
         row.update(training_loop.flatten(train_metrics))
-        row['round_seconds'] = time.monotonic() - interval_start
-        if stop_on_divergence and training_loop.diverged(row):
-            diverged_interval = interval
-            log(training_loop.divergence_line(f'interval {interval}', row))
-        last = interval == intervals or diverged_interval is not None
-        evaluate_now = last or (eval_every and interval % eval_every == 0)
-        if evaluate_now:
-            sample = None
-            if not last:
-                sample = training_loop.evaluation_sample(seed, interval, num_clients, eval_clients)
-            client_rows, summaries = training_loop.evaluate_all(process, state, store, row, sample, source_map)
-        rows.append(row)
-        if on_round is not None:
-            on_round(row)
-        if checkpoints is not None and checkpoint_every and interval % checkpoint_every == 0 and not last:
-            training_loop.save_checkpoint(checkpoints, interval, state, store, rng, rows)
-        log(
-            training_loop.progress_line(
-                f'interval {interval}/{intervals} (slot {row["slot"]})',
-                interval - first_interval + 1,
-                intervals - first_interval + 1,
-                row,
-                summaries if evaluate_now else {},
-                started,
-                monitor.observe(row),
-            )
-        )
-        if diverged_interval is not None:
-            break
-    return training_loop.RunResult(
-        state=state,
-        client_states=store.states(),
-        rounds=rows,
-        clients=client_rows,
-        summary=summaries,
-        diverged_round=diverged_interval,
-        warnings=monitor.warnings,
+        return state, row
+
+    return training_loop.run_rounds(
+        process,
+        client_ids,
+        store,
+        rng,
+        one_interval,
+        rounds=intervals,
+        unit='interval',
+        seed=seed,
+        eval_every=eval_every,
+        eval_clients=eval_clients,
+        on_round=on_round,
+        log=log,
+        checkpoints=checkpoints,
+        checkpoint_every=checkpoint_every,
+        on_resume=on_resume,
+        stop_on_divergence=stop_on_divergence,
+        num_classes=num_classes,
+        source_ids=source_ids,
+        progress_label=lambda interval, row: f'interval {interval}/{intervals} (slot {row["slot"]})',
     )

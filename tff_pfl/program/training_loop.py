@@ -452,20 +452,13 @@ def run(
     Raises:
       ValueError: if `source_ids` does not hold one id per client.
     """
-    source_map = source_id_map(client_ids, source_ids)
     rng = np.random.default_rng([seed, 0x5A3D])
     if device_state_dir is None:
         store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     else:
         store = client_states.DeviceStateStore(process, client_ids, device_state_dir)
-    state = store.initialize(process)
-    started = time.monotonic()
-    state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, 'round', log, on_resume)
-    monitor = health.RunMonitor(rounds, num_classes)
-    monitor.replay(rows)
-    diverged_round = None
-    for round_num in range(first_round, rounds + 1):
-        round_start = time.monotonic()
+
+    def one_round(round_num, state):
         sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
         if sampled:
             state, round_metrics = store.run_round(process, state, sampled)
@@ -474,10 +467,108 @@ def run(
         row = collections.OrderedDict(round=round_num, **flatten(round_metrics))
         if privacy is not None:
             row.update(privacy(round_num))
+        return state, row
+
+    return run_rounds(
+        process,
+        client_ids,
+        store,
+        rng,
+        one_round,
+        rounds=rounds,
+        unit='round',
+        seed=seed,
+        eval_every=eval_every,
+        eval_clients=eval_clients,
+        on_round=on_round,
+        log=log,
+        checkpoints=checkpoints,
+        checkpoint_every=checkpoint_every,
+        on_resume=on_resume,
+        stop_on_divergence=stop_on_divergence,
+        num_classes=num_classes,
+        source_ids=source_ids,
+    )
+
+
+def run_rounds(
+    process: template.PersonalizedProcess,
+    client_ids: Sequence[str],
+    store: client_states.ClientStates,
+    rng: np.random.Generator,
+    step: Callable,
+    *,
+    rounds: int,
+    unit: str,
+    seed: int,
+    eval_every: int = 0,
+    eval_clients: int = 0,
+    on_round: Callable[[Mapping], None] | None = None,
+    log: Callable[[str], None] = print,
+    checkpoints: checkpoints_lib.RunCheckpoints | None = None,
+    checkpoint_every: int = 0,
+    on_resume: Callable[[int, list], None] | None = None,
+    stop_on_divergence: bool = False,
+    num_classes: int | None = None,
+    source_ids: Sequence[str] | None = None,
+    progress_label: Callable[[int, Mapping], str] | None = None,
+) -> RunResult:
+    """The one run loop: rounds of `step`, resumed from a checkpoint, checked, evaluated, released, saved.
+
+    `run` (federated rounds over sampled clients) and the serverless loop
+    (`decentralized.run`, star exchanges and local slots) are this loop with
+    their own `step`. Per round: `step` (timed as `round_seconds`); the
+    divergence check; at the last round the process's `personalize` stage
+    (where it has one); every client's evaluation every `eval_every` rounds
+    and at the end; `on_round`; a checkpoint every `checkpoint_every` rounds;
+    a progress line with the health tags.
+
+    Args:
+      process: the algorithm.
+      client_ids: every client.
+      store: the run's client-state store.
+      rng: the driver's generator that `step` draws from (its state is part
+        of every checkpoint).
+      step: `(round_num, state) -> (state, row)`, one round; `row` is the
+        round's ordered metrics.
+      rounds: the last round (the rows count `unit`s).
+      unit: what a round is called in lines and checkpoints ('round',
+        'interval').
+      seed: seeds the evaluation samples.
+      eval_every: as in `run`.
+      eval_clients: as in `run`.
+      on_round: as in `run`.
+      log: as in `run`.
+      checkpoints: as in `run`.
+      checkpoint_every: as in `run`.
+      on_resume: as in `run`.
+      stop_on_divergence: as in `run`.
+      num_classes: as in `run`.
+      source_ids: as in `run`.
+      progress_label: `(round_num, row) -> label` of the progress line;
+        default `'<unit> <n>/<rounds>'`.
+
+    Returns:
+      A `RunResult`.
+
+    Raises:
+      ValueError: if `source_ids` does not hold one id per client.
+    """
+    source_map = source_id_map(client_ids, source_ids)
+    state = store.initialize(process)
+    started = time.monotonic()
+    state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, unit, log, on_resume)
+    monitor = health.RunMonitor(rounds, num_classes)
+    monitor.replay(rows)
+    diverged_round = None
+    client_rows, summaries = [], {}
+    for round_num in range(first_round, rounds + 1):
+        round_start = time.monotonic()
+        state, row = step(round_num, state)
         row['round_seconds'] = time.monotonic() - round_start
         if stop_on_divergence and diverged(row):
             diverged_round = round_num
-            log(divergence_line(f'round {round_num}', row))
+            log(divergence_line(f'{unit} {round_num}', row))
         last = round_num == rounds or diverged_round is not None
         evaluate_now = last or (eval_every and round_num % eval_every == 0)
         if last and process.personalize is not None:
@@ -493,9 +584,10 @@ def run(
             on_round(row)
         if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and not last:
             save_checkpoint(checkpoints, round_num, state, store, rng, rows)
+        label = progress_label(round_num, row) if progress_label else f'{unit} {round_num}/{rounds}'
         log(
             progress_line(
-                f'round {round_num}/{rounds}',
+                label,
                 round_num - first_round + 1,
                 rounds - first_round + 1,
                 row,
