@@ -18,9 +18,9 @@ the same rate (FedAvg's client). At the end it evaluates on the client's test
 split the meta model and the model adapted by one alpha-step on the client's
 whole training split (as the process's evaluation does).
 
-    uv run --locked python benchmarks/perfedavg_meta_drift.py
+    uv run --locked python benchmarks/studies/perfedavg_meta_drift.py
 
-Writes benchmarks/results/perfedavg_meta_drift.{md,json,png}.
+Writes benchmarks/studies/results/perfedavg_meta_drift.{md,json,png}.
 """
 
 import json
@@ -37,7 +37,7 @@ from tff_pfl.data import client_data
 from tff_pfl.program import experiment, run_config
 from tff_pfl_bench import bench_suite
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _ALPHAS = flags.DEFINE_list('alphas', ['0', '0.001', '0.01', '0.03'], 'Per-FedAvg alpha values (0: no inner step).')
 _CLIENTS = flags.DEFINE_list('clients', ['0', '10'], 'Client indices (0-9: first group, 10-19: second).')
@@ -45,7 +45,9 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Partition, initialization and batch-ord
 _PARTITION = flags.DEFINE_string('partition', 'c20', "The suite's partition.")
 _WORK_DIR = flags.DEFINE_string('work_dir', os.path.join(REPO, 'runs', 'perfedavg_meta_drift'), 'Partition cache.')
 _OUT = flags.DEFINE_string(
-    'out', os.path.join(REPO, 'benchmarks', 'results', 'perfedavg_meta_drift'), 'Report path, without extension.'
+    'out',
+    os.path.join(REPO, 'benchmarks', 'studies', 'results', 'perfedavg_meta_drift'),
+    'Report path, without extension.',
 )
 
 SUITE = os.path.join(REPO, 'benchmarks', 'suites', 'ktpfl_fmnist_table2.toml')
@@ -167,7 +169,7 @@ def write_report(results: list[dict], seconds: float) -> None:
         '',
         'Command:',
         '',
-        '    uv run --locked python benchmarks/perfedavg_meta_drift.py '
+        '    uv run --locked python benchmarks/studies/perfedavg_meta_drift.py '
         f'--partition={_PARTITION.value} --seed={_SEED.value} --clients={",".join(_CLIENTS.value)} '
         f'--alphas={",".join(_ALPHAS.value)}',
         '',

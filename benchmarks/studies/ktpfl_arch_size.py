@@ -17,7 +17,7 @@ variants fit a client's data as well as the paper's models do within the
 epochs a Table 1 run gives them, not what KT-pFL would score with the
 paper-size models (that run does not fit these machines).
 
-    uv run --locked python benchmarks/ktpfl_arch_size.py
+    uv run --locked python benchmarks/studies/ktpfl_arch_size.py
 """
 
 import json
@@ -41,7 +41,7 @@ _MODELS = flags.DEFINE_list(
     ['lenet', 'alexnet_small', 'alexnet', 'resnet_small', 'resnet18', 'shufflenet_small', 'shufflenet_v2'],
     'Registered models to train.',
 )
-_OUT = flags.DEFINE_string('out', 'benchmarks/results/ktpfl_arch_size', 'Result path prefix (.json, .md).')
+_OUT = flags.DEFINE_string('out', 'benchmarks/studies/results/ktpfl_arch_size', 'Result path prefix (.json, .md).')
 
 NUM_CLIENTS, SEED, SPLIT = 20, 0, (0.74, 0.01, 0.25)
 BATCH, LEARNING_RATE = 128, 0.01

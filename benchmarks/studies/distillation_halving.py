@@ -16,7 +16,7 @@ each distilling the same teacher (a DNN trained for one epoch on 6000 pooled
 examples, standing in for the FedAvg teacher), how often halving chooses the
 grid's candidate, and the test accuracy of both choices.
 
-    uv run python benchmarks/distillation_halving.py --epochs=5 --repeats=3 --clients=20
+    uv run python benchmarks/studies/distillation_halving.py --epochs=5 --repeats=3 --clients=20
 """
 
 import json
@@ -41,7 +41,7 @@ _AGREEMENT_DATA = flags.DEFINE_string(
 _AGREEMENT_EPOCHS = flags.DEFINE_integer('agreement_epochs', 5, 'Distillation epochs of the agreement runs.')
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Timed repeats per side.')
 _CLIENTS = flags.DEFINE_integer('clients', 20, 'Clients of the agreement measurement.')
-_OUT = flags.DEFINE_string('out', 'benchmarks/results/distillation_halving', 'Result path prefix (.json, .md).')
+_OUT = flags.DEFINE_string('out', 'benchmarks/studies/results/distillation_halving', 'Result path prefix (.json, .md).')
 
 SEARCHES = {'grid': distillation.distill_grid, 'halving': distillation.distill_halving}
 
@@ -142,7 +142,7 @@ def main(argv):
     lines = [
         "# PersFL's stage 2: successive halving against the full grid",
         '',
-        f'Command: `uv run python benchmarks/distillation_halving.py --epochs={_EPOCHS.value} '
+        f'Command: `uv run python benchmarks/studies/distillation_halving.py --epochs={_EPOCHS.value} '
         f'--repeats={_REPEATS.value} --clients={_CLIENTS.value}` (module docstring: the setting). '
         f'{result["candidates"]} candidates; halving trains {" -> ".join(map(str, result["survivors_per_rung"]))} '
         'of them in its three rungs. Medians of alternating repeats in one process, 2 shared CPU cores.',

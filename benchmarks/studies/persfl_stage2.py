@@ -30,8 +30,8 @@ without the optimism of scoring the best candidate on the data that picked it
 (that number is reported too, as "in-sample"). Test data are read only with --final, for one
 configuration chosen beforehand.
 
-    uv run --locked python benchmarks/persfl_stage2.py --seeds=0,1
-    uv run --locked python benchmarks/persfl_stage2.py --seeds=0,1 --final=default:5
+    uv run --locked python benchmarks/studies/persfl_stage2.py --seeds=0,1
+    uv run --locked python benchmarks/studies/persfl_stage2.py --seeds=0,1 --final=default:5
 
 Stage 1 and every stage-2 run are cached under --work_dir (a rerun only adds
 what is missing); the report is written from the cache.
@@ -92,7 +92,7 @@ _SEEDS = flags.DEFINE_list('seeds', ['0', '1'], 'Run seeds (partition, stage 1, 
 _RUNS = flags.DEFINE_list('runs', list(RUNS), 'Stage-2 runs (names of RUNS), in the order they are computed.')
 _ROUNDS = flags.DEFINE_integer('rounds', 100, 'Stage-1 FedAvg rounds.')
 _WORK_DIR = flags.DEFINE_string('work_dir', 'runs/persfl_stage2', 'Cache of stage 1 and of the stage-2 runs.')
-_OUT = flags.DEFINE_string('out', 'benchmarks/results/persfl_stage2', 'Result path prefix (.md, .json, .png).')
+_OUT = flags.DEFINE_string('out', 'benchmarks/studies/results/persfl_stage2', 'Result path prefix (.md, .json, .png).')
 _FINAL = flags.DEFINE_string(
     'final',
     '',
@@ -672,9 +672,9 @@ def write_report(units, summary, out, final):
         'MNIST and Fashion-MNIST, DS-1 (4 classes per client), 10 clients, MNIST DNN; stage 1 as in '
         '`benchmarks/suites/persfl_mnist.toml` (100 FedAvg rounds, batch 32, lr 0.05, 1 local epoch), run once per '
         f'dataset and seed (seeds {seeds_text}) through the library process; every stage-2 variant starts from '
-        'its teachers. Script: `benchmarks/persfl_stage2.py` (its docstring has the protocol).',
+        'its teachers. Script: `benchmarks/studies/persfl_stage2.py` (its docstring has the protocol).',
         '',
-        '    uv run --locked python benchmarks/persfl_stage2.py --seeds='
+        '    uv run --locked python benchmarks/studies/persfl_stage2.py --seeds='
         + ','.join(_SEEDS.value)
         + (f' --final={_FINAL.value}' if _FINAL.value else ''),
         '',
@@ -702,7 +702,7 @@ def write_report(units, summary, out, final):
         'process run the same TF ops).',
         '',
         'Conclusions: [docs/algorithms/persfl.md, What limits stage 2 (measured)]'
-        '(../../docs/algorithms/persfl.md#what-limits-stage-2-measured).',
+        '(../../../docs/algorithms/persfl.md#what-limits-stage-2-measured).',
     ]
     for dataset in summary:
         lines += [

@@ -14,11 +14,11 @@ has about 330 validation examples (the suite's 1 % gives 30). eta_2 = 0 would
 be local training alone (c learned, but never used); eta_2 = 1 makes
 each client adopt u_n at the end of every round. Test data are not read.
 
-    uv run --locked python benchmarks/ktpfl_homo_transfer.py --rounds=15
+    uv run --locked python benchmarks/studies/ktpfl_homo_transfer.py --rounds=15
 
 Every (eta_2, seed) run is cached under --work_dir as JSON (a rerun only adds
 what is missing); the report, of every cached run with --rounds rounds, is written to
-benchmarks/results/ktpfl_homo_transfer.md.
+benchmarks/studies/results/ktpfl_homo_transfer.md.
 """
 
 import glob
@@ -37,7 +37,7 @@ from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
 from tff_pfl.program import client_states, training_loop
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _RATES = flags.DEFINE_list('transfer_rates', ['0.01', '0.1', '0.5', '1.0'], 'eta_2 values to measure.')
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds (partition, initialization, batches).')
@@ -49,7 +49,9 @@ _DATASET = flags.DEFINE_string(
 )
 _WORK_DIR = flags.DEFINE_string('work_dir', os.path.join(REPO, 'runs', 'ktpfl_homo_transfer'), 'Cache.')
 _OUT = flags.DEFINE_string(
-    'out', os.path.join(REPO, 'benchmarks', 'results', 'ktpfl_homo_transfer'), 'Report path, without extension.'
+    'out',
+    os.path.join(REPO, 'benchmarks', 'studies', 'results', 'ktpfl_homo_transfer'),
+    'Report path, without extension.',
 )
 
 NUM_CLIENTS = 20
@@ -169,7 +171,7 @@ def write_report(results: list[dict]) -> None:
     for seed in sorted({r['seed'] for r in results}):
         rates = ','.join(f'{r["transfer_rate"]:g}' for r in results if r['seed'] == seed)
         commands.append(
-            '    uv run --locked python benchmarks/ktpfl_homo_transfer.py '
+            '    uv run --locked python benchmarks/studies/ktpfl_homo_transfer.py '
             f'--rounds={_ROUNDS.value} --local_epochs={_LOCAL_EPOCHS.value} --seeds={seed} --transfer_rates={rates}'
         )
     text = [
