@@ -30,7 +30,11 @@ PUBLIC = [
     ('processes.selffl', ['build_selffl_process', 'SelfFLSettings']),
     (
         'processes.ktpfl',
-        ['build_ktpfl_process', 'KTpFLSettings', 'build_ktpfl_homogeneous_process', 'KTpFLHomoSettings'],
+        ['build_ktpfl_process', 'KTpFLSettings'],
+    ),
+    (
+        'processes.ktpfl_homo',
+        ['build_ktpfl_homogeneous_process', 'KTpFLHomoSettings'],
     ),
     (
         'processes.kdpdfl',

@@ -16,7 +16,21 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 import processes
-from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
+from processes import (
+    apfl,
+    ditto,
+    fedavg,
+    feddf,
+    fedper,
+    kdpdfl,
+    ktpfl,
+    ktpfl_homo,
+    local,
+    perfedavg,
+    persfl,
+    pfedme,
+    selffl,
+)
 from tff_pfl import models
 from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data, federated
@@ -79,8 +93,8 @@ def _builders():
             {c, lo, m},
         ),
         'build_ktpfl_homogeneous_process': (
-            lambda spec, fn, **kw: ktpfl.build_ktpfl_homogeneous_process(
-                spec, fn, ktpfl.KTpFLHomoSettings(**LOCAL), **kw
+            lambda spec, fn, **kw: ktpfl_homo.build_ktpfl_homogeneous_process(
+                spec, fn, ktpfl_homo.KTpFLHomoSettings(**LOCAL), **kw
             ),
             {c, lo, m},
         ),
@@ -305,7 +319,9 @@ def test_a_keyword_the_algorithm_has_no_place_for_is_refused_in_one_line(data, b
 
 
 def _ktpfl_homo_params(spec, model_fn, **keywords):
-    process = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(**LOCAL), **keywords)
+    process = ktpfl_homo.build_ktpfl_homogeneous_process(
+        spec, model_fn, ktpfl_homo.KTpFLHomoSettings(**LOCAL), **keywords
+    )
     state = process.initialize()
     _, clients, _ = process.next(state, process.initial_client_states(spec.client_ids))
     return np.stack([np.asarray(c['params']) for c in clients])

@@ -17,9 +17,16 @@ def _process_modules():
     return sorted(p.stem for p in (ROOT / 'processes').glob('*.py') if p.stem != '__init__')
 
 
+# Modules of processes/ that declare no algorithm: parts an algorithm family shares.
+SHARED_PARTS = {'ktpfl_rounds': {'ktpfl', 'ktpfl_homo'}}
+
+
 def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithms():
     registered = {m.__name__.split('.')[-1] for m in algorithms._MODULES}
-    assert registered == set(_process_modules())
+    assert registered == set(_process_modules()) - set(SHARED_PARTS)
+    for part, users in SHARED_PARTS.items():
+        assert not hasattr(__import__(f'processes.{part}', fromlist=['_']), 'ALGORITHMS')
+        assert set(_importers(['processes'], part, submodule=True)) == {f'processes/{u}.py' for u in users}
     declared = [entry for module in algorithms._MODULES for entry in module.ALGORITHMS]
     assert all(isinstance(entry, algorithm.Algorithm) for entry in declared)
     assert sorted(entry.name for entry in declared) == algorithms.names()
@@ -38,8 +45,9 @@ def test_a_name_declared_twice_is_refused():
         algorithms._collect((first, second))
 
 
-def _importers(packages, imported):
-    """The files under `packages` that import the top-level package `imported`."""
+def _importers(packages, imported, submodule=False):
+    """The files under `packages` that import the top-level package `imported` (or, with `submodule`,
+    the module `processes.<imported>` by `from processes import ...`)."""
     found = []
     for package in packages:
         for path in sorted((ROOT / package).rglob('*.py')):
@@ -47,6 +55,8 @@ def _importers(packages, imported):
                 names = []
                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     names = [node.module]
+                    if submodule and node.module == 'processes':
+                        names = [a.name for a in node.names]
                 elif isinstance(node, ast.Import):
                     names = [a.name for a in node.names]
                 if any(n.split('.')[0] == imported for n in names):
@@ -95,7 +105,7 @@ def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
     config = run_config.ExperimentConfig(output_dir='x', algorithm=name, **values)
     with pytest.raises(run_config.ConfigError) as refused:
         config.validate()
-    module = algorithms.get(name).build.__module__
+    module = 'processes.ktpfl_rounds' if refusal.startswith('LOCAL_DP') else algorithms.get(name).build.__module__
     assert str(refused.value) == getattr(__import__(module, fromlist=['_']), refusal)
 
 

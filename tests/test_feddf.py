@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from processes import fedavg, feddf
+from processes import fedavg, feddf, ktpfl_homo
 from tff_pfl import models, settings
 from tff_pfl.computations import audit, distillation
 from tff_pfl.data import pipeline
@@ -211,7 +211,6 @@ def test_local_steps_are_exact(vector_problem, tff_runtime, cls):
 
 @pytest.mark.parametrize('algorithm', ['pfeddf', 'ktpfl_homo'])
 def test_experiment_runs(tiny_npz, tmp_path, algorithm):
-    from processes import ktpfl
     from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
@@ -226,7 +225,7 @@ def test_experiment_runs(tiny_npz, tmp_path, algorithm):
             **LOCAL,
         )
     else:
-        algorithm_settings = ktpfl.KTpFLHomoSettings(kt_transfer_steps=1, **LOCAL)
+        algorithm_settings = ktpfl_homo.KTpFLHomoSettings(kt_transfer_steps=1, **LOCAL)
     config = run_config.ExperimentConfig(
         output_dir=str(out),
         algorithm=algorithm,

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ktpfl
+from processes import ktpfl, ktpfl_homo, ktpfl_rounds
 from tests import numpy_reference
 from tests.conftest import make_linear_problem
 from tff_pfl import models, settings
@@ -224,7 +224,7 @@ def test_bad_settings(values, message):
 )
 def test_bad_homogeneous_settings(values, message):
     with pytest.raises(settings.SettingsError, match=message) as raised:
-        ktpfl.KTpFLHomoSettings(**values).validate()
+        ktpfl_homo.KTpFLHomoSettings(**values).validate()
     assert '\n' not in str(raised.value)
 
 
@@ -235,7 +235,7 @@ def test_paper_defaults():
     assert (kt.client_learning_rate, kt.public_distill_learning_rate, kt.kt_coefficient_learning_rate) == (0.01,) * 3
     assert (kt.kt_rho, kt.public_temperature, kt.kt_imitation, kt.kt_top_k) == (0.6, 10.0, 1.0, 5)
     assert (kt.public_examples, kt.public_batch, kt.architectures) == (3000, None, ())  # P: all 3000 each round
-    homo = ktpfl.KTpFLHomoSettings()
+    homo = ktpfl_homo.KTpFLHomoSettings()
     assert (homo.batch_size, homo.local_epochs, homo.kt_transfer_steps) == (32, 20, 1)
     assert (homo.client_learning_rate, homo.kt_transfer_learning_rate) == (0.01, 0.01)
     assert homo.kt_coefficient_learning_rate == 0.005
@@ -246,7 +246,7 @@ def test_bad_arguments(process):
     with pytest.raises(settings.SettingsError, match='kt_c_update'):
         ktpfl.build_ktpfl_process(spec, _small(kt_c_update='mine'))
     with pytest.raises(TypeError, match='KTpFLSettings'):
-        ktpfl.build_ktpfl_process(spec, ktpfl.KTpFLHomoSettings())
+        ktpfl.build_ktpfl_process(spec, ktpfl_homo.KTpFLHomoSettings())
     # The tiny images are 6x6x1: LeNet's two conv + pool stages need 16x16.
     with pytest.raises(ValueError, match=r'^architectures: lenet cannot take features of shape \(6, 6, 1\)') as e:
         ktpfl.build_ktpfl_process(spec, _small(architectures=('logistic', 'lenet')))
@@ -327,7 +327,7 @@ def test_homogeneous_update_is_a_gradient_step_of_eq11():
     sizes = np.array([5.0, 10.0, 20.0])
     f = lambda m: _numpy_homogeneous_objective(m, params, sizes, 0.6, 1.0)  # noqa: E731
     want = np.maximum(c - 0.05 * numpy_reference.numeric_gradient(f, c), 0.0)
-    got = ktpfl.homogeneous_update(
+    got = ktpfl_homo.homogeneous_update(
         tf.constant(c, tf.float32),
         tf.constant(params, tf.float32),
         tf.constant(sizes, tf.float32),
@@ -340,7 +340,7 @@ def test_homogeneous_update_is_a_gradient_step_of_eq11():
 
 def test_a_row_of_zeros_keeps_the_clients_own_knowledge():
     c = tf.constant([[0.0, 0.0], [1.0, 3.0]])
-    np.testing.assert_allclose(ktpfl.mixing_weights(c).numpy(), [[1.0, 0.0], [0.25, 0.75]])
+    np.testing.assert_allclose(ktpfl_rounds.mixing_weights(c).numpy(), [[1.0, 0.0], [0.25, 0.75]])
 
 
 @pytest.fixture(scope='module')
@@ -355,10 +355,10 @@ def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, t
 
     spec, model_fn = equal_clients
     local = dict(local_epochs=2, batch_size=8, client_learning_rate=0.3)
-    proc = ktpfl.build_ktpfl_homogeneous_process(
+    proc = ktpfl_homo.build_ktpfl_homogeneous_process(
         spec,
         model_fn,
-        ktpfl.KTpFLHomoSettings(
+        ktpfl_homo.KTpFLHomoSettings(
             kt_transfer_steps=1, kt_transfer_learning_rate=1.0, kt_coefficient_learning_rate=0.0, **local
         ),
         seed=5,
@@ -379,10 +379,10 @@ def test_homogeneous_with_uniform_c_and_full_transfer_is_fedavg(equal_clients, t
 
 def test_homogeneous_round_against_numpy(equal_clients, tff_runtime):
     spec, model_fn = equal_clients
-    proc = ktpfl.build_ktpfl_homogeneous_process(
+    proc = ktpfl_homo.build_ktpfl_homogeneous_process(
         spec,
         model_fn,
-        ktpfl.KTpFLHomoSettings(
+        ktpfl_homo.KTpFLHomoSettings(
             local_epochs=1,
             batch_size=8,
             client_learning_rate=0.3,
@@ -417,7 +417,9 @@ def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):
 
     spec = make_linear_problem(tmp_path / 'data')  # clients of 37, 50 and 23 examples
     model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
-    proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(local_steps=3, batch_size=4))
+    proc = ktpfl_homo.build_ktpfl_homogeneous_process(
+        spec, model_fn, ktpfl_homo.KTpFLHomoSettings(local_steps=3, batch_size=4)
+    )
     assert (
         'architectures' not in proc.extras
         and proc.extras['communication']['parameter_bytes_up_per_client'] == (4 * 3 + 3) * 4
@@ -429,4 +431,4 @@ def test_homogeneous_local_steps_are_exact(tmp_path, tff_runtime):
         assert metrics['mean_local_steps'] == 3.0
         assert metrics['num_examples'] == 3 * 3 * 4
     with pytest.raises(TypeError, match='KTpFLHomoSettings'):
-        ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLSettings())
+        ktpfl_homo.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLSettings())

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ktpfl
+from processes import ktpfl, ktpfl_homo, ktpfl_rounds
 from tests import numpy_reference
 from tests.conftest import make_linear_problem
 from tff_pfl import models
@@ -90,7 +90,7 @@ def test_mix_uses_only_the_sampled_clients(round_values):
     # The homogeneous mix takes the sampled clients' rows only (K = 4 rows for 3 clients: one empty row).
     ids = tf.constant([0, 2, 3, -1])
     rows = np.concatenate([params[sampled], np.zeros((1, params.shape[1]))])
-    mixed = ktpfl.personalized_parameters(tf.constant(c, tf.float32), tf.constant(rows, tf.float32), ids).numpy()
+    mixed = ktpfl_homo.personalized_parameters(tf.constant(c, tf.float32), tf.constant(rows, tf.float32), ids).numpy()
     np.testing.assert_allclose(mixed[:3], (c_s / c_s.sum(axis=1, keepdims=True)) @ params[sampled], atol=1e-5)
     assert not mixed[3].any()
 
@@ -112,7 +112,7 @@ def test_sampled_block_takes_the_papers_step_and_nothing_else_moves(round_values
     np.testing.assert_array_equal(got[outside], np.float32(c)[outside])  # bit for bit
     assert not np.allclose(got[~outside], np.float32(c)[~outside])
     del inputs['present']  # the homogeneous step reads who took part from its rows' ids
-    got = ktpfl.homogeneous_update(
+    got = ktpfl_homo.homogeneous_update(
         params=tf.constant(params[[3, 0, 2]], tf.float32), ids=tf.constant([3, 0, 2]), imitation=1.0, **inputs
     ).numpy()
     want = _block_step(lambda m: _distance_objective(m, params[sampled], sizes[sampled], 0.6, 1.0, 5), c, sampled, 0.1)
@@ -129,9 +129,9 @@ def test_every_client_present_is_the_full_participation_round_bit_for_bit(round_
     def both(present, ids):
         return [
             ktpfl.mix(c, s, present),
-            ktpfl.personalized_parameters(c, params, ids),
+            ktpfl_homo.personalized_parameters(c, params, ids),
             ktpfl.paper_update(c, s, sizes, imitation=100.0, present=present, **steps),
-            ktpfl.homogeneous_update(c, params, sizes, imitation=1.0, ids=ids, **steps),
+            ktpfl_homo.homogeneous_update(c, params, sizes, imitation=1.0, ids=ids, **steps),
         ]
 
     for run in (lambda f, *a: f(*a), lambda f, *a: tf.function(f)(*a)):
@@ -216,7 +216,9 @@ def test_ktpfl_homo_with_a_sample_mixes_only_the_sample(spec, tff_runtime):
     local = dict(local_steps=2, batch_size=8, client_learning_rate=0.3, kt_transfer_steps=1)
 
     def one_round(**values):
-        proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(**local, **values))
+        proc = ktpfl_homo.build_ktpfl_homogeneous_process(
+            spec, model_fn, ktpfl_homo.KTpFLHomoSettings(**local, **values)
+        )
         states = [proc.initial_client_state(c) for c in spec.client_ids]
         output = proc.next(proc.initialize(), [states[1], states[3]])
         return output, proc
@@ -240,19 +242,19 @@ def test_ktpfl_homo_with_a_sample_mixes_only_the_sample(spec, tff_runtime):
 def test_rows_of_the_round_clients_and_back():
     values = np.arange(5 * 2, dtype=np.float32).reshape(5, 2) + 1
     present = tf.constant([0.0, 1.0, 0.0, 1.0, 1.0])
-    ids, rows = ktpfl.compact(present, tf.constant(values), capacity=4)
+    ids, rows = ktpfl_rounds.compact(present, tf.constant(values), capacity=4)
     assert ids.numpy().tolist() == [1, 3, 4, -1]
     np.testing.assert_array_equal(rows.numpy(), np.concatenate([values[[1, 3, 4]], np.zeros((1, 2))]))
-    np.testing.assert_array_equal(ktpfl.presence(ids, 5).numpy(), present.numpy())
-    back = ktpfl.rows_by_client(ids, rows, 5).numpy()
+    np.testing.assert_array_equal(ktpfl_rounds.presence(ids, 5).numpy(), present.numpy())
+    back = ktpfl_rounds.rows_by_client(ids, rows, 5).numpy()
     np.testing.assert_array_equal(back, values * present.numpy()[:, None])
     with pytest.raises(tf.errors.InvalidArgumentError, match='more clients in the round than its capacity'):
-        ktpfl.compact(present, tf.constant(values), capacity=2)
+        ktpfl_rounds.compact(present, tf.constant(values), capacity=2)
 
 
 def test_gather_steps_append_merge_and_sort_by_index(tff_runtime):
     """The server's rows: any arrival order, split over two partial aggregates or not, gives rows by index."""
-    zero, accumulate, merge, report = ktpfl.gather_steps(tff.TensorType(np.float32, (2,)), capacity=4)
+    zero, accumulate, merge, report = ktpfl_rounds.gather_steps(tff.TensorType(np.float32, (2,)), capacity=4)
     value = {7: [7.0, 0.5], 2: [2.0, 0.25], 5: [5.0, 1.0]}
 
     def upload(i):
@@ -278,7 +280,7 @@ def test_gather_steps_append_merge_and_sort_by_index(tff_runtime):
 def test_a_round_of_capacity_k_equals_the_round_of_capacity_n(spec, tff_runtime):
     """K = 2 rows for a sample of 2 of 4 clients: the same round as with N rows; 3 clients do not fit."""
     model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
-    homo = ktpfl.KTpFLHomoSettings(
+    homo = ktpfl_homo.KTpFLHomoSettings(
         local_steps=2,
         batch_size=8,
         client_learning_rate=0.3,
@@ -293,7 +295,7 @@ def test_a_round_of_capacity_k_equals_the_round_of_capacity_n(spec, tff_runtime)
         kt_coefficient_learning_rate=0.5,
     )
     builders = (
-        lambda k: ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, homo, max_clients_per_round=k),
+        lambda k: ktpfl_homo.build_ktpfl_homogeneous_process(spec, model_fn, homo, max_clients_per_round=k),
         lambda k: ktpfl.build_ktpfl_process(spec, hetero, max_clients_per_round=k),
     )
     for build in builders:
@@ -321,14 +323,18 @@ def test_a_round_of_capacity_k_equals_the_round_of_capacity_n(spec, tff_runtime)
 def test_the_server_holds_k_rows_of_parameters(spec):
     """With K = 2 of N = 4, the homogeneous round's server mixes [2, D] parameters, not [4, D]."""
     model_fn = lambda: models.get('logistic')(spec.feature_shape, spec.num_classes)  # noqa: E731
-    proc = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(), max_clients_per_round=2)
+    proc = ktpfl_homo.build_ktpfl_homogeneous_process(
+        spec, model_fn, ktpfl_homo.KTpFLHomoSettings(), max_clients_per_round=2
+    )
     num_params = 4 * 3 + 3
     (personalized,) = [t.member for uri, t in audit.clients_to_server_values(proc.next) if uri == 'federated_aggregate']
     assert str(personalized) == f'<index=int32,value=float32[{num_params}]>'
     server_rows = str(proc.device.phases['distill'].type_signature.parameter[0].member)
     assert f'targets=<ids=int32[2],values=float32[2,{num_params}]>' in server_rows
     with pytest.raises(ValueError, match=r'max_clients_per_round must be in \[1, 4\], got 5'):
-        ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, ktpfl.KTpFLHomoSettings(), max_clients_per_round=5)
+        ktpfl_homo.build_ktpfl_homogeneous_process(
+            spec, model_fn, ktpfl_homo.KTpFLHomoSettings(), max_clients_per_round=5
+        )
 
 
 def test_only_soft_predictions_cross_with_or_without_sampling(spec):
@@ -361,7 +367,7 @@ def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path, tff_runtime
     # passed only when an earlier test of its pytest worker had opened the session's runtime.
     for algorithm, settings in (
         ('ktpfl', ktpfl.KTpFLSettings(local_steps=2, architectures=('logistic',), public_examples=40, public_batch=20)),
-        ('ktpfl_homo', ktpfl.KTpFLHomoSettings(local_steps=2)),
+        ('ktpfl_homo', ktpfl_homo.KTpFLHomoSettings(local_steps=2)),
     ):
         config = run_config.ExperimentConfig(
             output_dir=str(tmp_path / algorithm),

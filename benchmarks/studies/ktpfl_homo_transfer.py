@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-from processes import ktpfl
+from processes import ktpfl_homo, ktpfl_rounds
 from tff_pfl import models, reports, runtime
 from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
@@ -58,8 +58,8 @@ NUM_CLIENTS = 20
 SPLIT = (0.64, 0.11, 0.25)
 
 
-def _settings(rate: float) -> ktpfl.KTpFLHomoSettings:
-    return ktpfl.KTpFLHomoSettings(
+def _settings(rate: float) -> ktpfl_homo.KTpFLHomoSettings:
+    return ktpfl_homo.KTpFLHomoSettings(
         batch_size=32,
         client_learning_rate=0.01,
         local_epochs=_LOCAL_EPOCHS.value,
@@ -103,7 +103,7 @@ def run_one(spec, seed: int, rate: float) -> dict:
     model_fn = lambda: models.get('fedavg_cnn')(spec.feature_shape, spec.num_classes)  # noqa: E731
     ids = list(spec.client_ids)
     start = time.perf_counter()
-    process = ktpfl.build_ktpfl_homogeneous_process(spec, model_fn, _settings(rate), seed=seed)
+    process = ktpfl_homo.build_ktpfl_homogeneous_process(spec, model_fn, _settings(rate), seed=seed)
     archs = heterogeneous.Architectures([model_fn])
     evaluate_val = heterogeneous.build_personalized_evaluation(spec, archs, process.client_state_type, 'val')
     store = client_states.ClientStateStore(process, ids)
@@ -129,7 +129,7 @@ def run_one(spec, seed: int, rate: float) -> dict:
 
 def _group_weights(coefficients: np.ndarray) -> tuple[float, float, float]:
     """Mean self, same-group and other-group weight of c's rows as the process mixes them (kt_case1's two halves)."""
-    c = ktpfl.mixing_weights(tf.constant(coefficients, tf.float32)).numpy()
+    c = ktpfl_rounds.mixing_weights(tf.constant(coefficients, tf.float32)).numpy()
     n = c.shape[0]
     group = np.arange(n) < (n + 1) // 2
     same = group[:, None] == group[None, :]

@@ -7,7 +7,21 @@ builds a process from the run's configuration; adding an algorithm is one
 new module and one line here (docs/architecture.md, "Adding an algorithm").
 """
 
-from processes import apfl, ditto, fedavg, feddf, fedper, kdpdfl, ktpfl, local, perfedavg, persfl, pfedme, selffl
+from processes import (
+    apfl,
+    ditto,
+    fedavg,
+    feddf,
+    fedper,
+    kdpdfl,
+    ktpfl,
+    ktpfl_homo,
+    local,
+    perfedavg,
+    persfl,
+    pfedme,
+    selffl,
+)
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import privacy
@@ -21,6 +35,7 @@ _MODULES = (
     fedper,
     kdpdfl,
     ktpfl,
+    ktpfl_homo,
     local,
     perfedavg,
     persfl,
