@@ -50,7 +50,8 @@ from tff_pfl import reports
 from tff_pfl.computations import audit
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
-from tff_pfl.program import experiment, run_config
+from tff_pfl.program import experiment
+from tff_pfl.program import run_config as run_config_lib
 from tff_pfl_bench import bench_layout, bench_peers, bench_report, bench_suite
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
@@ -333,7 +334,7 @@ def _check_process(run: bench_suite.Run, process, partition_text: str | None, re
     return communication
 
 
-def _participants(config: run_config.ExperimentConfig, num_clients: int, row: Mapping) -> int:
+def _participants(config: run_config_lib.ExperimentConfig, num_clients: int, row: Mapping) -> int:
     if row.get('num_clients') is not None:
         return int(row['num_clients'])
     if config.client_fraction >= 1.0:
@@ -342,7 +343,7 @@ def _participants(config: run_config.ExperimentConfig, num_clients: int, row: Ma
 
 
 def communication_totals(
-    per_call: Mapping, config: run_config.ExperimentConfig, rounds: Sequence[Mapping], num_clients: int
+    per_call: Mapping, config: run_config_lib.ExperimentConfig, rounds: Sequence[Mapping], num_clients: int
 ) -> dict:
     """Bytes of a whole run from the bytes of one call per client.
 
@@ -586,7 +587,7 @@ def run_suite(
 
 def run_config(
     suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run, checkpoint_every: int
-) -> run_config.ExperimentConfig:
+) -> run_config_lib.ExperimentConfig:
     """The run's configuration in `output_dir`, writing a checkpoint every `checkpoint_every` rounds.
 
     `checkpoint_every` changes where a run can continue from, never what it
@@ -599,7 +600,7 @@ def run_config(
       checkpoint_every: rounds between the run's checkpoints (0: none).
 
     Returns:
-      The `run_config.ExperimentConfig` of the run in its own directory.
+      The `run_config_lib.ExperimentConfig` of the run in its own directory.
     """
     config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir))
     return dataclasses.replace(config, checkpoint_every=checkpoint_every)
@@ -609,7 +610,7 @@ def _run_one(
     suite: bench_suite.Suite,
     output_dir: str,
     run: bench_suite.Run,
-    config: run_config.ExperimentConfig,
+    config: run_config_lib.ExperimentConfig,
     *,
     resume_from: int | None = None,
 ) -> dict:
@@ -644,7 +645,7 @@ def _run_one(
 def _run_peer(
     suite: bench_suite.Suite,
     run: bench_suite.Run,
-    config: run_config.ExperimentConfig,
+    config: run_config_lib.ExperimentConfig,
     directory: str,
     reference,
     resume_from: int | None,
