@@ -33,7 +33,7 @@ from absl import app, flags
 from processes import fedavg
 from tff_pfl import models, runtime
 from tff_pfl.computations import local_training
-from tff_pfl.data import client_data, partition, sources
+from tff_pfl.data import client_data, client_data_writer, partition, sources
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
 _ROUNDS = flags.DEFINE_integer('rounds', 30, 'Timed rounds per side (after 3 warm-up rounds).')
@@ -83,7 +83,7 @@ def main(argv):
     clients = partition.iid(pool.y, NUM_CLIENTS, seed=0, examples_per_client=6000)
     splits = [partition.split_client(c, pool.y, (0.6, 0.2, 0.2), seed=i) for i, c in enumerate(clients)]
     workdir = tempfile.mkdtemp(prefix='fedavg_speed.')
-    spec = client_data.write_client_data(os.path.join(workdir, 'data'), pool.x, pool.y, 10, splits)
+    spec = client_data_writer.write_client_data(os.path.join(workdir, 'data'), pool.x, pool.y, 10, splits)
     assert set(spec.split_sizes['train']) == {TRAIN_PER_CLIENT}, spec.split_sizes['train']
     arrays = [client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids]
 

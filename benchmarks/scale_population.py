@@ -15,7 +15,7 @@ Populations (`--data`):
   (`--heterogeneity` h, default 0.1), 6 examples per client (4 train, 1
   validation, 1 test); written once per population into `--population_dir`
   as a `clients:DIR` source (what the runs name as their dataset) and, in the
-  same pass, through `client_data.ClientDataWriter` as the run's client files,
+  same pass, through `client_data_writer.ClientDataWriter` as the run's client files,
   hard-linked into each run instead of converted again (the same bytes);
 - `mnist`, `fashion_mnist`: that file split by the FedProx power-law
   generator (`ds3`, two classes per client, 2 base examples per class);
@@ -382,7 +382,7 @@ def _population_lines(records):
     cells = ', '.join(f'{n:,} clients {p["seconds"]:.0f} s' for n, p in sorted(written.items()))
     return [
         f'Each population was written once before its runs ({cells}: the clients:DIR npz files and, in the same '
-        "pass, the client files `client_data.ClientDataWriter` makes of them); a run's setup hard-links those "
+        "pass, the client files `client_data_writer.ClientDataWriter` makes of them); a run's setup hard-links those "
         'client files (the bytes `pipeline.prepare` writes from clients:DIR, which costs about 1.3 ms per client: '
         '22 min at 1,000,000 clients).',
         '',

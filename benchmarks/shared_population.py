@@ -42,7 +42,7 @@ def write(population: str, num_clients: int, heterogeneity: float) -> dict:
     - `clients/`: the library's per-client source (`clients:DIR`, docs/data.md): `manifest.json`
       and one `<id>.npz` per client in the Keras layout with its own validation split; what the
       runs name as their dataset, and what `tff-pfl-train --dataset=clients:DIR` reads;
-    - `client_data/`: the same clients through the library's `client_data.ClientDataWriter`, byte
+    - `client_data/`: the same clients through the library's `client_data_writer.ClientDataWriter`, byte
       for byte what `pipeline.prepare` writes from `clients:DIR` into a run (`prepare_natural`:
       the clients in id order, their own splits, the source id beside), and `histogram.npy`.
       `prepare_linked` hard-links these files into a run instead of converting the npz files
@@ -52,7 +52,7 @@ def write(population: str, num_clients: int, heterogeneity: float) -> dict:
     Returns:
       `written.json`: the population's size, heterogeneity and the seconds it took to write.
     """
-    from tff_pfl.data import client_data, sources
+    from tff_pfl.data import client_data, client_data_writer, sources
 
     info = os.path.join(population, 'written.json')
     if not os.path.exists(population):
@@ -66,7 +66,7 @@ def write(population: str, num_clients: int, heterogeneity: float) -> dict:
             0.0, 0.0, num_clients, seed=SEED, heterogeneity=heterogeneity, examples_per_client=sum(EXAMPLES)
         )
         cuts = np.cumsum(EXAMPLES)[:-1]
-        with client_data.ClientDataWriter(
+        with client_data_writer.ClientDataWriter(
             os.path.join(staging, 'client_data'), feature_shape=(60,), encoding=client_data.FLOAT32
         ) as writer:
             for index, (x, y) in enumerate(generator):

@@ -40,7 +40,7 @@ import tensorflow_federated as tff
 from tensorflow_federated.proto.v0 import computation_pb2
 
 from tff_pfl.computations import device_state
-from tff_pfl.data import client_data, natural, pipeline, sources
+from tff_pfl.data import client_data, client_data_writer, natural, pipeline, sources
 
 MANIFEST = 'manifest.json'
 SUPPORTED_FORMAT_VERSIONS = (1,)
@@ -204,7 +204,7 @@ class Export:
             scratch = tempfile.mkdtemp(prefix='.staged.', dir=parent)
             staged = os.path.join(scratch, 'client_data')
             try:
-                with client_data.ClientDataWriter(
+                with client_data_writer.ClientDataWriter(
                     staged,
                     feature_shape=expected['feature_shape'],
                     encoding=expected['feature_encoding'],

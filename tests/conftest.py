@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tff_pfl import runtime
-from tff_pfl.data import client_data
+from tff_pfl.data import client_data_writer
 
 # A test that invokes a computation outside `tff_runtime` fails instead of starting TFF's own,
 # never reaped worker (the library leaves that choice to its user: tff_pfl/runtime.py).
@@ -36,7 +36,7 @@ def make_linear_problem(root, num_clients=3, sizes=(37, 50, 23), dim=4, num_clas
         splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
         start += 3 * n
     public = np.arange(start, total) if public_examples else None
-    return client_data.write_client_data(str(root), x, y, num_classes, splits, public_indices=public)
+    return client_data_writer.write_client_data(str(root), x, y, num_classes, splits, public_indices=public)
 
 
 @pytest.fixture(scope='session')

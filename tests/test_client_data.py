@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_pfl.data import client_data
+from tff_pfl.data import client_data, client_data_writer
 
 
 def _write(root, x, num_clients=3):
@@ -16,7 +16,7 @@ def _write(root, x, num_clients=3):
         {'train': c[: len(c) // 2], 'val': c[len(c) // 2 : 3 * len(c) // 4], 'test': c[3 * len(c) // 4 :]}
         for c in np.array_split(idx, num_clients)
     ]
-    return client_data.write_client_data(str(root), x, y, 5, splits), y, splits
+    return client_data_writer.write_client_data(str(root), x, y, 5, splits), y, splits
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_existing_directory_is_refused_and_failed_write_leaves_nothing(tmp_path)
     with pytest.raises(FileExistsError):
         _write(tmp_path / 'data', x)
     with pytest.raises(KeyError):  # a client without a 'test' split
-        client_data.write_client_data(str(tmp_path / 'other'), x, np.zeros(12), 2, [{'train': [0], 'val': [1]}])
+        client_data_writer.write_client_data(str(tmp_path / 'other'), x, np.zeros(12), 2, [{'train': [0], 'val': [1]}])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['data']
     assert json.load(open(tmp_path / 'data' / 'manifest.json'))['client_ids'][0] == 'client_00000'
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tff_pfl.data import client_data, partition, pipeline, sources
+from tff_pfl.data import client_data, client_data_writer, partition, pipeline, sources
 
 
 def _partition(rng, x, sizes):
@@ -46,8 +46,8 @@ def test_both_layouts_yield_identical_arrays(tmp_path, case):
     x = CASES[case](rng)
     y = rng.integers(0, 5, len(x)).astype(np.int32)
     splits = _partition(rng, x, [9, 20, 7, 24])
-    old = client_data.write_client_data(str(tmp_path / 'old'), x, y, 5, splits, layout=client_data.PER_CLIENT)
-    new = client_data.write_client_data(str(tmp_path / 'new'), x, y, 5, splits)
+    old = client_data_writer.write_client_data(str(tmp_path / 'old'), x, y, 5, splits, layout=client_data.PER_CLIENT)
+    new = client_data_writer.write_client_data(str(tmp_path / 'new'), x, y, 5, splits)
     assert (old.layout, new.layout) == (client_data.PER_CLIENT, client_data.SHARDED)
     assert new.feature_encoding == old.feature_encoding == case
     assert client_data.load_client_data_spec(str(tmp_path / 'new')) == new
@@ -74,7 +74,7 @@ def test_sequence_labels_and_int32_features(tmp_path):
     ]
     specs = {}
     for layout in client_data.LAYOUTS:
-        with client_data.ClientDataWriter(
+        with client_data_writer.ClientDataWriter(
             str(tmp_path / layout), feature_shape=(5,), encoding=client_data.INT32, label_shape=(5,), layout=layout
         ) as writer:
             for a in arrays:
@@ -97,7 +97,7 @@ def test_index_and_shards_match_a_hand_computation(tmp_path):
         {'train': [6], 'val': [7, 8], 'test': [9]},
         {'train': [10], 'val': [11], 'test': []},
     ]
-    spec = client_data.write_client_data(str(tmp_path / 'd'), x, y, 12, splits)
+    spec = client_data_writer.write_client_data(str(tmp_path / 'd'), x, y, 12, splits)
     assert sorted(os.listdir(tmp_path / 'd')) == sorted(
         ['manifest.json', 'index.i64'] + [f'{s}_{p}' for s in client_data.SPLITS for p in ('x.bin', 'y.i32')]
     )
@@ -117,7 +117,7 @@ def test_index_and_shards_match_a_hand_computation(tmp_path):
 def test_interrupted_write_leaves_no_complete_looking_directory(tmp_path):
     root = tmp_path / 'data'
     good = {s: (np.zeros((2, 3), np.float32), np.zeros(2, np.int32)) for s in client_data.SPLITS}
-    writer = client_data.ClientDataWriter(str(root), feature_shape=(3,))
+    writer = client_data_writer.ClientDataWriter(str(root), feature_shape=(3,))
     writer.add_client(good)
     # Mid-write (as after a crash): only a hidden staging directory, and no manifest anywhere.
     assert not root.exists()
@@ -126,13 +126,13 @@ def test_interrupted_write_leaves_no_complete_looking_directory(tmp_path):
     writer.__exit__(None, None, None)
     with (
         pytest.raises(ValueError, match='features of shape'),
-        client_data.ClientDataWriter(str(root), feature_shape=(3,)) as writer,
+        client_data_writer.ClientDataWriter(str(root), feature_shape=(3,)) as writer,
     ):
         writer.add_client(good)
         writer.add_client({**good, 'val': (np.zeros((1, 4), np.float32), np.zeros(1, np.int32))})
     assert list(tmp_path.iterdir()) == []
     # A client refused on its last split wrote nothing of its earlier ones.
-    with client_data.ClientDataWriter(str(root), feature_shape=(3,)) as writer:
+    with client_data_writer.ClientDataWriter(str(root), feature_shape=(3,)) as writer:
         writer.add_client(good)
         with pytest.raises(ValueError):
             writer.add_client({**good, 'test': (np.zeros((1, 3), np.float32), np.zeros(2, np.int32))})
@@ -151,7 +151,7 @@ def test_a_failed_shard_write_is_raised_and_leaves_nothing(tmp_path):
     good = {s: (np.zeros((2, 3), np.float32), np.zeros(2, np.int32)) for s in client_data.SPLITS}
     with (
         pytest.raises(OSError, match='No space left'),
-        client_data.ClientDataWriter(str(tmp_path / 'data'), feature_shape=(3,)) as writer,
+        client_data_writer.ClientDataWriter(str(tmp_path / 'data'), feature_shape=(3,)) as writer,
     ):
         writer._shards['val', 'y'] = FullDisk()  # the writes happen on the writer's own thread
         for _ in range(100):
@@ -163,7 +163,7 @@ def test_a_failed_shard_write_is_raised_and_leaves_nothing(tmp_path):
 def _tiny(root):
     rng = np.random.default_rng(5)
     x = rng.normal(size=(30, 4)).astype(np.float32)
-    return client_data.write_client_data(str(root), x, rng.integers(0, 3, 30), 3, _partition(rng, x, [12, 18]))
+    return client_data_writer.write_client_data(str(root), x, rng.integers(0, 3, 30), 3, _partition(rng, x, [12, 18]))
 
 
 @pytest.mark.parametrize(
@@ -197,7 +197,7 @@ def test_old_layout_from_an_earlier_version_is_read(tmp_path):
     rng = np.random.default_rng(6)
     x = rng.normal(size=(30, 4)).astype(np.float32)
     y = rng.integers(0, 3, 30)
-    spec = client_data.write_client_data(
+    spec = client_data_writer.write_client_data(
         str(tmp_path / 'd'), x, y, 3, _partition(rng, x, [12, 18]), layout=client_data.PER_CLIENT
     )
     manifest = json.loads((tmp_path / 'd' / 'manifest.json').read_text())
@@ -220,7 +220,7 @@ def test_streamed_synthetic_is_the_pooled_partition_byte_for_byte(tmp_path):
     splits = [
         partition.split_client(c, pool.y, (0.6, 0.2, 0.2), seed=2 + k) for k, c in enumerate(pool.natural_partition)
     ]
-    pooled = client_data.write_client_data(str(tmp_path / 'pooled'), pool.x, pool.y, 10, splits)
+    pooled = client_data_writer.write_client_data(str(tmp_path / 'pooled'), pool.x, pool.y, 10, splits)
     assert dataclasses_equal_but_root(prepared.spec, pooled)
     for name in sorted(os.listdir(tmp_path / 'pooled')):
         assert (tmp_path / 'streamed' / name).read_bytes() == (tmp_path / 'pooled' / name).read_bytes(), name

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tff_pfl.data import client_data
+from tff_pfl.data import client_data, client_data_writer
 
 _DEFAULT_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'tff_pfl', 'client_data')
 # (features, labels) key pairs TFF's own datasets use, tried in order.
@@ -265,7 +265,7 @@ def from_federated_data(
     encoding = client_data.INT32 if np.issubdtype(x0.dtype, np.integer) else client_data.FLOAT32
     largest = -1
     try:
-        with client_data.ClientDataWriter(
+        with client_data_writer.ClientDataWriter(
             incoming, feature_shape=feature_shape, encoding=encoding, label_shape=label_shape
         ) as writer:
             for client_id, splits in itertools.chain([(first_id, first)], clients):

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tff_pfl.data import client_data, natural, partition, sources
+from tff_pfl.data import client_data, client_data_writer, natural, partition, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,9 @@ def prepare(
             splits.append(partition.split_client(indices, pool.y, split_fractions, seed=seed + index))
         except partition.PartitionError as e:
             raise partition.PartitionError(f'{client_data.client_id_for(index)}: {e}') from None
-    spec = client_data.write_client_data(root, x, y, pool.num_classes, splits, public_indices=public, layout=layout)
+    spec = client_data_writer.write_client_data(
+        root, x, y, pool.num_classes, splits, public_indices=public, layout=layout
+    )
     histogram = partition.class_histogram(clients, pool.y, pool.num_classes)
     return PreparedData(spec=spec, class_histogram=histogram, source_name=pool.name)
 
@@ -163,7 +165,9 @@ def _prepare_synthetic(root, alpha_beta, num_clients, seed, split_fractions, lay
     clients = sources.synthetic_fedprox_clients(
         alpha, beta, num_clients=num_clients, num_classes=num_classes, seed=seed, heterogeneity=heterogeneity
     )
-    with client_data.ClientDataWriter(root, feature_shape=(60,), encoding=client_data.FLOAT32, layout=layout) as writer:
+    with client_data_writer.ClientDataWriter(
+        root, feature_shape=(60,), encoding=client_data.FLOAT32, layout=layout
+    ) as writer:
         for index, (x, y) in enumerate(clients):
             try:
                 parts = partition.split_client(np.arange(len(y)), y, split_fractions, seed=seed + index)
@@ -277,7 +281,7 @@ def prepare_natural(
     rng = np.random.default_rng([seed, 0x5A])
     chosen = np.sort(rng.choice(available, size=num_clients, replace=False))
     histogram = []
-    with client_data.ClientDataWriter(
+    with client_data_writer.ClientDataWriter(
         root,
         feature_shape=source.feature_shape,
         encoding=source.encoding,

@@ -147,7 +147,7 @@ def write_client_files(root: str, samples, seed: int, noise_var=1.0):
     Returns:
       The `client_data.ClientDataSpec`.
     """
-    from tff_pfl.data import client_data
+    from tff_pfl.data import client_data_writer
 
     rng = np.random.default_rng(seed + 10_000)
     x, splits, start = [], [], 0
@@ -160,4 +160,4 @@ def write_client_files(root: str, samples, seed: int, noise_var=1.0):
         )
         start += n + 2
     x = np.concatenate(x).astype(np.float32)[:, np.newaxis]
-    return client_data.write_client_data(root, x, np.zeros(len(x), np.int32), 1, splits)
+    return client_data_writer.write_client_data(root, x, np.zeros(len(x), np.int32), 1, splits)
