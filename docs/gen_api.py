@@ -54,7 +54,7 @@ PUBLIC = [
     ('processes.pfedme', ['build_pfedme_process', 'PFedMeSettings']),
     ('processes.perfedavg', ['build_perfedavg_process', 'variant_of', 'PerFedAvgSettings', 'PerFedAvgHFSettings']),
     ('processes.feddf', ['build_feddf_process', 'FedDFSettings', 'PFedDFSettings']),
-    ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload']),
+    ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload', 'model_update_builder']),
     ('tff_pfl.computations.template', ['PersonalizedProcess', 'ServerlessProcess', 'RoundOutput']),
     ('tff_pfl.computations.local_training', ['loss_from', 'metrics_from']),
     ('tff_pfl.computations.privacy', ['DPConfig']),

@@ -203,10 +203,6 @@ def build_apfl_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_apfl_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 def _plots(out, result, process):
     del process
     reports.plot_client_field(
@@ -220,7 +216,7 @@ ALGORITHMS = (
         'apfl',
         'APFL (Deng et al., 2020): adaptive mixture of local and global models',
         APFLSettings,
-        _build,
+        algorithm.model_update_builder(build_apfl_process),
         lambda state: {'alpha': float(state['alpha'])},
         _plots,
         privacy=algorithm.Privacy("the global model w's updates (v_i and alpha_i stay on the clients)"),

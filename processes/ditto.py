@@ -216,16 +216,12 @@ def build_ditto_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_ditto_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'ditto',
         'Ditto (Li et al., 2021): personal models pulled towards the global one',
         DittoSettings,
-        _build,
+        algorithm.model_update_builder(build_ditto_process),
         privacy=algorithm.Privacy("the global model's updates (v_i stays on the clients)"),
     ),
 )

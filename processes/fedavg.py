@@ -207,10 +207,6 @@ def build_fedavg_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_fedavg_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 def _finetune_plots(out, result, process):
     del process
     reports.plot_client_field(
@@ -231,14 +227,14 @@ ALGORITHMS = (
         'fedavg',
         'FedAvg (McMahan et al., 2017)',
         FedAvgSettings,
-        _build,
+        algorithm.model_update_builder(build_fedavg_process),
         privacy=algorithm.Privacy('model updates'),
     ),
     algorithm.Algorithm(
         'fedavg_ft',
         'FedAvg + local fine-tuning chosen on validation',
         FedAvgFTSettings,
-        _build,
+        algorithm.model_update_builder(build_fedavg_process),
         lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
         _finetune_plots,
         privacy=algorithm.Privacy('model updates (fine-tuning stays on the clients)'),

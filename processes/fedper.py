@@ -199,16 +199,12 @@ def build_fedper_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_fedper_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'fedper',
         'FedPer (Arivazhagan et al., 2019): shared base layers, personal head',
         FedPerSettings,
-        _build,
+        algorithm.model_update_builder(build_fedper_process),
         # Logistic regression has one layer: nothing would be shared.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy("the shared base's updates (the head stays on the clients)"),

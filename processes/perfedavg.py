@@ -250,23 +250,19 @@ def build_perfedavg_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_perfedavg_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'perfedavg_fo',
         'Per-FedAvg FO (Fallah et al., 2020): first-order MAML',
         PerFedAvgSettings,
-        _build,
+        algorithm.model_update_builder(build_perfedavg_process),
         privacy=algorithm.Privacy('meta-model updates'),
     ),
     algorithm.Algorithm(
         'perfedavg_hf',
         'Per-FedAvg HF (Fallah et al., 2020): Hessian-free MAML',
         PerFedAvgHFSettings,
-        _build,
+        algorithm.model_update_builder(build_perfedavg_process),
         privacy=algorithm.Privacy('meta-model updates'),
     ),
 )

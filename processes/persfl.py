@@ -302,10 +302,6 @@ def build_persfl_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_persfl_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 def _columns(state):
     return collections.OrderedDict(
         teacher_round=int(state['teacher_round']),
@@ -366,7 +362,7 @@ def _declare(name, title, settings_cls):
         name,
         title,
         settings_cls,
-        _build,
+        algorithm.model_update_builder(build_persfl_process),
         _columns,
         _plots,
         privacy=algorithm.Privacy("stage 1's model updates (stage 2 stays on the clients)"),

@@ -214,16 +214,12 @@ def build_pfedme_process(
     )
 
 
-def _build(settings, spec, model_fn, run):
-    return build_pfedme_process(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'pfedme',
         'pFedMe (Dinh et al., 2020): Moreau envelopes',
         PFedMeSettings,
-        _build,
+        algorithm.model_update_builder(build_pfedme_process),
         privacy=algorithm.Privacy("the local models' updates (the personalized theta_i stays on the clients)"),
     ),
 )

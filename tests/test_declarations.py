@@ -128,3 +128,30 @@ def test_run_options_make_the_upload_aggregator_only_when_asked():
     assert not made
     assert run.model_aggregator == 'factory' and made == [1]
     assert algorithm.RunOptions().model_aggregator is None
+
+
+def test_model_update_builder_passes_the_runs_aggregator_and_seed_on():
+    calls = []
+
+    def build_x_process(spec, model_fn, settings, *, model_aggregator=None, seed=0):
+        calls.append((spec, model_fn, settings, model_aggregator, seed))
+        return 'process'
+
+    build = algorithm.model_update_builder(build_x_process)
+    run = algorithm.RunOptions(seed=7, make_model_aggregator=lambda: 'dp factory')
+    assert build('settings', 'spec', 'model_fn', run) == 'process'
+    assert calls == [('spec', 'model_fn', 'settings', 'dp factory', 7)]
+    # The algorithms whose uploads are one model update per client (seven builders, ten names) declare it.
+    users = [n for n in algorithms.names() if algorithms.get(n).build.__qualname__.startswith('model_update_builder')]
+    assert users == [
+        'apfl',
+        'ditto',
+        'fedavg',
+        'fedavg_ft',
+        'fedper',
+        'perfedavg_fo',
+        'perfedavg_hf',
+        'persfl',
+        'persfl_gd',
+        'pfedme',
+    ]

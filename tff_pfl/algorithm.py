@@ -141,3 +141,23 @@ class Algorithm:
     check: Callable | None = None
     privacy: Privacy = Privacy()
     own_architectures: bool = False
+
+
+def model_update_builder(builder: Callable) -> Callable:
+    """The `build` of an algorithm whose uploads are one model update per client.
+
+    The run's aggregator of those updates (DP's clipped, noised mean, secure
+    sums, or None: the example-weighted mean) and its seed are passed on.
+
+    Args:
+      builder: `build_<algo>_process(spec, model_fn, settings, *,
+        model_aggregator=, seed=)`.
+
+    Returns:
+      `(settings, spec, model_fn, run) -> process`, for `Algorithm.build`.
+    """
+
+    def build(settings, spec, model_fn, run: RunOptions):
+        return builder(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
+
+    return build
