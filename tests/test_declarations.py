@@ -73,16 +73,22 @@ def test_the_library_never_imports_the_benchmark_tool():
     assert _importers(['tff_pfl_bench'], 'tff_pfl_bench')  # the test reads imports: it sees the tool's own
 
 
-def test_own_architectures_is_declared_exactly_where_the_settings_name_the_architectures():
-    for name in algorithms.names():
-        entry = algorithms.get(name)
-        assert entry.own_architectures == ('architectures' in entry.settings.field_names()), name
+def test_the_algorithms_whose_clients_name_their_architectures():
+    own = [name for name in algorithms.names() if algorithms.get(name).own_architectures]
+    assert own == ['feddf', 'ktpfl', 'pfeddf']
 
 
 def test_unknown_algorithm_is_one_line_in_every_entry_point():
-    line = algorithms.unknown('fedsgd')
+    with pytest.raises(run_config.ConfigError) as refused:
+        run_config.declaration('fedsgd')
+    line = str(refused.value)
     assert line.startswith("unknown algorithm 'fedsgd'; known: apfl, ditto,") and '\n' not in line
-    assert algorithms.unknown('persfl') is None
+    assert run_config.declaration('persfl') is algorithms.get('persfl')
+    # The one place: no other module of the library writes the refusal.
+    writers = [
+        str(p.relative_to(ROOT)) for p in (ROOT / 'tff_pfl').rglob('*.py') if 'unknown algorithm' in p.read_text()
+    ]
+    assert writers == ['tff_pfl/program/run_config.py']
     with pytest.raises(run_config.ConfigError) as from_dict:
         run_config.ExperimentConfig.from_dict({'algorithm': 'fedsgd', 'output_dir': 'x'}, where='run.toml: ')
     assert str(from_dict.value) == 'run.toml: ' + line

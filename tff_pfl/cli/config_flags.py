@@ -186,9 +186,7 @@ def config_from_flags() -> run_config.ExperimentConfig:
             given[name] = _from_flag(name, flags.FLAGS[name].value, common_hints[name])
     values.update(given)
     algorithm = values.get('algorithm', 'fedavg')
-    if algorithms.unknown(algorithm):
-        raise run_config.ConfigError(algorithms.unknown(algorithm))
-    settings_cls = algorithms.get(algorithm).settings
+    settings_cls = run_config.declaration(algorithm).settings
     own = set(settings_cls.field_names())
     hints = typing.get_type_hints(settings_cls)
     for name in sorted(algorithms.all_setting_names()):

@@ -4,7 +4,8 @@ Each module in `_MODULES` ends with `ALGORITHMS`, a tuple of
 `tff_pfl.algorithm.Algorithm`s (its names, settings type, builder, report
 hooks, run mode and privacy modes). This module only collects them and
 builds a process from the run's configuration; adding an algorithm is one
-new module and one line here (docs/architecture.md, "Adding an algorithm").
+new module and its name in the import and `_MODULES` here (docs/architecture.md,
+"Adding an algorithm").
 """
 
 from processes import (
@@ -26,7 +27,7 @@ from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import privacy
 
-# The modules whose declarations make up the registry: one line per algorithm module.
+# The modules whose declarations make up the registry, one entry per module.
 _MODULES = (
     apfl,
     ditto,
@@ -64,20 +65,6 @@ def names() -> list[str]:
       The registered algorithm names, sorted.
     """
     return sorted(_ALGORITHMS)
-
-
-def unknown(name: str) -> str | None:
-    """The one-line refusal of an unknown algorithm name, or None for a registered one.
-
-    Args:
-      name: an algorithm name.
-
-    Returns:
-      `unknown algorithm 'x'; known: ...`, or None.
-    """
-    if name in _ALGORITHMS:
-        return None
-    return f'unknown algorithm {name!r}; known: {", ".join(names())}'
 
 
 def get(name: str) -> algorithm.Algorithm:

@@ -20,6 +20,24 @@ class ConfigError(settings_lib.SettingsError):
     """A configuration that cannot run; the message is one line."""
 
 
+def declaration(name: str, where: str = ''):
+    """The registered declaration of the algorithm `name`: the one place an unknown name is refused.
+
+    Args:
+      name: an algorithm name (`--algorithm`, a file's `algorithm`).
+      where: prefix of the error message (e.g. `'run.toml: '`).
+
+    Returns:
+      Its `tff_pfl.algorithm.Algorithm`.
+
+    Raises:
+      ConfigError: `unknown algorithm 'x'; known: ...`, one line.
+    """
+    if name not in algorithms.names():
+        raise ConfigError(f'{where}unknown algorithm {name!r}; known: {", ".join(algorithms.names())}')
+    return algorithms.get(name)
+
+
 # report.md's per-client table stops after this many clients; clients.csv holds every client.
 DEFAULT_MODELS = {'synthetic': 'logistic', 'mnist': 'mnist_dnn', 'fashion_mnist': 'mnist_dnn'}
 
@@ -216,12 +234,10 @@ class ExperimentConfig(settings_lib.Settings):
         """
         values = dict(values)
         algorithm = values.get('algorithm', 'fedavg')
-        if algorithms.unknown(algorithm):
-            raise ConfigError(f'{where}{algorithms.unknown(algorithm)}')
+        settings_cls = declaration(algorithm, where).settings
         common_names = set(cls.common_fields()) | {'output_dir'}
         common = {k: v for k, v in values.items() if k in common_names}
         rest = {k: v for k, v in values.items() if k not in common_names}
-        settings_cls = algorithms.get(algorithm).settings
         own = set(settings_cls.field_names())
         for name in rest:
             if name not in own:
@@ -468,13 +484,11 @@ class ExperimentConfig(settings_lib.Settings):
         Raises:
           ConfigError: on the first value that cannot run.
         """
-        if algorithms.unknown(self.algorithm):
-            raise ConfigError(algorithms.unknown(self.algorithm))
+        entry = declaration(self.algorithm)
         for module in self.model_modules:
             problem = models.import_module(module)
             if problem:
                 raise ConfigError(f'--model_modules: {problem}')
-        entry = algorithms.get(self.algorithm)
         if type(self.settings) is not entry.settings:
             raise ConfigError(f'{self.algorithm} takes {entry.settings.__name__}, got {type(self.settings).__name__}')
         try:
