@@ -205,8 +205,9 @@ def build_apfl_process(
 
 def _plots(out, result, process):
     del process
+    client_ids, fields = reports.client_fields(result.client_states, ('alpha',))
     reports.plot_client_field(
-        out, result.client_states, 'alpha', 'apfl_alpha.png', 'alpha', 'APFL mixing weight alpha per client', 'alpha'
+        out, client_ids, fields['alpha'], 'apfl_alpha.png', 'alpha', 'APFL mixing weight alpha per client', 'alpha'
     )
     return [('APFL alpha per client', 'apfl_alpha.png')]
 

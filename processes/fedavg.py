@@ -209,10 +209,11 @@ def build_fedavg_process(
 
 def _finetune_plots(out, result, process):
     del process
+    client_ids, fields = reports.client_fields(result.client_states, ('finetune_epochs',))
     reports.plot_client_field(
         out,
-        result.client_states,
-        'finetune_epochs',
+        client_ids,
+        fields['finetune_epochs'],
         'finetune_epochs.png',
         'fine-tuning epochs',
         'Fine-tuning epochs chosen on validation',

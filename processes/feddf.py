@@ -482,7 +482,6 @@ def _declare(name, title, settings_cls):
             secure_needs_dp=SECURE_NEEDS_DP,
             dp_uploads=_per_architecture_uploads,
         ),
-        own_architectures=True,
     )
 
 

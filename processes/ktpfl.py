@@ -462,7 +462,7 @@ def build_ktpfl_process(
                     state['coefficients'], predictions, learning_rate=settings.kt_coefficient_learning_rate
                 )
         else:  # the baselines' c is not learned; keep this round's block for reports
-            coefficients = ktpfl_rounds._within_block(
+            coefficients = ktpfl_rounds.within_block(
                 coefficients_for(state, predictions), state['coefficients'], present
             )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)
@@ -529,6 +529,5 @@ ALGORITHMS = (
         privacy=ktpfl_rounds.local_dp_privacy(
             "each client's soft predictions, clipped and noised on the client (local DP)", _soft_prediction_uploads
         ),
-        own_architectures=True,
     ),
 )

@@ -131,8 +131,17 @@ def regularised(coefficients, per_client, weights, rho, imitation, present=None)
     return imitation * tf.reduce_sum(share * per_client) + rho * tf.reduce_sum(squares)
 
 
-def _within_block(new, coefficients, present):
-    """`new` on the block of present clients, `coefficients` (untouched) elsewhere; `new` if `present` is None."""
+def within_block(new, coefficients, present):
+    """`new` on the block of present clients, `coefficients` (untouched) elsewhere; `new` if `present` is None.
+
+    Args:
+      new: `[N, N]`, the stepped (or recomputed) coefficients.
+      coefficients: `[N, N]`, c before the round.
+      present: `[N]` presence of the round's clients, or None (every client).
+
+    Returns:
+      The round's c (TF code).
+    """
     if present is None:
         return new
     return tf.where(_block(present) > 0, new, coefficients)
@@ -156,7 +165,7 @@ def clipped_step(objective, coefficients, learning_rate, present=None):
         tape.watch(coefficients)
         loss = objective(coefficients)
     stepped = tf.maximum(coefficients - learning_rate * tape.gradient(loss, coefficients), 0.0)
-    return _within_block(stepped, coefficients, present)
+    return within_block(stepped, coefficients, present)
 
 
 def presence(ids: tf.Tensor, num_clients: int) -> tf.Tensor:

@@ -313,7 +313,10 @@ def _columns(state):
 
 
 def _plots(out, result, process):
-    states = result.client_states
+    # One pass over the client states for every field the plots show (a store's view reads them from disk).
+    client_ids, fields = reports.client_fields(
+        result.client_states, ('teacher_round', 'temperature', 'imitation', 'grid_val_accuracy')
+    )
     for field, file, label, title, ylabel, kind in (
         (
             'teacher_round',
@@ -333,8 +336,7 @@ def _plots(out, result, process):
             float,
         ),
     ):
-        reports.plot_client_field(out, states, field, file, label, title, ylabel, kind=kind)
-    client_ids, fields = reports.client_fields(states, ('grid_val_accuracy',))
+        reports.plot_client_field(out, client_ids, fields[field], file, label, title, ylabel, kind=kind)
     short = reports.short_ids(client_ids)
     grid = fields['grid_val_accuracy']
     labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.extras['grid_candidates']]

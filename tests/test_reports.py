@@ -297,7 +297,7 @@ def test_client_fields_and_plots_of_client_states(tmp_path):
             return {n: np.array([7.0]) for n in names}
 
     assert reports.client_fields(View(client_00001=None), ('alpha',))[1]['alpha'].tolist() == [7.0]
-    reports.plot_client_field(str(tmp_path), states, 'steps', 'steps.png', 'steps', 'Steps', 'steps', kind=int)
+    reports.plot_client_field(str(tmp_path), ids, fields['steps'], 'steps.png', 'steps', 'Steps', 'steps', kind=int)
     assert (tmp_path / 'steps.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     reports.plot_client_matrix(str(tmp_path), 'w', 'W', np.array([[1.0, 0.0], [0.5, 0.5]]), ids)
     with open(tmp_path / 'w.csv') as f:

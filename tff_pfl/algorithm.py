@@ -125,8 +125,6 @@ class Algorithm:
       check: `(settings, client_fraction) -> problem or None`, the algorithm's
         conditions on the run beyond its settings (e.g. full participation).
       privacy: the privacy modes it takes (`Privacy`).
-      own_architectures: each client has its own architecture (by name,
-        `architectures` setting): the run takes no model.
     """
 
     name: str
@@ -140,7 +138,11 @@ class Algorithm:
     default_models: Mapping[str, str] = dataclasses.field(default_factory=dict)
     check: Callable | None = None
     privacy: Privacy = Privacy()
-    own_architectures: bool = False
+
+    @property
+    def own_architectures(self) -> bool:
+        """Whether each client has its own architecture by name (an `architectures` setting): the run takes no model."""
+        return 'architectures' in self.settings.field_names()
 
 
 def model_update_builder(builder: Callable) -> Callable:

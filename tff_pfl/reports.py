@@ -489,23 +489,22 @@ def client_fields(client_states, fields: Sequence[str]) -> tuple[list[str], dict
 
 
 def plot_client_field(
-    output_dir: str, client_states, field: str, file: str, label: str, title: str, ylabel: str, kind=float
+    output_dir: str, client_ids, values, file: str, label: str, title: str, ylabel: str, kind=float
 ) -> None:
-    """One field of every client's state as `output_dir/file`, a bar per client (`plot_client_bars`).
+    """One value per client (a field of its state, from `client_fields`) as `output_dir/file`, a bar each.
 
     Args:
       output_dir: the run's directory.
-      client_states: the run's client states (as for `client_fields`).
-      field: the state field.
+      client_ids: the clients.
+      values: one value per client, in `client_ids` order.
       file: the PNG's file name.
       label: the series' legend label.
       title: the figure title.
       ylabel: the y-axis label.
       kind: `float` or `int`, how each value is shown.
     """
-    client_ids, fields = client_fields(client_states, (field,))
     plot_client_bars(
-        short_ids(client_ids), {label: [kind(v) for v in fields[field]]}, os.path.join(output_dir, file), title, ylabel
+        short_ids(client_ids), {label: [kind(v) for v in values]}, os.path.join(output_dir, file), title, ylabel
     )
 
 
