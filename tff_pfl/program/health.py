@@ -75,7 +75,7 @@ def smoothing_weight(config) -> float | None:
     """Self-FL's server smoothing weight w: `selffl_smoothing`, or the activity rate when it is 0.
 
     Args:
-      config: an `run_config.ExperimentConfig`.
+      config: a `run_config.ExperimentConfig`.
 
     Returns:
       w, or None for another algorithm.
@@ -132,7 +132,7 @@ def _learning_rate_warnings(config) -> list[str]:
     return found
 
 
-def dp_noise_ratio(config, upload) -> float:
+def dp_noise_ratio(config, upload: algorithm.Upload) -> float:
     """The norm of the DP noise on a round's noised mean over the clip: above 1 the noise swamps the mean.
 
     Central DP (DP-FedAvg): the sum of n clipped uploads gets N(0, (z C)^2) per coordinate and is
@@ -144,7 +144,7 @@ def dp_noise_ratio(config, upload) -> float:
     2 z sqrt(d / n).
 
     Args:
-      config: an `run_config.ExperimentConfig` with `dp_noise_multiplier` set.
+      config: a `run_config.ExperimentConfig` with `dp_noise_multiplier` set.
       upload: the mean's `tff_pfl.algorithm.Upload` (d and n).
 
     Returns:
@@ -158,7 +158,7 @@ def dp_noise_ratio(config, upload) -> float:
     return modes.noise_factor * z * math.sqrt(d) / n
 
 
-def _dp_warnings(config, uploads: Sequence | None) -> list[str]:
+def _dp_warnings(config, uploads: Sequence[algorithm.Upload] | None) -> list[str]:
     if config.dp_noise_multiplier is None or not config.dp_noise_multiplier > 0 or not uploads:
         return []
     ratio, worst = max((dp_noise_ratio(config, u), u) for u in uploads)
@@ -173,7 +173,7 @@ def _dp_warnings(config, uploads: Sequence | None) -> list[str]:
     ]
 
 
-def pre_run_warnings(config, uploads: Sequence | None = None) -> list[str]:
+def pre_run_warnings(config, uploads: Sequence[algorithm.Upload] | None = None) -> list[str]:
     """The warnings a run's settings call for before round 1: one line each, naming the setting to change.
 
     Args:
@@ -187,7 +187,7 @@ def pre_run_warnings(config, uploads: Sequence | None = None) -> list[str]:
     return _server_step_warnings(config) + _learning_rate_warnings(config) + _dp_warnings(config, uploads)
 
 
-def dp_uploads(config, spec, process) -> list:
+def dp_uploads(config, spec, process) -> list[algorithm.Upload]:
     """The noised means of a DP round of this run, for `pre_run_warnings` (empty without DP).
 
     Args:
