@@ -1,9 +1,9 @@
-"""Tests for tff_pfl.data.partition."""
+"""Tests for tff_pfl.data.partition, paper_partitions and partition_registry."""
 
 import numpy as np
 import pytest
 
-from tff_pfl.data import partition
+from tff_pfl.data import paper_partitions, partition, partition_registry
 
 NUM_CLASSES = 10
 PER_CLASS = 60
@@ -45,7 +45,7 @@ def test_iid_fixed_size(labels):
 
 
 def test_ds1_exact_size_and_k_classes(labels):
-    parts = partition.persfl_ds1(labels, 8, seed=0, k=3, examples_per_client=20)
+    parts = paper_partitions.persfl_ds1(labels, 8, seed=0, k=3, examples_per_client=20)
     assert_valid(parts, labels.size)
     assert sizes(parts) == [20] * 8
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
@@ -56,22 +56,22 @@ def test_ds1_exact_size_and_k_classes(labels):
 
 
 def test_ds1_automatic_size_matches_explicit(labels):
-    parts = partition.persfl_ds1(labels, 20, seed=3, k=4)
+    parts = paper_partitions.persfl_ds1(labels, 20, seed=3, k=4)
     size = len(parts[0])
     assert sizes(parts) == [size] * 20
     assert 4 <= size <= labels.size // 20
-    explicit = partition.persfl_ds1(labels, 20, seed=3, k=4, examples_per_client=size)
+    explicit = paper_partitions.persfl_ds1(labels, 20, seed=3, k=4, examples_per_client=size)
     for a, b in zip(parts, explicit):
         np.testing.assert_array_equal(a, b)
 
 
 def test_ds1_all_classes_is_close_to_iid(labels):
-    parts = partition.persfl_ds1(labels, 5, seed=0, k=NUM_CLASSES, examples_per_client=50)
+    parts = paper_partitions.persfl_ds1(labels, 5, seed=0, k=NUM_CLASSES, examples_per_client=50)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     assert np.all(histogram > 0)
 
 
-@pytest.mark.parametrize('partitioner', [partition.dirichlet_over_clients, partition.persfl_ds2])
+@pytest.mark.parametrize('partitioner', [paper_partitions.dirichlet_over_clients, paper_partitions.persfl_ds2])
 def test_ds2_assigns_every_example(labels, partitioner):
     parts = partitioner(labels, 8, seed=0, min_examples=20)
     assert_valid(parts, labels.size)
@@ -94,7 +94,7 @@ def test_power_law_counts_by_hand():
     # Classes of 20, 16 and 12 examples; three clients of two classes each
     # (client 0: classes 0, 1; client 1: 1, 2; client 2: 2, 0), 2 base examples.
     draws = np.array([[1.0, 3.0], [1.0, 1.0], [2.0, 3.0]])
-    counts = partition.power_law_counts(np.array([20, 16, 12]), 3, draws, base_examples=2)
+    counts = paper_partitions.power_law_counts(np.array([20, 16, 12]), 3, draws, base_examples=2)
     # Class 0: 20 - 2 x 2 = 16 left, weights 1 (client 0) : 3 (client 2) -> 4, 12.
     # Class 1: 12 left, weights 3 (client 0) : 1 (client 1) -> 9, 3.
     # Class 2: 8 left, weights 1 (client 1) : 2 (client 2) -> 2.67, 5.33 -> 3, 5
@@ -103,12 +103,12 @@ def test_power_law_counts_by_hand():
 
 
 def test_power_law_counts_leave_unheld_classes_out():
-    counts = partition.power_law_counts(np.array([7, 7, 7, 7]), 1, np.array([[1.0, 5.0]]), base_examples=3)
+    counts = paper_partitions.power_law_counts(np.array([7, 7, 7, 7]), 1, np.array([[1.0, 5.0]]), base_examples=3)
     np.testing.assert_array_equal(counts, [[7, 7, 0, 0]])
 
 
 def test_ds3_is_fedprox_generator(labels):
-    parts = partition.persfl_ds3(labels, 10, seed=3)
+    parts = paper_partitions.persfl_ds3(labels, 10, seed=3)
     assert_valid(parts, labels.size)
     # Every example of every class is used.
     np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
@@ -123,20 +123,20 @@ def test_ds3_is_fedprox_generator(labels):
     for c in range(NUM_CLASSES):
         rng.permutation(np.flatnonzero(labels == c))
     draws = rng.lognormal(0.0, 2.0, size=(10, 2))
-    expected = partition.power_law_counts(np.full(NUM_CLASSES, PER_CLASS), 10, draws, base_examples=5)
+    expected = paper_partitions.power_law_counts(np.full(NUM_CLASSES, PER_CLASS), 10, draws, base_examples=5)
     np.testing.assert_array_equal(histogram, expected)
 
 
 def test_ds3_sizes_span_orders_of_magnitude():
     labels = np.repeat(np.arange(10), 7000)
-    clients = partition.persfl_ds3(labels, 1000, seed=0)
+    clients = paper_partitions.persfl_ds3(labels, 1000, seed=0)
     sizes_ = np.array([len(c) for c in clients])
     assert sizes_.sum() == labels.size and sizes_.min() >= 10
     assert sizes_.max() / np.median(sizes_) > 10
 
 
 def test_ds3_uneven_holders_and_parameters(labels):
-    parts = partition.build_partition('ds3', labels, 13, 1, classes_per_client=3, base_examples=2)
+    parts = partition_registry.build_partition('ds3', labels, 13, 1, classes_per_client=3, base_examples=2)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     np.testing.assert_array_equal(histogram.sum(axis=0), [PER_CLASS] * NUM_CLASSES)
     assert np.all((histogram > 0).sum(axis=1) == 3) and histogram[histogram > 0].min() >= 2
@@ -183,9 +183,9 @@ def test_natural_validates_and_sorts():
     ],
 )
 def test_determinism_and_dispatch(labels, name, params):
-    first = partition.build_partition(name, labels, 8, 5, **params)
-    again = partition.build_partition(name, labels, 8, 5, **params)
-    other = partition.build_partition(name, labels, 8, 6, **params)
+    first = partition_registry.build_partition(name, labels, 8, 5, **params)
+    again = partition_registry.build_partition(name, labels, 8, 5, **params)
+    other = partition_registry.build_partition(name, labels, 8, 6, **params)
     assert_valid(first, labels.size)
     assert len(first) == 8
     for a, b in zip(first, again):
@@ -201,25 +201,25 @@ def _error_cases():
         (lambda: partition.iid(labels, 5, 0, examples_per_client=9), 'exceeds'),
         (lambda: partition.iid(np.array([0.5, 1.0]), 1, 0), 'integers'),
         (lambda: partition.iid(np.array([0, -1]), 1, 0), '>= 0'),
-        (lambda: partition.persfl_ds1(labels, 2, 0, k=5), 'k must be in'),
-        (lambda: partition.persfl_ds1(labels, 2, 0, k=0), 'k must be in'),
-        (lambda: partition.persfl_ds1(labels, 2, 0, k=2, examples_per_client=1), '>= k'),
-        (lambda: partition.persfl_ds1(labels, 4, 0, k=4, examples_per_client=12), 'runs out'),
-        (lambda: partition.persfl_ds1(labels, 40, 0, k=4), 'cannot give 40 clients'),
-        (lambda: partition.dirichlet_over_clients(labels, 2, 0, alpha=0), 'alpha must be > 0'),
-        (lambda: partition.dirichlet_over_clients(labels, 4, 0, min_examples=11), 'exceeds'),
-        (lambda: partition.dirichlet_over_clients(labels, 8, 0, alpha=0.01, min_examples=5), 'Dirichlet draws'),
+        (lambda: paper_partitions.persfl_ds1(labels, 2, 0, k=5), 'k must be in'),
+        (lambda: paper_partitions.persfl_ds1(labels, 2, 0, k=0), 'k must be in'),
+        (lambda: paper_partitions.persfl_ds1(labels, 2, 0, k=2, examples_per_client=1), '>= k'),
+        (lambda: paper_partitions.persfl_ds1(labels, 4, 0, k=4, examples_per_client=12), 'runs out'),
+        (lambda: paper_partitions.persfl_ds1(labels, 40, 0, k=4), 'cannot give 40 clients'),
+        (lambda: paper_partitions.dirichlet_over_clients(labels, 2, 0, alpha=0), 'alpha must be > 0'),
+        (lambda: paper_partitions.dirichlet_over_clients(labels, 4, 0, min_examples=11), 'exceeds'),
+        (lambda: paper_partitions.dirichlet_over_clients(labels, 8, 0, alpha=0.01, min_examples=5), 'Dirichlet draws'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=-1, examples_per_client=5), 'alpha must be > 0'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=[5]), '1 entries for 2 clients'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=0), '>= 1'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=20), 'runs out'),
-        (lambda: partition.persfl_ds3(labels, 2, 0, classes_per_client=5), 'classes_per_client must be in'),
-        (lambda: partition.persfl_ds3(labels, 2, 0, base_examples=0), 'base examples per class must be >= 1'),
-        (lambda: partition.persfl_ds3(labels, 30, 0, base_examples=21), 'fewer than 21 for each of its'),
+        (lambda: paper_partitions.persfl_ds3(labels, 2, 0, classes_per_client=5), 'classes_per_client must be in'),
+        (lambda: paper_partitions.persfl_ds3(labels, 2, 0, base_examples=0), 'base examples per class must be >= 1'),
+        (lambda: paper_partitions.persfl_ds3(labels, 30, 0, base_examples=21), 'fewer than 21 for each of its'),
         (lambda: partition.shards(labels, 21, 0), '42 shards'),
         (lambda: partition.shards(labels, 2, 0, shards_per_client=0), 'shards_per_client must be >= 1'),
-        (lambda: partition.build_partition('nope', labels, 2, 0), 'unknown partition .* iid, ds1'),
-        (lambda: partition.build_partition('iid', labels, 2, 0, k=3), 'bad parameters'),
+        (lambda: partition_registry.build_partition('nope', labels, 2, 0), 'unknown partition .* iid, ds1'),
+        (lambda: partition_registry.build_partition('iid', labels, 2, 0, k=3), 'bad parameters'),
         (lambda: partition.split_client(np.arange(2), labels), 'no test examples'),
         (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)), '3 positive numbers'),
         (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)), '3 positive numbers'),
@@ -278,7 +278,7 @@ def test_class_histogram():
 
 
 def test_ktpfl_case1_two_groups_with_opposite_skews(labels):
-    parts = partition.build_partition('kt_case1', labels, 4, seed=0, major=9, minor=3)
+    parts = partition_registry.build_partition('kt_case1', labels, 4, seed=0, major=9, minor=3)
     assert_valid(parts, labels.size)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     first, second = [9] * 5 + [3] * 5, [3] * 5 + [9] * 5
@@ -286,7 +286,7 @@ def test_ktpfl_case1_two_groups_with_opposite_skews(labels):
 
 
 def test_ktpfl_case2_two_classes_each(labels):
-    parts = partition.build_partition('kt_case2', labels, 6, seed=1, examples_per_class=5)
+    parts = partition_registry.build_partition('kt_case2', labels, 6, seed=1, examples_per_class=5)
     assert_valid(parts, labels.size)
     histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
     for row in histogram:
@@ -296,14 +296,14 @@ def test_ktpfl_case2_two_classes_each(labels):
 
 def test_ktpfl_cases_fail_clearly(labels):
     with pytest.raises(partition.PartitionError, match='runs out'):
-        partition.ktpfl_case1(labels, 12, seed=0, major=9, minor=3)  # 6 x 9 + 6 x 3 per class > 60
+        paper_partitions.ktpfl_case1(labels, 12, seed=0, major=9, minor=3)  # 6 x 9 + 6 x 3 per class > 60
     with pytest.raises(partition.PartitionError, match='classes_per_client'):
-        partition.ktpfl_case2(labels, 3, seed=0, classes_per_client=11)
+        paper_partitions.ktpfl_case2(labels, 3, seed=0, classes_per_client=11)
 
 
 def test_kdpdfl_dirichlet_splits_follow_one_distribution():
     big = np.random.default_rng(5).permutation(np.repeat(np.arange(NUM_CLASSES), 600))
-    parts = partition.build_partition('kd_dirichlet', big, 8, seed=0, alpha=0.1, test_examples=100)
+    parts = partition_registry.build_partition('kd_dirichlet', big, 8, seed=0, alpha=0.1, test_examples=100)
     for client in parts:
         assert 15 <= client['train'].size <= 100 and client['val'].size == 20 and client['test'].size == 100
         merged = np.concatenate(list(client.values()))

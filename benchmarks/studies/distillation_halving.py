@@ -30,7 +30,7 @@ from absl import app, flags
 from processes import persfl
 from tff_pfl import models
 from tff_pfl.computations import distillation, local_training
-from tff_pfl.data import client_data, partition, sources
+from tff_pfl.data import client_data, paper_partitions, partition, sources
 from tff_pfl.models import stacked
 
 _MNIST = flags.DEFINE_string('mnist', '../shared/data/mnist.npz', 'Keras-layout MNIST file.')
@@ -83,7 +83,9 @@ def _timing(model, train, val, settings):
 
 
 def _agreement(pool, settings):
-    rng_indices = partition.ktpfl_case2(pool.y, _CLIENTS.value, seed=0, classes_per_client=2, examples_per_class=250)
+    rng_indices = paper_partitions.ktpfl_case2(
+        pool.y, _CLIENTS.value, seed=0, classes_per_client=2, examples_per_class=250
+    )
     model = models.mnist_dnn((28, 28, 1), 10)
     teacher_data = _split(pool.x[:6000], pool.y[:6000])
     seed = tf.constant([1, 2], tf.int64)

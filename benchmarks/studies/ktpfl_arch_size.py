@@ -31,7 +31,7 @@ import tensorflow as tf
 from absl import app, flags
 
 from tff_pfl import models
-from tff_pfl.data import partition, sources
+from tff_pfl.data import partition, partition_registry, sources
 
 _DATA = flags.DEFINE_string('data', '../shared/data/fashion_mnist.npz', 'Keras-layout npz file.')
 _CLIENTS = flags.DEFINE_list('clients', ['0'], 'Client indices (0-9: first group, 10-19: second).')
@@ -58,7 +58,7 @@ def client_splits(pool, client):
     Returns:
       `(x_train, y_train, x_test, y_test)`.
     """
-    parts = partition.build_partition('kt_case1', pool.y, NUM_CLIENTS, SEED, major=450, minor=150)
+    parts = partition_registry.build_partition('kt_case1', pool.y, NUM_CLIENTS, SEED, major=450, minor=150)
     split = partition.split_client(parts[client], pool.y, SPLIT, seed=SEED + client)  # as pipeline.prepare
     return pool.x[split['train']], pool.y[split['train']], pool.x[split['test']], pool.y[split['test']]
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from tff_pfl.data import client_data, client_data_writer, natural, partition, sources
+from tff_pfl.data import client_data, client_data_writer, natural, partition, partition_registry, sources
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ def prepare(
         `sqlite:PATH`, `clients:DIR`; see `prepare_natural`).
       partition_name: `natural` (the dataset's own clients, for synthetic
         data and natural sources) or a name known to
-        `partition.build_partition`.
+        `partition_registry.build_partition`.
       num_clients: number of clients (must match a natural partition of a
         pooled source; a seeded subset of a natural source's clients).
       seed: fixes the partition and the splits.
@@ -129,7 +129,9 @@ def prepare(
             # Each natural client keeps its own examples but the public ones.
             clients = [np.setdiff1d(c, public) for c in clients]
     else:
-        clients = partition.build_partition(partition_name, labels, num_clients, seed, **dict(partition_params or {}))
+        clients = partition_registry.build_partition(
+            partition_name, labels, num_clients, seed, **dict(partition_params or {})
+        )
         if public is not None and not public_dataset:
             clients = [{k: keep[v] for k, v in c.items()} if isinstance(c, dict) else keep[c] for c in clients]
     splits = []

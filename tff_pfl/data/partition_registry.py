@@ -1,0 +1,62 @@
+"""The partitions `--partition` names, and `build_partition`, which builds one by name.
+
+The generic partitioners are in `tff_pfl.data.partition`, the papers' own in
+`tff_pfl.data.paper_partitions`.
+"""
+
+import inspect
+
+import numpy as np
+
+from tff_pfl.data import paper_partitions, partition
+
+_PARTITIONERS = {
+    'iid': partition.iid,
+    'ds1': paper_partitions.persfl_ds1,
+    'ds2': paper_partitions.persfl_ds2,
+    'ds3': paper_partitions.persfl_ds3,
+    'dirichlet': partition.dirichlet_labels,
+    'dirichlet_clients': paper_partitions.dirichlet_over_clients,
+    'shards': partition.shards,
+    'kt_case1': paper_partitions.ktpfl_case1,
+    'kt_case2': paper_partitions.ktpfl_case2,
+    'kd_dirichlet': paper_partitions.kdpdfl_dirichlet,
+}
+
+
+def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, **params) -> list[np.ndarray]:
+    """Builds the partition named `name`.
+
+    Names: `iid` (`partition.iid`), `ds1` (`paper_partitions.persfl_ds1`),
+    `ds2` (`paper_partitions.persfl_ds2`), `ds3`
+    (`paper_partitions.persfl_ds3`), `dirichlet` (`partition.dirichlet_labels`;
+    needs `alpha` and `examples_per_client`), `dirichlet_clients`
+    (`paper_partitions.dirichlet_over_clients`), `shards` (`partition.shards`),
+    `kt_case1` (`paper_partitions.ktpfl_case1`), `kt_case2`
+    (`paper_partitions.ktpfl_case2`) and `kd_dirichlet`
+    (`paper_partitions.kdpdfl_dirichlet`, which returns each client already
+    split).
+
+    Args:
+      name: The partition name.
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed.
+      **params: Keyword arguments of the chosen partitioner.
+
+    Returns:
+      One sorted int64 index array per client (or, for `kd_dirichlet`, one
+      dict of splits).
+
+    Raises:
+      partition.PartitionError: If `name` is unknown, `params` do not match the
+        partitioner, or the partitioner fails.
+    """
+    if name not in _PARTITIONERS:
+        raise partition.PartitionError(f'unknown partition {name!r}; choose one of ' + ', '.join(_PARTITIONERS))
+    partitioner = _PARTITIONERS[name]
+    try:
+        inspect.signature(partitioner).bind(labels, num_clients, seed, **params)
+    except TypeError as e:
+        raise partition.PartitionError(f'bad parameters for partition {name!r}: {e}') from e
+    return partitioner(labels, num_clients, seed, **params)
