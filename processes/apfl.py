@@ -30,7 +30,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -127,7 +127,7 @@ def build_apfl_process(
     local_config = settings.training_config()
     initial_alpha, alpha_learning_rate = settings.apfl_alpha, settings.apfl_alpha_learning_rate
     eta = local_config.learning_rate
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(
         spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
     )
@@ -136,7 +136,7 @@ def build_apfl_process(
     def initial_client_state(client_id):
         return building_blocks.participation_state(
             client_id,
-            local=local_training.initial_weights(model_fn, seed),
+            local=model_weights.initial_weights(model_fn, seed),
             alpha=tf.constant(initial_alpha, tf.float32),
         )
 
@@ -148,7 +148,7 @@ def build_apfl_process(
         model = model_fn()
 
         def gradients(values, x, y):
-            local_training.assign_weights(model, values)
+            model_weights.assign_weights(model, values)
             with tf.GradientTape() as tape:
                 loss, logits = loss_fn(model, x, y)
             return local_training.dense_gradients(tape, loss, model.trainable_variables), loss, logits

@@ -29,7 +29,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -147,7 +147,7 @@ def build_ditto_process(
     )
     ditto_lambda = settings.ditto_lambda
     personal_config = settings.personal_training_config()
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     loss_fn = local_training.loss_from(loss, spec)
     client_training = building_blocks.build_client_training(
         spec,
@@ -163,7 +163,7 @@ def build_ditto_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(client_id, personal=local_training.initial_weights(model_fn, seed))
+        return building_blocks.participation_state(client_id, personal=model_weights.initial_weights(model_fn, seed))
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -173,7 +173,7 @@ def build_ditto_process(
         result = client_training(weights, round_num, client_id)
         # Line 8: v_k <- v_k - eta (grad F_k(v_k) + lambda (v_k - w^t)).
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, client_state['personal'])):
+        with tf.control_dependencies(model_weights.assign_weights(model, client_state['personal'])):
             stats = local_training.train_with(
                 model,
                 client_data.read_split(spec, client_id, 'train'),
@@ -183,7 +183,7 @@ def build_ditto_process(
                 optimizer=client_optimizer,
             )
         with tf.control_dependencies(list(stats)):
-            personal = local_training.get_weights(model)
+            personal = model_weights.get_weights(model)
         metric_sums = collections.OrderedDict(result['metric_sums'])
         metric_sums['personal_steps'] = tf.cast(stats.num_steps, tf.float32)
         return collections.OrderedDict(

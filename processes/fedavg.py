@@ -17,7 +17,7 @@ personalization papers: after the last round, `personalize` has every client
 fine-tune the final global model on its own training split for 0, 1, ...,
 `finetune_epochs` epochs (batch size and learning rate of local training) and
 keep the number of epochs whose model scores best on its validation split
-(`local_training.finetune_on_validation`). The chosen
+(`fine_tuning.finetune_on_validation`). The chosen
 model is the client's `personalized_model`; before fine-tuning it is the
 global model (zero epochs).
 """
@@ -32,7 +32,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, fine_tuning, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -130,7 +130,7 @@ def build_fedavg_process(
     finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
     local_config = settings.training_config()
     loss_fn = local_training.loss_from(loss, spec)
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     client_training = building_blocks.build_client_training(
         spec, model_fn, local_config, seed=seed, optimizer=client_optimizer, loss_fn=loss_fn
     )
@@ -178,8 +178,8 @@ def build_fedavg_process(
         def client_finetune(weights, round_num, client_state):
             client_id = client_state['client_id']
             model = model_fn()
-            with tf.control_dependencies(local_training.assign_weights(model, weights)):
-                tuned, epochs, accuracies = local_training.finetune_on_validation(
+            with tf.control_dependencies(model_weights.assign_weights(model, weights)):
+                tuned, epochs, accuracies = fine_tuning.finetune_on_validation(
                     model,
                     client_data.read_split(spec, client_id, 'train'),
                     client_data.read_split(spec, client_id, 'val'),

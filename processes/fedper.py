@@ -27,7 +27,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -143,7 +143,7 @@ def build_fedper_process(
         metrics=metrics,
     )
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
-    base_type = local_training.weights_type(model_fn, base_indices)
+    base_type = model_weights.weights_type(model_fn, base_indices)
     loss_fn = local_training.loss_from(loss, spec)
     client_training = building_blocks.build_client_training(
         spec,
@@ -159,13 +159,13 @@ def build_fedper_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        weights = local_training.initial_weights(model_fn, seed)
+        weights = model_weights.initial_weights(model_fn, seed)
         return building_blocks.participation_state(client_id, head=[weights[i] for i in personal_indices])
 
     client_state_type = initial_client_state.type_signature.result
 
     def full_weights(base, client_state):
-        return local_training.merge_weights([(base_indices, base), (personal_indices, client_state['head'])])
+        return model_weights.merge_weights([(base_indices, base), (personal_indices, client_state['head'])])
 
     @tff.tensorflow.computation(base_type, np.int32, client_state_type)
     def client_work(base, round_num, client_state):

@@ -49,7 +49,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, local_training, template
+from tff_pfl.computations import building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
@@ -416,7 +416,7 @@ def build_kdpdfl_process(
     max_neighbours = settings.kd_max_neighbours if exchanging else 1
     adopt = exchanging and settings.kd_broadcast == 'adopt'
     num_clients = spec.num_clients
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     if mode == 'kdpdfl':
         mu1, mu2, c_base = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base
         distance_batch, distance_layer = settings.kd_distance_batch, settings.kd_distance_layer
@@ -440,7 +440,7 @@ def build_kdpdfl_process(
 
     def fresh_state(client_id):
         index = client_data.client_index(client_id)
-        initial = local_training.initial_weights(model_fn, seed)  # every client starts from the same model
+        initial = model_weights.initial_weights(model_fn, seed)  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
         return building_blocks.participation_state(
             client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0)
@@ -556,7 +556,7 @@ def build_kdpdfl_process(
         """`slots` slots of local work: `slots` times one slot's steps (or epochs), in one pass."""
         train = client_data.read_split(spec, state['client_id'], 'train')
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, state['model'])):
+        with tf.control_dependencies(model_weights.assign_weights(model, state['model'])):
             stats = local_training.train(
                 model,
                 train,
@@ -570,7 +570,7 @@ def build_kdpdfl_process(
             )
         with tf.control_dependencies(list(stats)):
             new_state = collections.OrderedDict((k, state[k]) for k in state)
-            new_state['model'] = local_training.get_weights(model)
+            new_state['model'] = model_weights.get_weights(model)
         slot_count = tf.cast(slots, tf.float32)
         sums = building_blocks.training_metric_sums(stats)
         sums['num_clients'] = tf.cast(slots > 0, tf.float32)  # the clients that trained this interval

@@ -21,7 +21,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, device_state, local_training, template
+from tff_pfl.computations import building_blocks, device_state, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -101,7 +101,7 @@ def build_local_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(client_id, model=local_training.initial_weights(model_fn, seed))
+        return building_blocks.participation_state(client_id, model=model_weights.initial_weights(model_fn, seed))
 
     client_state_type = initial_client_state.type_signature.result
 

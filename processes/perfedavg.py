@@ -36,7 +36,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -173,7 +173,7 @@ def build_perfedavg_process(
         epochs, max_steps = settings.local_steps * batches_per_step, settings.local_steps
     else:
         epochs, max_steps = settings.local_epochs, None
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(
         spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
     )
@@ -206,7 +206,7 @@ def build_perfedavg_process(
             return carry, local_training.batch_stats(loss, logits, y, n)
 
         data = client_data.read_split(spec, client_id, 'train')
-        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
             _, stats = local_training.sgd_steps(
                 data,
                 step,
@@ -217,7 +217,7 @@ def build_perfedavg_process(
                 batches_per_step=batches_per_step,
             )
         with tf.control_dependencies(list(stats)):
-            trained = local_training.get_weights(model)
+            trained = model_weights.get_weights(model)
         return collections.OrderedDict(
             update=[w - t for w, t in zip(weights, trained)],
             weight=tf.constant(1.0),  # line 12: the uniform mean over sampled clients
@@ -230,7 +230,7 @@ def build_perfedavg_process(
         client_id = client_state['client_id']
         train = client_data.read_split(spec, client_id, 'train')
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
             x, y = train.slice(0, train.num_examples)
             grads, _, _ = _gradients(model, x, y, loss_fn)
         adapted = [w - alpha * g for w, g in zip(weights, grads)]

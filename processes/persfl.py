@@ -31,7 +31,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, distillation, local_training, template
+from tff_pfl.computations import averaging, building_blocks, distillation, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
@@ -201,7 +201,7 @@ def build_persfl_process(
         except ValueError as e:
             raise ValueError(f"model_fn: PersFL's distillation grid cannot train {model.name!r} ({e})") from None
 
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     client_training = building_blocks.build_client_training(
         spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
     )

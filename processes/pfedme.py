@@ -35,7 +35,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, template
+from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -138,7 +138,7 @@ def build_pfedme_process(
     local_config = settings.training_config()
     pfedme_lambda, inner_steps = settings.pfedme_lambda, settings.pfedme_inner_steps
     personal_learning_rate = settings.pfedme_personal_learning_rate
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(
         spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
     )
@@ -174,7 +174,7 @@ def build_pfedme_process(
             local = [w - local_config.learning_rate * pfedme_lambda * (w - t) for w, t in zip(local, theta)]
             return local, stats
 
-        with tf.control_dependencies(local_training.assign_weights(theta_model, weights)):
+        with tf.control_dependencies(model_weights.assign_weights(theta_model, weights)):
             local, stats = local_training.sgd_steps(
                 client_data.read_split(spec, client_id, 'train'),
                 step,
@@ -185,7 +185,7 @@ def build_pfedme_process(
                 max_steps=local_config.max_steps,
             )
         with tf.control_dependencies(list(stats) + local):
-            theta = local_training.get_weights(theta_model)
+            theta = model_weights.get_weights(theta_model)
         return collections.OrderedDict(
             update=[w - w_local for w, w_local in zip(weights, local)],
             weight=tf.constant(1.0),  # line 10: the uniform mean over sampled clients

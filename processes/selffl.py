@@ -35,7 +35,15 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import aggregators, averaging, building_blocks, local_training, privacy, template
+from tff_pfl.computations import (
+    aggregators,
+    averaging,
+    building_blocks,
+    local_training,
+    model_weights,
+    privacy,
+    template,
+)
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -310,7 +318,7 @@ def build_selffl_process(
     smoothing = settings.selffl_smoothing or activity_rate
 
     loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.loss_from(loss, spec)
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
     test_evaluation = building_blocks.build_client_evaluation(
         spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
     )
@@ -396,7 +404,7 @@ def build_selffl_process(
         init = [tf.where(active, i, w) for i, w in zip(init, weights)]
 
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, init)):
+        with tf.control_dependencies(model_weights.assign_weights(model, init)):
             stats = local_training.train(
                 model,
                 data,
@@ -408,7 +416,7 @@ def build_selffl_process(
                 max_steps=steps,
             )
         with tf.control_dependencies(list(stats)):
-            personal = local_training.get_weights(model)
+            personal = model_weights.get_weights(model)
         count, mean, m2 = state['var_count'], state['var_mean'], state['var_m2']
         if not gaussian:
             recorded = welford_update(count, mean, m2, personal)

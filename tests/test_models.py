@@ -297,30 +297,30 @@ def _softmax_models(shape=(4,), classes=3):
     'kind', ['dense_softmax', 'softmax_layer', 'activation_layer', 'sigmoid', 'functional', 'nested']
 )
 def test_a_model_ending_in_probabilities_is_refused_in_one_line(kind):
-    from tff_pfl.computations import local_training
+    from tff_pfl.computations import model_weights
 
     model = _softmax_models()[kind]
     with pytest.raises(ValueError, match=r'ends in a (softmax|sigmoid) \(layer ') as caught:
-        local_training.check_logits(model)
+        model_weights.check_logits(model)
     assert '\n' not in str(caught.value) and 'take logits' in str(caught.value)
 
 
 def test_logits_pass_the_check_log_softmax_included():
-    from tff_pfl.computations import local_training
+    from tff_pfl.computations import model_weights
 
     log_softmax = tf.keras.Sequential(
         [tf.keras.Input((4,)), tf.keras.layers.Dense(3), tf.keras.layers.Activation(tf.nn.log_softmax)]
     )
-    local_training.check_logits(log_softmax)
-    local_training.check_logits(tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)]))
+    model_weights.check_logits(log_softmax)
+    model_weights.check_logits(tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)]))
 
 
 @pytest.mark.parametrize('name', models.names())
 def test_every_registered_model_outputs_logits(name):
-    from tff_pfl.computations import local_training
+    from tff_pfl.computations import model_weights
 
     shape = (20,) if name == 'char_gru' else (28, 28, 1)
-    local_training.check_logits(models.get(name)(shape, 10))
+    model_weights.check_logits(models.get(name)(shape, 10))
 
 
 # KT-pFL, FedDF and pFedDF build their clients' models from registered names (--architectures), not

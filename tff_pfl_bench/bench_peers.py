@@ -42,7 +42,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl import losses, models, runtime
-from tff_pfl.computations import audit, local_training
+from tff_pfl.computations import audit, model_weights
 from tff_pfl.data import client_data
 from tff_pfl.program import checkpoints, experiment, run_config, training_loop
 
@@ -810,8 +810,8 @@ def _run_fedavg_pers_eval(config, clients, out, log, resume):
     )
     keras_model = keras_fn()
     state = process.initialize()
-    # The project's initial model for this seed (`local_training.initial_weights`), as our FedAvg starts.
-    initial = [w.numpy() for w in local_training.initial_weights(keras_fn, config.seed)]
+    # The project's initial model for this seed (`model_weights.initial_weights`), as our FedAvg starts.
+    initial = [w.numpy() for w in model_weights.initial_weights(keras_fn, config.seed)]
     state = process.set_model_weights(state, tff.learning.models.ModelWeights(trainable=initial, non_trainable=[]))
 
     def evaluate(state, rows, last):
@@ -861,7 +861,7 @@ def _by_client(metrics, clients, finetune_epochs: int) -> list:
 
     Each client's entry is found by its `client` tag (`mark_test`); its
     fine-tuned model is the epoch count best on validation, the earliest on
-    ties (`local_training.finetune_on_validation`'s rule).
+    ties (`fine_tuning.finetune_on_validation`'s rule).
     """
     baseline, tuned = metrics['baseline_metrics'], metrics['finetune']
     evaluations = []

@@ -51,7 +51,7 @@ from absl import app, flags
 
 from processes import persfl
 from tff_pfl import losses, models, reports, runtime
-from tff_pfl.computations import distillation, local_training
+from tff_pfl.computations import distillation, local_training, model_weights
 from tff_pfl.data import client_data, pipeline
 from tff_pfl.models import stacked
 from tff_pfl.program import client_states
@@ -231,12 +231,12 @@ def _best_local_models(spec, model_fn, settings, seed, global_models):
     def local_round_fn(client_id, train, val):
         @tf.function(autograph=False)
         def local_round(weights, round_num):
-            local_training.assign_weights(model, weights)
+            model_weights.assign_weights(model, weights)
             local_training.train_with(
                 model, train, config, seed=local_training.client_seed(seed, round_num, tf.constant(client_id))
             )
             stats = local_training.evaluate(model, val)
-            return local_training.get_weights(model), stats.loss_sum / stats.num_examples
+            return model_weights.get_weights(model), stats.loss_sum / stats.num_examples
 
         return local_round
 

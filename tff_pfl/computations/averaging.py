@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import building_blocks, device_state, local_training, template
+from tff_pfl.computations import building_blocks, device_state, model_weights, template
 
 # The keyword arguments of `template.PersonalizedProcess` this module sets itself;
 # any other one is a declared output the caller may pass through.
@@ -127,7 +127,7 @@ def build_averaging_process(
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
     if model_aggregator is None:
         model_aggregator = tff.aggregators.MeanFactory()
-    weights_type = local_training.weights_type(model_fn, shared_indices)
+    weights_type = model_weights.weights_type(model_fn, shared_indices)
     client_state_type = initial_client_state.type_signature.result
     optimizer_init, optimizer_apply = building_blocks.build_server_update(weights_type, server_optimizer)
     # An unweighted factory (user-level DP: every client counts once) gets no weights.
@@ -139,7 +139,7 @@ def build_averaging_process(
 
     @tff.tensorflow.computation
     def server_init():
-        weights = local_training.initial_weights(model_fn, seed)
+        weights = model_weights.initial_weights(model_fn, seed)
         if shared_indices is not None:
             weights = [weights[i] for i in shared_indices]
         return collections.OrderedDict(

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl.computations import local_training, template
+from tff_pfl.computations import local_training, model_weights, template
 from tff_pfl.data import client_data
 
 ModelFn = Callable[[], tf.keras.Model]
@@ -191,13 +191,13 @@ def build_client_training(
       weights`, `weight` is the number of training examples and
       `metric_sums` the `training_metric_sums` of the examples seen.
     """
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
 
     @tff.tensorflow.computation(weights_type, np.int32, np.str_)
     def client_training(weights, round_num, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
             stats = local_training.train_with(
                 model,
                 data,
@@ -207,7 +207,7 @@ def build_client_training(
                 loss_fn=loss_fn,
             )
         with tf.control_dependencies(list(stats)):
-            trained = local_training.get_weights(model)
+            trained = model_weights.get_weights(model)
         update = [w - t for w, t in zip(weights, trained)]
         return collections.OrderedDict(
             update=update,
@@ -264,13 +264,13 @@ def build_client_evaluation(
       A `tff.tensorflow.computation` `(weights, client_id) -> <loss, accuracy,
       num_examples, ...metrics>`.
     """
-    weights_type = local_training.weights_type(model_fn)
+    weights_type = model_weights.weights_type(model_fn)
 
     @tff.tensorflow.computation(weights_type, np.str_)
     def client_evaluation(weights, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(local_training.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
             stats = local_training.evaluate(model, data)
             extra = local_training.metric_sums(model, data, metrics) if metrics else None
         return template.client_metrics(stats, extra)

@@ -27,7 +27,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import models
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import local_training, template
+from tff_pfl.computations import local_training, model_weights, template
 from tff_pfl.data import client_data
 
 _setting = settings_lib.setting
@@ -189,7 +189,7 @@ class Architectures:
         with tf.Graph().as_default():
             for fn in self.model_fns:
                 model = fn()
-                local_training.check_logits(model)
+                model_weights.check_logits(model)
                 if model.non_trainable_weights:
                     raise ValueError(f'model {model.name!r} has non-trainable weights')
                 self.shapes.append([tuple(v.shape) for v in model.trainable_weights])

@@ -9,17 +9,21 @@ Every algorithm reuses `train`: what differs between algorithms is the loss,
 which is any `LossFn(model, x_batch, y_batch) -> (mean_loss, logits)`; a
 distillation loss closes over a teacher model, a proximal loss over the global
 weights.
+
+A model's weights (their TFF type, snapshots, assignment) are handled in
+`model_weights`; fine-tuning with the epochs chosen on validation is in
+`fine_tuning`.
 """
 
 import collections
 import collections.abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import losses, models, settings
+from tff_pfl import losses, settings
 from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
@@ -27,128 +31,6 @@ LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Te
 # Sums over the examples seen; divide by `num_examples` for means. `num_steps`
 # counts the SGD steps taken (`sgd_steps`; 0 for evaluation).
 Stats = collections.namedtuple('Stats', ['loss_sum', 'num_correct', 'num_examples', 'num_steps'], defaults=(0.0,))
-
-
-# Output activations that turn logits into probabilities: a model ending in one would be trained
-# and distilled as if its probabilities were logits (the losses apply softmax themselves).
-PROBABILITY_ACTIVATIONS = ('softmax', 'sigmoid')
-
-
-def check_logits(model: tf.keras.Model) -> None:
-    """Refuses a Keras model whose output layer turns its logits into probabilities.
-
-    Looks at the last layer (into a nested model ending another): a `Softmax`
-    layer, or a layer whose `activation` is softmax or sigmoid (`Dense(...,
-    activation='softmax')`, `Activation('softmax')`). `log_softmax` passes: its
-    softmax is the logits' softmax. A subclassed model without layers is not
-    checked.
-
-    Args:
-      model: a freshly built Keras model.
-
-    Raises:
-      ValueError: in one line, naming the model, the layer and the fix.
-    """
-    layers = getattr(model, 'layers', None) or []
-    if not layers:
-        return
-    last = layers[-1]
-    if isinstance(last, tf.keras.Model):
-        check_logits(last)
-        return
-    if isinstance(last, tf.keras.layers.Softmax):
-        name = 'softmax'
-    else:
-        name = getattr(getattr(last, 'activation', None), '__name__', None)
-    if name in PROBABILITY_ACTIVATIONS:
-        raise ValueError(
-            f'model {model.name!r} ends in a {name} (layer {last.name!r}): its outputs are probabilities, and the '
-            f'losses and distillation here take logits; build it without the final {name} (e.g. activation=None)'
-        )
-
-
-def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
-    """The TFF type of a model's trainable weights: a list of float tensors.
-
-    Args:
-      model_fn: no-arg function returning a fresh Keras model.
-      indices: optional; only these trainable variables, in this order
-        (e.g. FedPer's shared base layers).
-
-    Returns:
-      A `tff.StructWithPythonType` (list container) of `tff.TensorType`s.
-
-    Raises:
-      ValueError: if the model has non-trainable weights (batch-norm
-        statistics and the like are not averaged by these algorithms), or
-        ends in a softmax or sigmoid (`check_logits`).
-    """
-    with tf.Graph().as_default():
-        model = model_fn()
-        check_logits(model)
-        if model.non_trainable_weights:
-            raise ValueError(f'model {model.name!r} has non-trainable weights, which are not supported')
-        variables = model.trainable_weights
-        if indices is not None:
-            variables = [variables[i] for i in indices]
-        return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
-
-
-def merge_weights(parts: Sequence[tuple[Sequence[int], Sequence[tf.Tensor]]]) -> list:
-    """Puts disjoint subsets of a model's weights back in variable order.
-
-    Args:
-      parts: `(indices, weights)` pairs that together cover every index once.
-
-    Returns:
-      The list of all weights, ordered by index.
-    """
-    merged = {}
-    for indices, weights in parts:
-        merged.update(zip(indices, weights))
-    return [merged[i] for i in range(len(merged))]
-
-
-def initial_weights(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[tf.Tensor]:
-    """A fresh model's trainable weights, fixed by the run seed (TF code).
-
-    The same on the server and on every client for a given seed, so a
-    client can build the common initial model itself instead of receiving it.
-
-    Args:
-      model_fn: no-arg function returning a fresh Keras model.
-      seed: the run seed (a Python int), as for `models.seeded`.
-
-    Returns:
-      The list of the new model's trainable weights, as tensors.
-    """
-    with models.seeded(seed):
-        return get_weights(model_fn())
-
-
-def get_weights(model: tf.keras.Model) -> list[tf.Tensor]:
-    """Current trainable weights as tensors (a snapshot, not variables).
-
-    Args:
-      model: the Keras model.
-
-    Returns:
-      A list of tensors, one per trainable variable, in Keras order.
-    """
-    return [tf.identity(v) for v in model.trainable_weights]
-
-
-def assign_weights(model: tf.keras.Model, weights: Sequence[tf.Tensor]) -> list:
-    """Assigns `weights` to the model's trainable variables; returns the ops.
-
-    Args:
-      model: the Keras model whose variables are assigned.
-      weights: one tensor per trainable variable, in Keras order.
-
-    Returns:
-      The list of the variables' `assign` results, one per variable.
-    """
-    return [v.assign(w) for v, w in zip(model.trainable_weights, weights)]
 
 
 def cross_entropy_sum(logits: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -688,73 +570,6 @@ def evaluate(model: tf.keras.Model, data: client_data.ClientSplit, batch_size: i
         return Stats(loss_sum, num_correct, client_data.count_labels(labels))
 
     return loop(data.features, data.labels)
-
-
-def finetune_on_validation(
-    model: tf.keras.Model,
-    train_split: client_data.ClientSplit,
-    val_split: client_data.ClientSplit,
-    *,
-    max_epochs: int,
-    batch_size,
-    learning_rate,
-    seed: tf.Tensor,
-    loss_fn: LossFn = supervised_loss,
-):
-    """Fine-tunes `model` epoch by epoch; keeps the epoch count best on validation.
-
-    Evaluates the model on `val_split` before fine-tuning and after each of
-    `max_epochs` epochs of SGD on `train_split` (epoch `e` uses the
-    permutation of seed `seed + [e, 0]`), and returns the weights of the best
-    validation accuracy (the earliest on ties, so 0 epochs wins when nothing
-    helps). `model` ends with the last epoch's weights.
-
-    Args:
-      model: the Keras model, holding the starting weights.
-      train_split: the client's training split.
-      val_split: the client's validation split.
-      max_epochs: the largest number of epochs tried (a Python int >= 0).
-      batch_size: SGD examples per step.
-      learning_rate: SGD step size.
-      seed: int64 tensor of shape [2].
-      loss_fn: the loss minimized, as for `train`.
-
-    Returns:
-      `(weights, epochs, val_accuracies)`: the chosen weights, the chosen
-      number of epochs (int32) and the validation accuracy after each number
-      of epochs (float32 [max_epochs + 1]).
-    """
-
-    def accuracy_now():
-        stats = evaluate(model, val_split)
-        return stats.num_correct / tf.maximum(stats.num_examples, 1.0)
-
-    best = get_weights(model)
-    with tf.control_dependencies(best):
-        best_accuracy = accuracy_now()
-    best_epochs = tf.constant(0, tf.int32)
-    accuracies = [best_accuracy]
-    for epoch in range(1, max_epochs + 1):
-        with tf.control_dependencies(best + [best_accuracy, best_epochs]):
-            stats = train(
-                model,
-                train_split,
-                epochs=1,
-                batch_size=batch_size,
-                learning_rate=learning_rate,
-                seed=seed + tf.constant([epoch, 0], tf.int64),
-                loss_fn=loss_fn,
-            )
-        with tf.control_dependencies(list(stats)):
-            current = get_weights(model)
-            with tf.control_dependencies(current):
-                accuracy = accuracy_now()
-        better = accuracy > best_accuracy
-        best = [tf.where(better, c, b) for c, b in zip(current, best)]
-        best_accuracy = tf.where(better, accuracy, best_accuracy)
-        best_epochs = tf.where(better, epoch, best_epochs)
-        accuracies.append(accuracy)
-    return best, best_epochs, tf.stack(accuracies)
 
 
 def client_seed(base_seed: int, round_num: tf.Tensor, client_id: tf.Tensor, salt: int = 0) -> tf.Tensor:

@@ -3,7 +3,7 @@
 Every builder is a plain function `(input_shape, num_classes) -> tf.keras.Model`
 that returns a fresh, un-compiled model whose output is logits (no softmax):
 losses and distillation apply softmax/temperature themselves (the builders refuse
-a model ending in a softmax or sigmoid: `local_training.check_logits`). TFF needs a fresh
+a model ending in a softmax or sigmoid: `model_weights.check_logits`). TFF needs a fresh
 model on every call (variables are created only inside computations).
 """
 
