@@ -155,7 +155,7 @@ def _record(suite: bench_suite.Suite, run: bench_suite.Run, rows: list[dict], ce
     stats.update(weighted_mean=None, top_10_by_samples=None)
     config = suite.config(run.partition, run.algorithm, run.seed)
     unknown = list(ALWAYS_UNKNOWN)
-    no_dp = config.dp_noise_multiplier is None
+    no_dp = config.privacy.dp_noise_multiplier is None
     if not no_dp:
         unknown += ['dp_epsilon', 'dp_delta']
     seconds = seconds_per_round = rounds_to_target = communication = None
@@ -190,7 +190,7 @@ def _record(suite: bench_suite.Suite, run: bench_suite.Run, rows: list[dict], ce
         model=run.algorithm.model,
         seconds=seconds,
         seconds_per_round=seconds_per_round,
-        rounds=config.rounds,
+        rounds=config.schedule.rounds,
         final_round=None,
         diverged_round=None,
         summary={run.algorithm.model: dict(stats)},

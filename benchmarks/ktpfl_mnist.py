@@ -146,7 +146,7 @@ def main(argv):
         for method in _METHODS.value:
             algorithm, settings_class, extra, reported = METHODS[method]
             out_dir = os.path.join(_RUNS_DIR.value, case, method)
-            config = run_config.ExperimentConfig(
+            config = run_config.make_config(
                 output_dir=out_dir,
                 algorithm=algorithm,
                 partition=case,

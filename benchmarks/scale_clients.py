@@ -111,8 +111,8 @@ def _run(name, num_clients, settings, workdir, rounds):
     record = dict(
         name=name,
         num_clients=num_clients,
-        client_fraction=config.client_fraction,
-        active=round(config.client_fraction * num_clients),
+        client_fraction=config.schedule.client_fraction,
+        active=round(config.schedule.client_fraction * num_clients),
         seconds_per_round=statistics.median(r['round_seconds'] for r in rounds[1:]),
         round_seconds=[round(r['round_seconds'], 4) for r in rounds],
         total_seconds=total,

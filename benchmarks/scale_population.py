@@ -277,7 +277,7 @@ def _run(name, num_clients, workdir):
     record = dict(
         name=name,
         data=_DATA.value,
-        dataset=config.dataset,
+        dataset=config.data.dataset,
         num_clients=num_clients,
         active=_ACTIVE.value,
         setup_seconds=setup,

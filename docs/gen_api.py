@@ -17,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tff_pfl import settings as settings_lib  # noqa: E402
+from tff_pfl.program import config_parts  # noqa: E402
 
 # (module, [names]), in the order a user meets them.
 PUBLIC = [
@@ -60,6 +61,19 @@ PUBLIC = [
     ('tff_pfl.computations.privacy', ['DPConfig']),
     ('tff_pfl.program.training_loop', ['run', 'RunResult']),
     ('tff_pfl.program.run_config', ['make_config', 'ExperimentConfig']),
+    (
+        'tff_pfl.program.config_parts',
+        [
+            'DataConfig',
+            'ScheduleConfig',
+            'EvaluationConfig',
+            'CheckpointConfig',
+            'PrivacyConfig',
+            'RuntimeConfig',
+            'PartitionSettings',
+            *(cls.__name__ for cls in config_parts.PARTITIONS.values()),
+        ],
+    ),
     ('tff_pfl.program.experiment', ['run_experiment']),
     ('tff_pfl.runtime', ['local_runtime', 'runtime_for', 'refuse_implicit_runtime']),
 ]

@@ -1,7 +1,6 @@
 """tff-pfl-bench: suites, resume and split, the aggregated report, communication bytes."""
 
 import csv
-import dataclasses
 import functools
 import json
 import os
@@ -131,11 +130,16 @@ rounds = 40
     alg = suite.algorithms[0]
     config = suite.config(a, alg, 3, 'out')
     settings = config.settings
-    assert (config.rounds, settings.batch_size, settings.client_learning_rate, settings.local_epochs) == (40, 8, 0.1, 2)
-    assert settings.temperatures == (1.0, 2.0) and config.partition == 'iid' and config.seed == 3
+    assert (config.schedule.rounds, settings.batch_size, settings.client_learning_rate, settings.local_epochs) == (
+        40,
+        8,
+        0.1,
+        2,
+    )
+    assert settings.temperatures == (1.0, 2.0) and config.data.partition.name == 'iid' and config.seed == 3
     assert config.algorithm == 'persfl' and config.output_dir == 'out'
     config = suite.config(b, alg, 3)
-    assert (config.rounds, config.settings.batch_size, config.partition) == (30, 7, 'natural')
+    assert (config.schedule.rounds, config.settings.batch_size, config.data.partition.name) == (30, 7, 'natural')
     assert alg.model == 'global_model'  # headline_model's default
     assert [r.label for r in suite.runs()] == ['a/Alg/seed3', 'b/Alg/seed3']
 
@@ -394,7 +398,7 @@ def test_committed_suites():
         'Local',
         'FedAvg+FT',
     ]
-    rounds = {a.name: [suite.config(p, a, 0).rounds for p in suite.partitions] for a in suite.algorithms}
+    rounds = {a.name: [suite.config(p, a, 0).schedule.rounds for p in suite.partitions] for a in suite.algorithms}
     assert rounds == {
         'FedAvg': [100, 50, 100],
         'PersFL': [100, 25, 100],
@@ -631,10 +635,10 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     config = bench_run.run_config(suite, out, run, checkpoint_every=1)
     assert experiment.resumable_round(config) == 1
     # Where and how often it checkpoints may change; what it computes may not.
-    assert experiment.resumable_round(dataclasses.replace(config, checkpoint_every=7)) == 1
-    assert experiment.resumable_round(dataclasses.replace(config, rounds=3)) is None
+    assert experiment.resumable_round(config.replace(checkpoint_every=7)) == 1
+    assert experiment.resumable_round(config.replace(rounds=3)) is None
     # What to do on a non-finite loss may change, and a config.json from before that setting resumes.
-    assert experiment.resumable_round(dataclasses.replace(config, stop_on_divergence=False)) == 1
+    assert experiment.resumable_round(config.replace(stop_on_divergence=False)) == 1
     saved_path = os.path.join(run.directory(out), 'config.json')
     with open(saved_path) as f:
         saved = json.load(f)

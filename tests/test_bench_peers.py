@@ -1,7 +1,6 @@
 """TFF's own personalization processes as bench peers (`bench_peers`) beside our FedAvg."""
 
 import csv
-import dataclasses
 import io
 import json
 import os
@@ -232,7 +231,7 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
     config = bench_run.run_config(suite, out, run, 2)
     assert experiment.resumable_round(config) == 2
     # Another configuration in the directory (more rounds) is not continued.
-    assert experiment.resumable_round(dataclasses.replace(config, rounds=5)) is None
+    assert experiment.resumable_round(config.replace(rounds=5)) is None
     lines = []
     bench_run.run_suite(suite, out, algorithms=[label], checkpoint_every=2, log=lines.append)
     assert any('continuing from its round-2 checkpoint' in line for line in lines), lines

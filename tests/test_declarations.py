@@ -93,7 +93,7 @@ def test_unknown_algorithm_is_one_line_in_every_entry_point():
         run_config.ExperimentConfig.from_dict({'algorithm': 'fedsgd', 'output_dir': 'x'}, where='run.toml: ')
     assert str(from_dict.value) == 'run.toml: ' + line
     with pytest.raises(run_config.ConfigError) as validate:
-        run_config.ExperimentConfig(output_dir='x', algorithm='fedsgd').validate()
+        run_config.make_config(output_dir='x', algorithm='fedsgd').validate()
     assert str(validate.value) == line
 
 
@@ -108,7 +108,7 @@ def test_unknown_algorithm_is_one_line_in_every_entry_point():
     ],
 )
 def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
-    config = run_config.ExperimentConfig(output_dir='x', algorithm=name, **values)
+    config = run_config.make_config(output_dir='x', algorithm=name, **values)
     with pytest.raises(run_config.ConfigError) as refused:
         config.validate()
     module = 'processes.ktpfl_rounds' if refusal.startswith('LOCAL_DP') else algorithms.get(name).build.__module__
@@ -125,7 +125,7 @@ def test_declared_privacy_modes_refuse_in_one_line(name, values, refusal):
     ],
 )
 def test_declared_privacy_modes_take_what_they_support(name, values):
-    run_config.ExperimentConfig(output_dir='x', algorithm=name, **values).validate()
+    run_config.make_config(output_dir='x', algorithm=name, **values).validate()
 
 
 def test_run_options_make_the_upload_aggregator_only_when_asked():

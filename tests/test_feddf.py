@@ -226,7 +226,7 @@ def test_experiment_runs(tiny_npz, tmp_path, algorithm):
         )
     else:
         algorithm_settings = ktpfl_homo.KTpFLHomoSettings(kt_transfer_steps=1, **LOCAL)
-    config = run_config.ExperimentConfig(
+    config = run_config.make_config(
         output_dir=str(out),
         algorithm=algorithm,
         dataset=f'npz:{tiny_npz}',

@@ -230,7 +230,7 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
     from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = run_config.ExperimentConfig(
+    config = run_config.make_config(
         output_dir=str(out),
         algorithm='kdpdfl',
         dataset=f'npz:{tiny_npz}',
@@ -249,7 +249,7 @@ def test_experiment_writes_the_collaboration_graph(tiny_npz, tmp_path):
     assert (out / 'collaboration_graph.png').stat().st_size > 0
     assert [r['slot'] for r in result.rounds] == [3, 6, 9]
     with pytest.raises(run_config.ConfigError, match='exchange_interval'):
-        run_config.ExperimentConfig(
+        run_config.make_config(
             output_dir='x', algorithm='kdpdfl', settings=kdpdfl.KDPDFLSettings(exchange_interval=1)
         ).validate()
 

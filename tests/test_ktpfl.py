@@ -286,7 +286,7 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
     from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = run_config.ExperimentConfig(
+    config = run_config.make_config(
         output_dir=str(out),
         algorithm='ktpfl',
         dataset=f'npz:{tiny_npz}',
@@ -308,10 +308,10 @@ def test_experiment_writes_ktpfl_outputs(tiny_npz, tmp_path):
     assert len((out / 'knowledge_coefficients.csv').read_text().splitlines()) == 4
     assert [row['architecture_id'] for row in result.clients] == [0, 1, 0]
     with pytest.raises(run_config.ConfigError, match='public_examples'):
-        run_config.ExperimentConfig(
+        run_config.make_config(
             output_dir='x', algorithm='ktpfl', settings=ktpfl.KTpFLSettings(public_examples=0)
         ).validate()
-    run_config.ExperimentConfig(output_dir='x', algorithm='ktpfl').validate()  # the defaults need no flag
+    run_config.make_config(output_dir='x', algorithm='ktpfl').validate()  # the defaults need no flag
 
 
 def _numpy_homogeneous_objective(c, params, sizes, rho, lam):

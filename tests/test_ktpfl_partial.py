@@ -369,7 +369,7 @@ def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path, tff_runtime
         ('ktpfl', ktpfl.KTpFLSettings(local_steps=2, architectures=('logistic',), public_examples=40, public_batch=20)),
         ('ktpfl_homo', ktpfl_homo.KTpFLHomoSettings(local_steps=2)),
     ):
-        config = run_config.ExperimentConfig(
+        config = run_config.make_config(
             output_dir=str(tmp_path / algorithm),
             algorithm=algorithm,
             dataset=f'npz:{tiny_npz}',
@@ -385,15 +385,15 @@ def test_program_runs_ktpfl_with_client_fraction(tiny_npz, tmp_path, tff_runtime
         assert sum(participations) == 3 * 2  # ceil(0.5 x 4) clients in each of 3 rounds
         assert all(r['num_clients'] == 2 for r in result.rounds)
     with pytest.raises(run_config.ConfigError, match='^--kt_c_update=released needs every client every round'):
-        run_config.ExperimentConfig(
+        run_config.make_config(
             output_dir='x', algorithm='ktpfl', client_fraction=0.5, settings=ktpfl.KTpFLSettings(kt_c_update='released')
         ).validate()
-    run_config.ExperimentConfig(output_dir='x', algorithm='ktpfl_homo', client_fraction=0.1).validate()
+    run_config.make_config(output_dir='x', algorithm='ktpfl_homo', client_fraction=0.1).validate()
 
 
 def test_the_process_holds_the_most_clients_a_round_of_the_run_takes():
     def bound(**fields):
-        return run_config.ExperimentConfig(output_dir='x', algorithm='ktpfl_homo', **fields).max_clients_per_round(100)
+        return run_config.make_config(output_dir='x', algorithm='ktpfl_homo', **fields).max_clients_per_round(100)
 
     assert bound(client_fraction=0.1) == 10 == training_loop.clients_per_round(100, 0.1)
     assert bound(client_fraction=0.25) == 25 and bound(client_fraction=0.001) == 1 and bound() == 100

@@ -211,7 +211,7 @@ def test_experiment_writes_persfl_outputs(tiny_npz, tmp_path):
     from tff_pfl.program import experiment
 
     out = tmp_path / 'run'
-    config = run_config.ExperimentConfig(
+    config = run_config.make_config(
         output_dir=str(out),
         algorithm='persfl_gd',
         dataset=f'npz:{tiny_npz}',

@@ -360,13 +360,13 @@ def test_bad_privacy_settings_are_one_line(fields, message):
 
 def test_a_target_epsilon_the_schedule_exceeds_is_refused_with_the_epsilon_it_would_reach():
     fields = {'dp_noise_multiplier': 1.0, 'dp_clip': 1.0, 'client_fraction': 0.1, 'dp_delta': 1e-5}
-    reach = privacy.epsilon(_config(**fields).privacy(), 0.1, 100, 1e-5)
+    reach = privacy.epsilon(_config(**fields).dp_mechanism(), 0.1, 100, 1e-5)
     _config(**fields, rounds=100, dp_target_epsilon=reach * 1.01).validate()
     with pytest.raises(run_config.ConfigError, match=f'reach epsilon {reach:.5g} at delta 1e-05'):
         _config(**fields, rounds=100, dp_target_epsilon=reach * 0.99).validate()
     # The default delta is 1 / N^1.1.
-    assert _config(**fields).dp_delta_for(1000) == 1e-5
-    assert _config(**{k: v for k, v in fields.items() if k != 'dp_delta'}).dp_delta_for(1000) == pytest.approx(
+    assert _config(**fields).privacy.delta_for(1000) == 1e-5
+    assert _config(**{k: v for k, v in fields.items() if k != 'dp_delta'}).privacy.delta_for(1000) == pytest.approx(
         1000**-1.1
     )
 
@@ -387,7 +387,7 @@ def test_a_dp_run_reports_epsilon_after_every_round(tmp_path, tff_runtime):
         dp_delta=1e-3,
     )
     result = experiment.run_experiment(config, log=lambda line: None)
-    dp = config.privacy(12)
+    dp = config.dp_mechanism(12)
     assert dp.clients_per_round == 6.0
     for row in result.rounds:
         assert row['dp_epsilon'] == pytest.approx(privacy.epsilon(dp, 0.5, row['round'], 1e-3), rel=1e-9)

@@ -247,7 +247,7 @@ def test_experiment_writes_selffl_outputs(tiny_npz, tmp_path):
     from tff_pfl.program import experiment, run_config
 
     out = tmp_path / 'run'
-    config = run_config.ExperimentConfig(
+    config = run_config.make_config(
         output_dir=str(out),
         algorithm='selffl',
         dataset=f'npz:{tiny_npz}',

@@ -95,7 +95,7 @@ def test_config_json_and_toml_files_rerun_the_same_configuration(parse, tmp_path
     toml.write_text('algorithm = "ditto"\nditto_lambda = 0.5\nrounds = 7\noutput_dir = "run"\n')
     assert parse(f'--config={toml}') == config
     # A flag wins over the file.
-    assert parse(f'--config={toml}', '--rounds=9').rounds == 9
+    assert parse(f'--config={toml}', '--rounds=9').schedule.rounds == 9
     toml.write_text('algorithm = "fedavg"\nditto_lambda = 0.5\n')
     with pytest.raises(run_config.ConfigError, match='ditto_lambda does not apply to fedavg'):
         parse(f'--config={toml}')
@@ -106,8 +106,8 @@ def test_config_json_and_toml_files_rerun_the_same_configuration(parse, tmp_path
 
 def test_the_partition_settings_each_mean_one_thing_and_old_files_read_the_old_name(parse, tmp_path):
     config = parse('--partition=shards', '--shards_per_client=3', '--num_clients=4')
-    assert config.partition_params() == {'shards_per_client': 3}
-    assert parse('--partition=ds1', '--classes_per_client=3').partition_params() == {'k': 3}
+    assert config.data.partition.params() == {'shards_per_client': 3}
+    assert parse('--partition=ds1', '--classes_per_client=3').data.partition.params() == {'k': 3}
     # The old name of the shards' setting: a flag is refused, saying the new one ...
     with pytest.raises(
         run_config.ConfigError,

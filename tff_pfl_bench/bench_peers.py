@@ -187,7 +187,7 @@ def check_config(name: str, config: run_config.ExperimentConfig) -> None:
     peer = PEERS[name]
     defaults = run_config.ExperimentConfig(output_dir='')
     for field in run_config.ExperimentConfig.common_fields():
-        if field not in COMMON_SETTINGS and getattr(config, field) != getattr(defaults, field):
+        if field not in COMMON_SETTINGS and config.flat_value(field) != defaults.flat_value(field):
             raise run_config.ConfigError(_refusal(name, field))
     own_defaults = type(config.settings)()
     for field in type(config.settings).field_names():
@@ -515,8 +515,8 @@ def run_peer(
         with open(os.path.join(out, 'partition.csv'), encoding='utf-8') as f:
             on_data(f.read())
     with runtime.runtime_for(
-        config.workers,
-        max_concurrent_computation_calls=config.max_concurrent_clients,
+        config.runtime.workers,
+        max_concurrent_computation_calls=config.runtime.max_concurrent_clients,
         log_path=os.path.join(out, 'worker.log'),
     ):
         run = _run_fed_recon if name == 'tff_fed_recon' else _run_fedavg_pers_eval
@@ -552,7 +552,7 @@ def _communication(comp, **extra) -> dict:
 def _sampler(config, clients):
     """`(rng, sample)`: each round's clients, drawn as `training_loop.run` draws them (same generator, same seed)."""
     rng = np.random.default_rng([config.seed, 0x5A3D])
-    return rng, lambda: training_loop.sample_clients(rng, clients.ids, config.client_fraction)
+    return rng, lambda: training_loop.sample_clients(rng, clients.ids, config.schedule.client_fraction)
 
 
 def _train_data(config, clients, round_num, sampled, epochs):
@@ -577,7 +577,7 @@ def _round_row(round_num, sampled, metrics, seconds) -> collections.OrderedDict:
 
 
 def _evaluate_now(config, round_num: int, last: bool) -> bool:
-    return last or bool(config.eval_every and round_num % config.eval_every == 0)
+    return last or bool(config.evaluation.eval_every and round_num % config.evaluation.eval_every == 0)
 
 
 def _result(clients, evaluations: Sequence[Mapping], rows, diverged_round) -> training_loop.RunResult:
@@ -593,7 +593,7 @@ def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
     With `resume`, the rounds continue after the newest checkpoint's, from its
     weights, sampler state and rows, so every later round samples and trains as
     an uninterrupted run does; a checkpoint is written every
-    `config.checkpoint_every` rounds.
+    `config.checkpoints.checkpoint_every` rounds.
     """
     rng, sample = _sampler(config, clients)
     store = checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints'))
@@ -605,18 +605,18 @@ def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
         rows = [collections.OrderedDict(row) for row in saved.rows]
         done = saved.round_num
         log(f'continuing from the round-{done} checkpoint')
-    for round_num in range(done + 1, config.rounds + 1):
+    for round_num in range(done + 1, config.schedule.rounds + 1):
         started = time.monotonic()
         sampled = sample()
         data = _train_data(config, clients, round_num, sampled, epochs)
         output = process.next(state, data)
         state = output.state
         rows.append(_round_row(round_num, sampled, output.metrics, time.monotonic() - started))
-        if config.stop_on_divergence and training_loop.diverged(rows[-1]):
+        if config.schedule.stop_on_divergence and training_loop.diverged(rows[-1]):
             diverged_round = round_num
             log(training_loop.divergence_line(f'round {round_num}', rows[-1]))
-        last = round_num == config.rounds or diverged_round is not None
-        line = f'round {round_num}/{config.rounds}: train_loss {rows[-1].get("train_loss", math.nan):.4f}'
+        last = round_num == config.schedule.rounds or diverged_round is not None
+        line = f'round {round_num}/{config.schedule.rounds}: train_loss {rows[-1].get("train_loss", math.nan):.4f}'
         if _evaluate_now(config, round_num, last):
             if last:
                 log(f'round {round_num}: evaluating {len(clients.ids)} clients ...')
@@ -631,7 +631,7 @@ def _train(config, clients, process, state, log, evaluate, epochs, out, resume):
         )
         if last:
             break
-        if config.checkpoint_every and round_num % config.checkpoint_every == 0:
+        if config.checkpoints.checkpoint_every and round_num % config.checkpoints.checkpoint_every == 0:
             weights = process.get_model_weights(state)
             store.save(round_num, weights, clients.ids, _NO_CLIENTS, rng.bit_generator.state, rows)
     return state, rows, evaluations, diverged_round

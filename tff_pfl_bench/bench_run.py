@@ -247,13 +247,13 @@ def _check_data(suite: bench_suite.Suite, runs: Sequence[bench_suite.Run]) -> No
 
     for run in runs:
         config = suite.config(run.partition, run.algorithm, run.seed)
-        dataset = config.dataset
+        dataset = config.data.dataset
         kind, _, arg = dataset.partition(':')
         path = arg if kind in ('npz', 'folder', 'clients') else (dataset if dataset.endswith('.npz') else None)
         if kind == 'sqlite':
             path = natural.parse_sqlite_spec(arg)[0]
-        elif kind == 'tff' and arg in natural.TFF_DATASETS and not config.download:
-            path = natural.tff_cache_file(arg, config.data_dir)
+        elif kind == 'tff' and arg in natural.TFF_DATASETS and not config.data.download:
+            path = natural.tff_cache_file(arg, config.data.data_dir)
         if path is not None and not os.path.exists(path):
             raise bench_suite.SuiteError(
                 f'{suite.path}: dataset {dataset!r} of partitions "{run.partition.name}": '
@@ -337,9 +337,9 @@ def _check_process(run: bench_suite.Run, process, partition_text: str | None, re
 def _participants(config: run_config_lib.ExperimentConfig, num_clients: int, row: Mapping) -> int:
     if row.get('num_clients') is not None:
         return int(row['num_clients'])
-    if config.client_fraction >= 1.0:
+    if config.schedule.client_fraction >= 1.0:
         return num_clients
-    return max(1, int(math.ceil(config.client_fraction * num_clients)))
+    return max(1, int(math.ceil(config.schedule.client_fraction * num_clients)))
 
 
 def communication_totals(
@@ -443,7 +443,7 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         seconds=seconds,
         # A training round's wall time, the median over rounds (evaluation and personalization apart).
         seconds_per_round=statistics.median(float(row['round_seconds']) for row in result.rounds),
-        rounds=config.rounds,
+        rounds=config.schedule.rounds,
         final_round=int(result.rounds[-1]['round']),
         # The round where the run stopped because its training loss was NaN or infinite (None: it did not).
         diverged_round=result.diverged_round,
@@ -460,7 +460,7 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         curve=curve,
         # User-level DP: the privacy spent by the end of the run (None without DP).
         dp_epsilon=result.rounds[-1].get('dp_epsilon'),
-        dp_delta=config.dp_delta_for(num_clients) if config.dp_noise_multiplier is not None else None,
+        dp_delta=config.privacy.delta_for(num_clients) if config.privacy.dp_noise_multiplier is not None else None,
         target_accuracy=suite.target_accuracy,
         rounds_to_target=rounds_to_target(curve, suite.target_accuracy),
         communication=communication_totals(communication, config, result.rounds, num_clients),
@@ -603,7 +603,7 @@ def run_config(
       The `run_config_lib.ExperimentConfig` of the run in its own directory.
     """
     config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir))
-    return dataclasses.replace(config, checkpoint_every=checkpoint_every)
+    return config.replace(checkpoint_every=checkpoint_every)
 
 
 def _run_one(

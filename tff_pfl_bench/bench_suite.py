@@ -19,7 +19,7 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     headline_model = "global_model"    # optional: default `model` below
     [[partitions]]
     name = "ds1"                       # label used in tables and paths
-    partition = "ds1"                  # ExperimentConfig.partition
+    partition = "ds1"                  # the flat setting `partition`
     classes_per_client = 4             # any other common settings
     [[algorithms]]
     name = "FedAvg"                    # label used in tables
@@ -73,7 +73,7 @@ from tff_pfl_bench import bench_peers
 MODELS = ('global_model', 'personalized_model')
 
 _RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
-_COMMON_HINTS = typing.get_type_hints(run_config.ExperimentConfig)
+_COMMON_HINTS = {name: hint for _, name, hint, _, _ in run_config.ExperimentConfig.common_settings()}
 _SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper', 'paper_source')
 # What a `[paper]` number can be: the across-client mean, the sample-weighted
 # mean, the mean of the worst 10% of clients, and the sample-weighted mean of
@@ -81,7 +81,7 @@ _SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'p
 PAPER_METRICS = ('mean', 'weighted', 'worst10', 'top10')
 _DEFAULTS_EXTRA = ('seeds', 'target_accuracy', 'headline_model')
 _ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides')
-# What decides a run's client data besides `partition_params()` and the seed.
+# What decides a run's client data besides `data.partition.params()` and the seed.
 _DATA_FIELDS = ('dataset', 'data_dir', 'num_clients', 'split_fractions')
 
 
@@ -397,7 +397,7 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         label = _label(entry, where, fail)
         where = f'partitions "{label}"'
         if not isinstance(entry.get('partition'), str):
-            fail(f'{where}.partition', 'required, a string (ExperimentConfig.partition)')
+            fail(f'{where}.partition', 'required, a string (the flat setting partition)')
         fields = _config_fields(
             {k: v for k, v in entry.items() if k != 'name'}, where, fail, ('output_dir', 'algorithm', 'seed')
         )
@@ -569,11 +569,11 @@ def _paper_cell(value, key, fail) -> dict:
 
 def _data_key(config: run_config.ExperimentConfig) -> dict:
     """What decides a run's client data, seed aside."""
-    key = {field: getattr(config, field) for field in _DATA_FIELDS}
+    key = {field: config.flat_value(field) for field in _DATA_FIELDS}
     # Public examples drawn from another source leave the clients' data as it is.
     key['public_examples'] = 0 if experiment.public_dataset(config) else experiment.public_examples(config)
-    key['partition'] = config.partition
-    key.update((f'partition_params.{k}', v) for k, v in sorted(config.partition_params().items()))
+    key['partition'] = config.data.partition.name
+    key.update((f'partition_params.{k}', v) for k, v in sorted(config.data.partition.params().items()))
     return key
 
 

@@ -1,12 +1,12 @@
 """Flags generated from the settings dataclasses, and the run configuration they give.
 
-One flag per field: the common settings (`run_config.ExperimentConfig`) and
-every algorithm's settings (`processes/<algo>.py`), named like the fields.
+One flag per field: the run's settings (`run_config.ExperimentConfig` and its
+parts, `config_parts`) and every algorithm's settings (`processes/<algo>.py`), named like the fields.
 Every generated flag defaults to "unset": a run takes the dataclass default
 for a flag it was not given, so the command line cannot hold a default of
 its own. In `--helpfull` the flags are grouped by the class that declares
-them (the common settings, the shared local-training groups, then each
-algorithm), each with its default(s) and the algorithms that use it.
+them (the run's own settings, each part of it, the partitions' settings, the
+shared local-training groups, then each algorithm), each with its default(s) and the algorithms that use it.
 
 `config_from_flags()` layers, later wins: the dataclass defaults, a
 `--config` file (TOML or JSON, the flat form of `config.json`), the flags
@@ -26,7 +26,16 @@ from absl import flags
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms, run_config
 
-_COMMON_GROUP = 'common settings (tff_pfl/program/experiment.py ExperimentConfig)'
+_COMMON_GROUP = 'the run (tff_pfl/program/run_config.py ExperimentConfig)'
+
+
+def _part_group(part: str | None) -> str:
+    """The `--helpfull` group of a part's flags."""
+    if part is None:
+        return _COMMON_GROUP
+    if part == 'partition':
+        return "the partition's settings (tff_pfl/program/config_parts.py, one type per partition)"
+    return f'{part} (tff_pfl/program/config_parts.py {run_config.PARTS[part].__name__})'
 
 
 def _declaring_class(settings_cls: type, name: str) -> type:
@@ -70,17 +79,15 @@ def setting_groups() -> dict[str, list[tuple[str, type, str]]]:
 
     Returns:
       group title -> `[(flag name, type hint, help with defaults)]`: the
-      common settings first, then one group per class that declares
+      run's own settings, one group per part of the run's configuration
+      and one for the partitions' settings first, then one group per class that declares
       algorithm settings (a shared group such as `LocalTraining`, or an
       algorithm's own class), titled with the algorithms that use it.
     """
     groups = {_COMMON_GROUP: []}
-    hints = typing.get_type_hints(run_config.ExperimentConfig)
-    defaults = run_config.ExperimentConfig(output_dir='')
-    for name in run_config.ExperimentConfig.common_fields():
-        field = run_config.ExperimentConfig.__dataclass_fields__[name]
-        text = f'{settings_lib.help_of(field)} (default: {_format(getattr(defaults, name))})'
-        groups[_COMMON_GROUP].append((name, hints[name], text))
+    for part, name, hint, help_line, default in run_config.ExperimentConfig.common_settings():
+        text = help_line if part == 'partition' else f'{help_line} (default: {_format(default)})'
+        groups.setdefault(_part_group(part), []).append((name, hint, text))
     seen = set()
     for algorithm in algorithms.names():
         settings_cls = algorithms.get(algorithm).settings
@@ -179,7 +186,7 @@ def config_from_flags() -> run_config.ExperimentConfig:
     path = flags.FLAGS['config'].value
     if path:
         values.update(read_config_file(path))
-    common_hints = typing.get_type_hints(run_config.ExperimentConfig)
+    common_hints = {name: hint for _, name, hint, _, _ in run_config.ExperimentConfig.common_settings()}
     given = {}
     for name in run_config.ExperimentConfig.common_fields():
         if flags.FLAGS[name].present:
@@ -207,18 +214,22 @@ _DOC_INTRO = """# Settings
 Generated from the settings dataclasses by `uv run --locked python -m tff_pfl.cli.config_flags >
 docs/settings.md`; a test keeps this page equal to that output. Each algorithm's settings are one
 frozen dataclass next to its builder in `processes/<algo>.py`, the only place their defaults are
-written; the common settings are `tff_pfl.program.run_config.ExperimentConfig`.
+written. The run's own settings are `tff_pfl.program.run_config.ExperimentConfig` (the algorithm,
+its model, the seed) and its named parts in `tff_pfl.program.config_parts`: `data` (the source and
+its partition, one settings type per partition), `schedule` (rounds and sampling), `evaluation`,
+`checkpoints`, `privacy` and `runtime`; in Python, `config.schedule.rounds`, `config.data.partition`.
 
-A run's configuration is the common settings plus the chosen algorithm's. It is layered, later
+A run's configuration is the run's settings plus the chosen algorithm's. It is layered, later
 wins: the dataclass defaults, a `--config` file (TOML or JSON, flat `name = value` pairs: the
-form of `config.json`, and of one entry of a bench suite), then the flags given. A flag or file
-key the chosen algorithm does not have is refused in one line (`--kd_mu1 does not apply to
-fedavg`), and so is a partition setting the chosen partition does not use. `config.json` records
-exactly the common settings and the algorithm's, so `--config=<run>/config.json` reruns a run;
-resuming compares exactly those.
+form of `config.json`, and of one entry of a bench suite), then the flags given. The flat form
+puts every part's fields side by side under their own names (no two parts share a name). A flag
+or file key the chosen algorithm does not have is refused in one line (`--kd_mu1 does not apply
+to fedavg`), and so is a partition setting the chosen partition does not take. `config.json`
+records exactly the run's settings and the algorithm's, so `--config=<run>/config.json` reruns a
+run; resuming compares exactly those.
 
-One name, one meaning: a flag shared by several algorithms means the same in each (the defaults
-may differ, as the papers do; each table says which algorithm has which).
+One name, one meaning: a flag shared by several algorithms, or by several partitions, means the
+same in each (the defaults may differ, as the papers do; each table says which has which).
 """
 
 

@@ -20,7 +20,7 @@ from absl import app, flags, logging
 from tff_pfl.cli import common, config_flags
 from tff_pfl.program import experiment, run_config, run_report
 
-# The settings' flags: one per field of the common settings and of every
+# The settings' flags: one per field of the run's settings (every part) and of every
 # algorithm's settings dataclass, generated (tff_pfl/cli/config_flags.py).
 config_flags.define_flags()
 
@@ -80,7 +80,7 @@ def main(argv) -> None:
         config = config_from_flags()
     except run_config.ConfigError as e:
         _fail(str(e))  # before re-executing in a namespace: bad flags cost one start-up, not two
-    if _ISOLATE_NETWORK.value and not config.workers and not config.download:
+    if _ISOLATE_NETWORK.value and not config.runtime.workers and not config.data.download:
         runtime.isolate_network(_PROG, ['-m', 'tff_pfl.cli.train', *sys.argv[1:]])
     runtime.install_sigterm_handler()
     runtime.refuse_implicit_runtime()

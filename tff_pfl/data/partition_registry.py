@@ -24,6 +24,23 @@ _PARTITIONERS = {
 }
 
 
+def partitioner(name: str):
+    """The partitioner function of the partition `name`.
+
+    Args:
+      name: a partition name (`--partition`), not `natural`.
+
+    Returns:
+      Its function, `(labels, num_clients, seed, **params) -> clients`.
+
+    Raises:
+      partition.PartitionError: an unknown name.
+    """
+    if name not in _PARTITIONERS:
+        raise partition.PartitionError(f'unknown partition {name!r}; choose one of ' + ', '.join(_PARTITIONERS))
+    return _PARTITIONERS[name]
+
+
 def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, **params) -> list[np.ndarray]:
     """Builds the partition named `name`.
 
@@ -52,11 +69,9 @@ def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, 
       partition.PartitionError: If `name` is unknown, `params` do not match the
         partitioner, or the partitioner fails.
     """
-    if name not in _PARTITIONERS:
-        raise partition.PartitionError(f'unknown partition {name!r}; choose one of ' + ', '.join(_PARTITIONERS))
-    partitioner = _PARTITIONERS[name]
+    function = partitioner(name)
     try:
-        inspect.signature(partitioner).bind(labels, num_clients, seed, **params)
+        inspect.signature(function).bind(labels, num_clients, seed, **params)
     except TypeError as e:
         raise partition.PartitionError(f'bad parameters for partition {name!r}: {e}') from e
-    return partitioner(labels, num_clients, seed, **params)
+    return function(labels, num_clients, seed, **params)

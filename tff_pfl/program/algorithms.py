@@ -103,24 +103,22 @@ def users_of(name: str) -> list[str]:
     return [a for a in names() if name in _ALGORITHMS[a].settings.field_names()]
 
 
-def privacy_problem(entry: algorithm.Algorithm, config) -> str | None:
+def privacy_problem(entry: algorithm.Algorithm, privacy) -> str | None:
     """The algorithm's refusal of the run's privacy settings, from its declared privacy modes.
 
     Args:
       entry: the algorithm's declaration.
-      config: the run's `run_config.ExperimentConfig`.
+      privacy: the run's `config_parts.PrivacyConfig`.
 
     Returns:
       One line, or None when its privacy modes take the run's settings.
     """
     modes = entry.privacy
-    if config.secure_aggregation and modes.no_secure:
+    if privacy.secure_aggregation and modes.no_secure:
         return modes.no_secure
-    dp = config.dp_noise_multiplier is not None
-    adaptive = dp and config.dp_clip is None and config.dp_target_quantile is not None
-    if adaptive and modes.fixed_clip_only:
+    if privacy.adaptive_clipping and modes.fixed_clip_only:
         return modes.fixed_clip_only
-    if config.secure_aggregation and not dp and modes.secure_needs_dp:
+    if privacy.secure_aggregation and not privacy.dp and modes.secure_needs_dp:
         return modes.secure_needs_dp
     return None
 
@@ -137,21 +135,21 @@ def run_options(config, spec) -> algorithm.RunOptions:
       noised, unweighted mean (through secure sums or not), or the secure
       example-weighted mean, or None (the example-weighted mean).
     """
-    dp = config.privacy(spec.num_clients)
+    dp = config.dp_mechanism(spec.num_clients)
 
     def model_aggregator():
         if dp is not None:
-            return dp.factory(secure=config.secure_aggregation)
-        if config.secure_aggregation:
+            return dp.factory(secure=config.privacy.secure_aggregation)
+        if config.privacy.secure_aggregation:
             return privacy.secure_mean_factory(max(spec.split_sizes['train']))
         return None
 
     return algorithm.RunOptions(
         seed=config.seed,
-        client_fraction=config.client_fraction,
+        client_fraction=config.schedule.client_fraction,
         max_clients_per_round=config.max_clients_per_round(spec.num_clients),
         dp=dp,
-        secure=config.secure_aggregation,
+        secure=config.privacy.secure_aggregation,
         make_model_aggregator=model_aggregator,
     )
 

@@ -81,7 +81,7 @@ def public_dataset(config: run_config.ExperimentConfig) -> str | None:
 
     Returns:
       The algorithm's `public_dataset` source spec, or None when the public
-      examples are set aside from `config.dataset` (or it has no public data).
+      examples are set aside from `config.data.dataset` (or it has no public data).
     """
     from tff_pfl.computations import heterogeneous
 
@@ -149,14 +149,14 @@ def write_client_data(config: run_config.ExperimentConfig, directory: str, out: 
 
     prepared = pipeline.prepare(
         os.path.join(directory, 'client_data'),
-        dataset=config.dataset,
-        partition_name=config.partition,
-        num_clients=config.num_clients,
+        dataset=config.data.dataset,
+        partition_name=config.data.partition.name,
+        num_clients=config.data.num_clients,
         seed=config.seed,
-        split_fractions=config.split_fractions,
-        partition_params=config.partition_params(),
-        data_dir=config.data_dir,
-        download=config.download,
+        split_fractions=config.data.split_fractions,
+        partition_params=config.data.partition.params(),
+        data_dir=config.data.data_dir,
+        download=config.data.download,
         public_examples=public_examples(config),
         public_dataset=public_dataset(config),
     )
@@ -179,7 +179,7 @@ def data_line(config: run_config.ExperimentConfig, prepared, spec) -> str:
       The line, without a trailing newline.
     """
     return (
-        f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.partition}, '
+        f'data: {prepared.source_name}, {spec.num_clients} clients, partition {config.data.partition.name}, '
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
         f'{sum(spec.split_sizes["test"])}' + (f' ({prepared.note})' if prepared.note else '')
     )
@@ -234,7 +234,7 @@ def _saved_config(out: str) -> dict | None:
 
 
 def _changed_fields(saved: dict, config: run_config.ExperimentConfig) -> list[str]:
-    # The flat form holds only the common settings and the chosen algorithm's:
+    # The flat form holds only the run's settings and the chosen algorithm's:
     # a setting of another algorithm can neither be set nor differ.
     current = json.loads(json.dumps(config.to_dict()))
     return [
@@ -245,7 +245,7 @@ def _changed_fields(saved: dict, config: run_config.ExperimentConfig) -> list[st
 
 
 def _epsilon_column(dp: privacy_lib.DPConfig, config: run_config.ExperimentConfig, num_clients: int):
-    delta = config.dp_delta_for(num_clients)
+    delta = config.privacy.delta_for(num_clients)
 
     def columns(round_num: int) -> dict:
         return {'dp_epsilon': privacy_lib.epsilon(dp, config.dp_sampling_probability(), round_num, delta)}
@@ -285,7 +285,7 @@ def run_experiment(
 ) -> training_loop.RunResult:
     """Runs one experiment end to end and writes its output directory.
 
-    A run writes a checkpoint every `config.checkpoint_every` rounds. Run
+    A run writes a checkpoint every `config.checkpoints.checkpoint_every` rounds. Run
     again with the same configuration and `output_dir`, an interrupted run
     continues from its last checkpoint (killed, even with SIGKILL, at any
     point) and ends with the numbers an uninterrupted run gives.
@@ -320,7 +320,7 @@ def run_experiment(
             raise RunComplete(f'output_dir {out} already holds this run, finished (report.md)')
     else:
         prepare_output_dir(out, overwrite)
-    for address in config.workers:  # before anything is written
+    for address in config.runtime.workers:  # before anything is written
         try:
             runtime.check_worker(address)
         except runtime.RuntimeStartError as e:
@@ -368,17 +368,17 @@ def run_experiment(
 
     try:
         with runtime.runtime_for(
-            config.workers,
-            max_concurrent_computation_calls=config.max_concurrent_clients,
+            config.runtime.workers,
+            max_concurrent_computation_calls=config.runtime.max_concurrent_clients,
             log_path=os.path.join(out, 'worker.log'),
         ):
             loop = dict(
                 on_round=on_round,
                 log=log,
                 checkpoints=checkpoints.RunCheckpoints(os.path.join(out, 'checkpoints')),
-                checkpoint_every=config.checkpoint_every,
-                eval_clients=config.eval_clients,
-                stop_on_divergence=config.stop_on_divergence,
+                checkpoint_every=config.checkpoints.checkpoint_every,
+                eval_clients=config.evaluation.eval_clients,
+                stop_on_divergence=config.schedule.stop_on_divergence,
                 on_resume=on_resume,
                 # A large store is memory-mapped here (unlinked files).
                 spill_dir=out,
@@ -391,25 +391,25 @@ def run_experiment(
                 result = decentralized.run(
                     process,
                     spec.client_ids,
-                    intervals=config.rounds,
+                    intervals=config.schedule.rounds,
                     seed=config.seed,
-                    eval_every=config.eval_every,
+                    eval_every=config.evaluation.eval_every,
                     **config.settings.loop_arguments(),
                     **loop,
                 )
             else:
-                dp = config.privacy(spec.num_clients)
+                dp = config.dp_mechanism(spec.num_clients)
                 result = training_loop.run(
                     process,
                     spec.client_ids,
-                    rounds=config.rounds,
-                    client_fraction=config.client_fraction,
+                    rounds=config.schedule.rounds,
+                    client_fraction=config.schedule.client_fraction,
                     seed=config.seed,
-                    eval_every=config.eval_every,
+                    eval_every=config.evaluation.eval_every,
                     # Split over several workers, the round keeps client
                     # states on the devices (TFF's mergeable context returns
                     # nothing CLIENTS-placed from before the aggregation).
-                    device_state_dir=os.path.join(out, 'client_states') if len(config.workers) > 1 else None,
+                    device_state_dir=os.path.join(out, 'client_states') if len(config.runtime.workers) > 1 else None,
                     # DP accounting assumes Poisson sampling of the clients.
                     poisson_sampling=config.poisson_sampling(),
                     privacy=None if dp is None else _epsilon_column(dp, config, spec.num_clients),

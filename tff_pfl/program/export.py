@@ -158,8 +158,8 @@ def _aggregation(config, process) -> collections.OrderedDict:
     """How the uploads reach the server: DP, secure sums, and each phase's CLIENTS-to-SERVER intrinsics."""
     phases = process.device.phases if process.device is not None else {'next': process.next}
     return collections.OrderedDict(
-        dp=config.dp_noise_multiplier is not None,
-        secure_aggregation=config.secure_aggregation,
+        dp=config.privacy.dp_noise_multiplier is not None,
+        secure_aggregation=config.privacy.secure_aggregation,
         phases=collections.OrderedDict(
             (phase, sorted(audit.clients_to_server_intrinsics(comp))) for phase, comp in phases.items()
         ),

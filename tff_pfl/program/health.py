@@ -83,23 +83,24 @@ def smoothing_weight(config) -> float | None:
     value = getattr(config.settings, 'selffl_smoothing', None)
     if value is None:
         return None
-    return value or config.client_fraction
+    return value or config.schedule.client_fraction
 
 
 def _server_step_warnings(config) -> list[str]:
     found = []
+    rounds = config.schedule.rounds
     w = smoothing_weight(config)
     if w is not None:
-        share = share_moved(w, config.rounds)
+        share = share_moved(w, rounds)
         if share < MIN_SHARE_MOVED:
             source = (
                 f'selffl_smoothing {config.settings.selffl_smoothing:g}'
                 if config.settings.selffl_smoothing
-                else f'selffl_smoothing 0 = the activity rate client_fraction {config.client_fraction:g}'
+                else f'selffl_smoothing 0 = the activity rate client_fraction {config.schedule.client_fraction:g}'
             )
             found.append(
                 f"selffl_smoothing: the global model moves by w = {w:g} ({source}) of each round's estimate, "
-                f'1 - (1 - w)^{config.rounds} = {100 * share:.3g} % of the way in {config.rounds} rounds '
+                f'1 - (1 - w)^{rounds} = {100 * share:.3g} % of the way in {rounds} rounds '
                 f'(below {100 * MIN_SHARE_MOVED:g} %): it will barely move; set selffl_smoothing, e.g. 1 '
                 "(the round's estimate as it is)"
             )
@@ -107,11 +108,11 @@ def _server_step_warnings(config) -> list[str]:
         value = getattr(config.settings, name, None)
         if value is None:
             continue
-        share = share_moved(value, config.rounds)
+        share = share_moved(value, rounds)
         if share < MIN_SHARE_MOVED:
             found.append(
                 f'{name} {value:g}: the global model moves by {value:g} x {what} per round, '
-                f'1 - (1 - {value:g})^{config.rounds} = {100 * share:.3g} % of the way in {config.rounds} rounds '
+                f'1 - (1 - {value:g})^{rounds} = {100 * share:.3g} % of the way in {rounds} rounds '
                 f'(below {100 * MIN_SHARE_MOVED:g} %): it will barely move; raise {name}'
             )
     return found
@@ -150,7 +151,7 @@ def dp_noise_ratio(config, upload: algorithm.Upload) -> float:
     Returns:
       The ratio (0 without noise).
     """
-    z = float(config.dp_noise_multiplier or 0.0)
+    z = float(config.privacy.dp_noise_multiplier or 0.0)
     d, n = float(upload.dimension), float(upload.clients)
     modes = algorithms.get(config.algorithm).privacy
     if modes.local:
@@ -159,14 +160,15 @@ def dp_noise_ratio(config, upload: algorithm.Upload) -> float:
 
 
 def _dp_warnings(config, uploads: Sequence[algorithm.Upload] | None) -> list[str]:
-    if config.dp_noise_multiplier is None or not config.dp_noise_multiplier > 0 or not uploads:
+    z = config.privacy.dp_noise_multiplier
+    if z is None or not z > 0 or not uploads:
         return []
     ratio, worst = max((dp_noise_ratio(config, u), u) for u in uploads)
     if ratio <= 1.0:
         return []
     what = f' ({worst.label})' if worst.label else ''
     return [
-        f"dp_noise_multiplier {config.dp_noise_multiplier:g}: the DP noise on the mean of a round's uploads{what} "
+        f"dp_noise_multiplier {z:g}: the DP noise on the mean of a round's uploads{what} "
         f'has {ratio:.3g} x the norm of the clip, the largest norm that mean can carry (d = {worst.dimension:,} '
         f'coordinates, n = {worst.clients:g} expected clients per round): the model follows the noise; lower '
         'dp_noise_multiplier or average more clients (client_fraction, num_clients)'
@@ -201,13 +203,13 @@ def dp_uploads(config, spec, process) -> list[algorithm.Upload]:
       the run's model's parameters over client_fraction x N clients (FedPer counts its whole
       model, an upper bound).
     """
-    if config.dp_noise_multiplier is None:
+    if config.privacy.dp_noise_multiplier is None:
         return []
     declared = algorithms.get(config.algorithm).privacy.dp_uploads
     if declared is not None:
-        return declared(config.settings, spec, process, config.client_fraction)
+        return declared(config.settings, spec, process, config.schedule.client_fraction)
     dimension = models.parameter_count(config.model_name(), spec.feature_shape, spec.num_classes)
-    return [algorithm.Upload(dimension, config.client_fraction * spec.num_clients)]
+    return [algorithm.Upload(dimension, config.schedule.client_fraction * spec.num_clients)]
 
 
 def stall_margin(num_classes: int) -> float:

@@ -146,7 +146,7 @@ def privacy_lines(config, num_clients: int, rounds) -> list[str]:
     Returns:
       Lines of markdown, starting with an empty one.
     """
-    dp = config.privacy(num_clients)
+    dp = config.dp_mechanism(num_clients)
     if dp is None:
         return []
     clipping = (
@@ -155,8 +155,8 @@ def privacy_lines(config, num_clients: int, rounds) -> list[str]:
         else (f'adaptive clip towards the {dp.target_quantile:g} quantile of upload norms (from {dp.initial_clip:g})')
     )
     sampling = (
-        f'Poisson sampling of clients with q = {config.client_fraction:g}'
-        if config.client_fraction < 1
+        f'Poisson sampling of clients with q = {config.schedule.client_fraction:g}'
+        if config.schedule.client_fraction < 1
         else 'every client in every round'
     )
     spent = rounds[-1].get('dp_epsilon', float('nan')) if rounds else float('nan')
@@ -171,7 +171,7 @@ def privacy_lines(config, num_clients: int, rounds) -> list[str]:
         '',
         f'User-level DP ({entry.privacy.uploads}): noise multiplier '
         f'{dp.noise_multiplier:g}, {clipping}, {sampling}; {where}. epsilon = {spent:.4g} at delta = '
-        f'{config.dp_delta_for(num_clients):.3g} after {len(rounds)} rounds (RDP accountant; docs/privacy.md).',
+        f'{config.privacy.delta_for(num_clients):.3g} after {len(rounds)} rounds (RDP accountant; docs/privacy.md).',
     ]
 
 
@@ -226,10 +226,10 @@ def render_report(config, spec, result, extra_plots=()) -> str:
     last = result.rounds[-1]
     seconds = [row['round_seconds'] for row in result.rounds]
     lines = [
-        f'# {config.algorithm} on {config.dataset}',
+        f'# {config.algorithm} on {config.data.dataset}',
         '',
-        f'{spec.num_clients} clients, partition `{config.partition}`, model `{config.model_name()}`, '
-        f'{config.rounds} rounds, client fraction {config.client_fraction}, seed {config.seed}.',
+        f'{spec.num_clients} clients, partition `{config.data.partition.name}`, model `{config.model_name()}`, '
+        f'{config.schedule.rounds} rounds, client fraction {config.schedule.client_fraction}, seed {config.seed}.',
         f'Median round time {sorted(seconds)[len(seconds) // 2]:.3f} s; final train loss '
         f'{last.get("train_loss", float("nan")):.4f}.',
         *divergence_lines(result),
