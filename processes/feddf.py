@@ -357,8 +357,6 @@ def build_feddf_process(
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
         return updated[0], building_blocks.with_server_metrics(metrics, updated[1])
 
-    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
-
     def finish(state, local):
         """Aggregation and server step (federated code)."""
         if dp is not None:
@@ -370,17 +368,11 @@ def build_feddf_process(
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
         return updated[0], building_blocks.with_server_metrics(metrics, updated[1])
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        prototypes = tff.federated_broadcast(state.prototypes)
-        round_num = tff.federated_broadcast(state.round_num)
-        local = tff.federated_map(client_stage, (prototypes, round_num, client_states))
-        new_state, metrics = finish(state, local)
-        return template.RoundOutput(new_state, local.client_state, metrics)
-
+    # The round, written once: `next` in process and the device form are both made from it.
     broadcast, client_step = device_state.field_and_round(
         server_state_type.member, 'prototypes', client_stage, client_state_type
     )
+    phases = [device_state.Phase('next', broadcast, client_step, finish)]
 
     @tff.tensorflow.computation(server_state_type.member, client_state_type)
     def evaluate_client(state, client_state):
@@ -409,6 +401,8 @@ def build_feddf_process(
             result['personalized_model'] = archs.dispatch(architecture, prototype, finetune_and_evaluate)
         return result
 
+    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
+
     @tff.federated_computation(server_state_type, client_states_type)
     def evaluate(state, client_states):
         return tff.federated_map(evaluate_client, (tff.federated_broadcast(state), client_states))
@@ -420,14 +414,14 @@ def build_feddf_process(
     device = device_state.build_device_process(
         initialize,
         initial_client_state,
-        phases=[device_state.Phase('next', broadcast, client_step, finish)],
+        phases=phases,
         evaluate_input=whole_state,
         evaluate_client=evaluate_client,
     )
     parameter_bytes = float(np.mean([archs.sizes[i] for i in arch_ids])) * 4
     return template.PersonalizedProcess(
         initialize,
-        next_fn,
+        device_state.next_from_phases(server_state_type, client_state_type, phases),
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         device=device,

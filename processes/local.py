@@ -121,7 +121,6 @@ def build_local_process(
 
     initialize = building_blocks.server_initialize(server_init)
     server_state_type = initialize.type_signature.result
-    client_states_type = tff.FederatedType(client_state_type, tff.CLIENTS)
 
     @tff.tensorflow.computation(server_state_type.member)
     def advance(state):
@@ -132,12 +131,8 @@ def build_local_process(
     def finish(state, outputs):
         return tff.federated_map(advance, state), building_blocks.aggregate_training_metrics(outputs.metric_sums)
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        round_num = tff.federated_broadcast(state.round_num)
-        outputs = tff.federated_map(client_work, (round_num, client_states))
-        new_state, metrics = finish(state, outputs)
-        return template.RoundOutput(new_state, outputs.client_state, metrics)
+    # The round, written once: `next` in process and the device form are both made from it.
+    phases = [device_state.Phase('next', round_of, client_work, finish)]
 
     @tff.tensorflow.computation(client_state_type)
     def evaluate_client(client_state):
@@ -148,14 +143,14 @@ def build_local_process(
     device = device_state.build_device_process(
         initialize,
         initial_client_state,
-        phases=[device_state.Phase('next', round_of, client_work, finish)],
+        phases=phases,
         evaluate_input=round_of,
         evaluate_client=building_blocks.build_evaluation_at(evaluate_client),
     )
     evaluate = building_blocks.build_client_states_evaluation(server_state_type, evaluate_client)
     return template.PersonalizedProcess(
         initialize,
-        next_fn,
+        device_state.next_from_phases(server_state_type, client_state_type, phases),
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         device=device,

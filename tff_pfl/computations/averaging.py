@@ -109,9 +109,11 @@ def build_averaging_process(
       optimizer_state, aggregator_state, round_num>` and whose metrics are
       `<train_loss, train_accuracy, num_examples, num_clients, ...>` plus the
       client means of any extra metric sums and the aggregator's
-      measurements (`aggregator`). Its `device` form
-      (`device_state.build_device_process`) runs the same round with the
-      client states kept on the devices.
+      measurements (`aggregator`). Its `next`
+      (`device_state.next_from_phases`) and its `device` form
+      (`device_state.build_device_process`) are both made from the one
+      phase of the round; the device form keeps the client states on the
+      devices.
 
     Raises:
       TypeError: if `personalize_builder` was not made by
@@ -208,12 +210,8 @@ def build_averaging_process(
         )
         return new_state, building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
 
-    @tff.federated_computation(server_state_type, client_states_type)
-    def next_fn(state, client_states):
-        broadcast = tff.federated_broadcast(tff.federated_map(server_broadcast, state))
-        outputs = tff.federated_map(client_step, (broadcast, client_states))
-        new_state, metrics = finish(state, outputs)
-        return template.RoundOutput(new_state, outputs.client_state, metrics)
+    # The round, written once: `next` in process and the device form are both made from it.
+    phases = [device_state.Phase('next', server_broadcast, client_step, finish)]
 
     @tff.federated_computation(server_state_type, client_states_type)
     def evaluate(state, client_states):
@@ -241,7 +239,7 @@ def build_averaging_process(
     device = device_state.build_device_process(
         initialize,
         initial_client_state,
-        phases=[device_state.Phase('next', server_broadcast, client_step, finish)],
+        phases=phases,
         evaluate_input=evaluate_input,
         evaluate_client=evaluate_client,
         personalize_input=personalize_input,
@@ -250,7 +248,7 @@ def build_averaging_process(
 
     return template.PersonalizedProcess(
         initialize,
-        next_fn,
+        device_state.next_from_phases(server_state_type, client_state_type, phases),
         initial_client_state=initial_client_state,
         evaluate=evaluate,
         personalize=personalize,

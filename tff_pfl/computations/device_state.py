@@ -276,13 +276,15 @@ def _with_device_arg(body, leading_types):
     raise ValueError(f'one or two arguments before the device input, got {len(leading_types)}')
 
 
-# One aggregation stage of a device-form round:
+# One aggregation stage of a round, of which both the device form
+# (`build_device_process`) and the in-process `next` (`next_from_phases`) are made:
 #   name: e.g. 'next' (the whole round) or 'share' / 'distill';
 #   broadcast: `S_in -> B`, what the phase sends to every client;
 #   client_step: `(B, C) -> <..., client_state=C>`, one client's work;
 #   finish: `(state, outputs) -> (new_state, metrics)`, federated code: the
 #     aggregation and server step from the SERVER-placed `S_in` and the
-#     CLIENTS-placed outputs of `client_step` (without `client_state`).
+#     CLIENTS-placed outputs of `client_step` (on devices without
+#     `client_state`, which the device writes to its file).
 Phase = collections.namedtuple('Phase', ['name', 'broadcast', 'client_step', 'finish'])
 
 
@@ -354,6 +356,62 @@ def build_device_process(
 
         client_computations['client_personalize'] = personalize_work
     return template.DeviceProcess(initialize, built, device_evaluate, device_personalize, client_computations)
+
+
+def next_from_phases(server_state_type: tff.Type, client_state_type: tff.Type, phases: Sequence[Phase]):
+    """The in-process `next` of the round the `phases` describe: one round written once, in two forms.
+
+    The same phases give `build_device_process` its device form; here the
+    client states are federated values, passed in and out. For each phase,
+    in order: its `broadcast` of the SERVER state goes to every client, its
+    `client_step` maps over `(that value, client state)`, and its `finish`
+    makes the new server state and the phase's metrics from the state and
+    the clients' outputs; the outputs' `client_state` is the clients' state
+    from then on.
+
+    Args:
+      server_state_type: `S`, the server state type, placed at SERVER (the
+        result of `initialize`) or not placed.
+      client_state_type: `C`, one client's state (not placed).
+      phases: the round's aggregation stages, in order (`Phase`), each from
+        `S` to `S`.
+
+    Returns:
+      A `tff.federated_computation` `(S@SERVER, {C}@CLIENTS) ->
+      template.RoundOutput(state=S@SERVER, client_states={C}@CLIENTS,
+      metrics=M@SERVER)`. With one phase, `M` is that phase's metrics; with
+      several, one struct of every phase's metric fields, a later phase's
+      field replacing an earlier one of the same name (as
+      `run_round` merges them).
+
+    Raises:
+      ValueError: if `phases` is empty.
+    """
+    from tff_pfl.computations import template  # template documents this module's types
+
+    if not phases:
+        raise ValueError('next_from_phases needs at least one phase')
+    if not isinstance(server_state_type, tff.FederatedType):
+        server_state_type = tff.FederatedType(server_state_type, tff.SERVER)
+
+    @tff.federated_computation(server_state_type, tff.FederatedType(client_state_type, tff.CLIENTS))
+    def next_fn(state, client_states):
+        every_metrics = []
+        for phase in phases:
+            value = tff.federated_broadcast(tff.federated_map(phase.broadcast, state))
+            outputs = tff.federated_map(phase.client_step, (value, client_states))
+            state, metrics = phase.finish(state, outputs)
+            client_states = outputs.client_state
+            every_metrics.append(metrics)
+        if len(every_metrics) == 1:
+            return template.RoundOutput(state, client_states, every_metrics[0])
+        merged = collections.OrderedDict()
+        for metrics in every_metrics:
+            for name, _ in tff.structure.iter_elements(metrics.type_signature.member):
+                merged[name] = metrics[name]
+        return template.RoundOutput(state, client_states, tff.federated_zip(merged))
+
+    return next_fn
 
 
 def _device_phase(state_type, devices_type, phase, work):
