@@ -40,8 +40,8 @@ the full-participation round, bit for bit.
 Settings: `KTpFLSettings` (Algorithm 1 and its Table 1 baselines); the
 defaults are the paper's Appendix B.2 (docs/algorithms/ktpfl.md,
 "Settings"). The homogeneous variant (Appendix C) is `processes.ktpfl_homo`;
-what the two share (the coefficient matrix, the round's two forms, local DP)
-is `processes.ktpfl_rounds`.
+what the two share is `processes.ktpfl_coefficients` (the coefficient
+matrix) and `processes.ktpfl_rounds` (the round's two forms, local DP).
 """
 
 import collections
@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ktpfl_rounds
+from processes import ktpfl_coefficients, ktpfl_rounds
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
@@ -93,9 +93,9 @@ class KTpFLSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
     kt_distill_epochs: int = _setting(
         1, "R, each client's distillation passes over the round's public batch (Eq. 6; 0: no distillation)."
     )
-    kt_coefficient_learning_rate: float = _setting(0.01, ktpfl_rounds.COEFFICIENT_LR_HELP)
-    kt_rho: float = _setting(0.6, ktpfl_rounds.RHO_HELP)
-    kt_imitation: float = _setting(1.0, ktpfl_rounds.IMITATION_HELP)
+    kt_coefficient_learning_rate: float = _setting(0.01, ktpfl_coefficients.COEFFICIENT_LR_HELP)
+    kt_rho: float = _setting(0.6, ktpfl_coefficients.RHO_HELP)
+    kt_imitation: float = _setting(1.0, ktpfl_coefficients.IMITATION_HELP)
     kt_c_update: str = _setting(
         'paper',
         "How c is set: paper (Eq. 7), released (the authors' code), or a Table 1 baseline: fedmd (uniform), "
@@ -114,28 +114,28 @@ class KTpFLSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
                 ),
                 (self.kt_top_k >= 1, f'kt_top_k must be >= 1, got {self.kt_top_k}'),
             ]
-            + ktpfl_rounds.coefficient_checks(self)
+            + ktpfl_coefficients.coefficient_checks(self)
         )
 
 
 def mix(coefficients: tf.Tensor, predictions: tf.Tensor, present: tf.Tensor | None = None) -> tf.Tensor:
     """Personalized soft targets: [N, N] x [N, P, C] -> [N, P, C] (row n: client n's).
 
-    Rows of c are normalised by `ktpfl_rounds.mixing_weights`, so that every target is a
+    Rows of c are normalised by `ktpfl_coefficients.mixing_weights`, so that every target is a
     probability distribution.
 
     Args:
       coefficients: c, `[N, N]`.
       predictions: the clients' soft predictions s_m on the public batch,
         `[N, P, C]`.
-      present: optional `[N]` ktpfl_rounds.presence vector (see `ktpfl_rounds.mixing_weights`): the
+      present: optional `[N]` ktpfl_rounds.presence vector (see `ktpfl_coefficients.mixing_weights`): the
         targets mix this round's clients only, and the rows of absent
         clients are zero (no target is formed for them).
 
     Returns:
       `[N, P, C]`, row n being client n's target sum_m c[n, m] s_m.
     """
-    targets = tf.einsum('nm,mpc->npc', ktpfl_rounds.mixing_weights(coefficients, present), predictions)
+    targets = tf.einsum('nm,mpc->npc', ktpfl_coefficients.mixing_weights(coefficients, present), predictions)
     if present is not None:
         targets = targets * present[:, tf.newaxis, tf.newaxis]
     return targets
@@ -165,7 +165,7 @@ def paper_objective(coefficients, predictions, weights, rho, imitation, present=
     targets = mix(coefficients, predictions, present)
     log_ratio = tf.math.log(tf.maximum(targets, 1e-8)) - tf.math.log(tf.maximum(predictions, 1e-8))
     kl = tf.reduce_mean(tf.reduce_sum(targets * log_ratio, axis=-1), axis=-1)  # [N]
-    return ktpfl_rounds.regularised(coefficients, kl, weights, rho, imitation, present)
+    return ktpfl_coefficients.regularised(coefficients, kl, weights, rho, imitation, present)
 
 
 def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imitation, present=None):
@@ -185,7 +185,7 @@ def paper_update(coefficients, predictions, weights, *, learning_rate, rho, imit
     Returns:
       The new c, `[N, N]`.
     """
-    return ktpfl_rounds.clipped_step(
+    return ktpfl_coefficients.clipped_step(
         lambda c: paper_objective(c, predictions, weights, rho, imitation, present),
         coefficients,
         learning_rate,
@@ -202,7 +202,7 @@ def released_update(coefficients, predictions, *, learning_rate, penalty=0.7, sh
 
     Args:
       coefficients: c, `[N, N]`; mixed with as is (not through
-        `ktpfl_rounds.mixing_weights`).
+        `ktpfl_coefficients.mixing_weights`).
       predictions: the clients' soft predictions, `[N, P, C]`.
       learning_rate: the step size.
       penalty: the weight of the pull towards 1/N.
@@ -462,7 +462,7 @@ def build_ktpfl_process(
                     state['coefficients'], predictions, learning_rate=settings.kt_coefficient_learning_rate
                 )
         else:  # the baselines' c is not learned; keep this round's block for reports
-            coefficients = ktpfl_rounds.within_block(
+            coefficients = ktpfl_coefficients.within_block(
                 coefficients_for(state, predictions), state['coefficients'], present
             )
         return collections.OrderedDict(coefficients=coefficients, round_num=state['round_num'] + 1)

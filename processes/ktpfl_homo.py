@@ -4,8 +4,9 @@ Zhang et al., "Parameterized Knowledge Transfer for Personalized Federated
 Learning" (NeurIPS 2021), Appendix C: every client trains the same model; it
 uploads its parameters, the server sends client n the mix u_n = sum_m c[n, m]
 w_m, the client takes a transfer step towards u_n (`parameter_distance`,
-L_dis), and the server updates c on Eq. 11's objective. The round, the
-coefficient matrix and local DP are the family's (`processes.ktpfl_rounds`).
+L_dis), and the server updates c on Eq. 11's objective. The round and local
+DP (`processes.ktpfl_rounds`) and the coefficient matrix
+(`processes.ktpfl_coefficients`) are the family's.
 
 Settings: `KTpFLHomoSettings`; defaults from the paper's Appendix B.2
 (docs/algorithms/ktpfl.md, "Settings").
@@ -18,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ktpfl_rounds
+from processes import ktpfl_coefficients, ktpfl_rounds
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
@@ -53,9 +54,9 @@ class KTpFLHomoSettings(settings_lib.LocalTraining):
     kt_transfer_learning_rate: float = _setting(
         0.01, 'eta_2, the step size of the transfer towards u_n (Eq. 10; 1 with R = 1: adopt u_n).'
     )
-    kt_coefficient_learning_rate: float = _setting(0.005, ktpfl_rounds.COEFFICIENT_LR_HELP)
-    kt_rho: float = _setting(0.6, ktpfl_rounds.RHO_HELP)
-    kt_imitation: float = _setting(1.0, ktpfl_rounds.IMITATION_HELP)
+    kt_coefficient_learning_rate: float = _setting(0.005, ktpfl_coefficients.COEFFICIENT_LR_HELP)
+    kt_rho: float = _setting(0.6, ktpfl_coefficients.RHO_HELP)
+    kt_imitation: float = _setting(1.0, ktpfl_coefficients.IMITATION_HELP)
 
     def _checks(self):
         return (
@@ -67,7 +68,7 @@ class KTpFLHomoSettings(settings_lib.LocalTraining):
                     f'kt_transfer_learning_rate must be >= 0, got {self.kt_transfer_learning_rate}',
                 ),
             ]
-            + ktpfl_rounds.coefficient_checks(self)
+            + ktpfl_coefficients.coefficient_checks(self)
         )
 
 
@@ -88,7 +89,7 @@ def personalized_parameters(coefficients: tf.Tensor, params: tf.Tensor, ids: tf.
     """Appendix C's personalized models u_n = sum_m c[n, m] w_m, rows of c normalised.
 
     With `ids`, the round's clients S only: u_n for n in S mixes the models
-    of S (row n of c restricted to S's columns, renormalised: `ktpfl_rounds.mixing_weights`
+    of S (row n of c restricted to S's columns, renormalised: `ktpfl_coefficients.mixing_weights`
     with S's ktpfl_rounds.presence). The models come as S's rows, `[K, D]`, so nothing
     of size N x D is formed: the server of a sampled round holds K models.
 
@@ -103,10 +104,10 @@ def personalized_parameters(coefficients: tf.Tensor, params: tf.Tensor, ids: tf.
       `[K, D]`, row k being u of client `ids[k]` (zero for an empty row).
     """
     if ids is None:
-        return tf.matmul(ktpfl_rounds.mixing_weights(coefficients), params)
+        return tf.matmul(ktpfl_coefficients.mixing_weights(coefficients), params)
     valid = tf.cast(ids >= 0, coefficients.dtype)
     rows = tf.maximum(ids, 0)
-    weights = ktpfl_rounds.mixing_weights(coefficients, ktpfl_rounds.presence(ids, coefficients.shape[0]))
+    weights = ktpfl_coefficients.mixing_weights(coefficients, ktpfl_rounds.presence(ids, coefficients.shape[0]))
     # S x S block of the weights, in the order of `ids`; empty rows and columns are zero.
     block = tf.gather(tf.gather(weights, rows), rows, axis=1) * valid[:, tf.newaxis] * valid[tf.newaxis, :]
     return tf.matmul(block, params) * valid[:, tf.newaxis]
@@ -116,7 +117,7 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation, ids=Non
     """Eq. 11's objective in c (models fixed).
 
     lambda sum_n (D_n/D) L_dis(sum_m c[n, m] w_m, w_n) + rho ||c - 1/N||^2,
-    with the rows of c normalised by `ktpfl_rounds.mixing_weights`; with `ids`,
+    with the rows of c normalised by `ktpfl_coefficients.mixing_weights`; with `ids`,
     restricted to this round's clients as `paper_objective` is.
 
     Args:
@@ -134,9 +135,9 @@ def homogeneous_objective(coefficients, params, weights, rho, imitation, ids=Non
     mixed = personalized_parameters(coefficients, params, ids)
     distances = parameter_distance(mixed, params)
     if ids is None:
-        return ktpfl_rounds.regularised(coefficients, distances, weights, rho, imitation)
+        return ktpfl_coefficients.regularised(coefficients, distances, weights, rho, imitation)
     num_clients = coefficients.shape[0]
-    return ktpfl_rounds.regularised(
+    return ktpfl_coefficients.regularised(
         coefficients,
         ktpfl_rounds.rows_by_client(ids, distances, num_clients),
         weights,
@@ -163,7 +164,7 @@ def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imi
     Returns:
       The new c, `[N, N]`.
     """
-    return ktpfl_rounds.clipped_step(
+    return ktpfl_coefficients.clipped_step(
         lambda c: homogeneous_objective(c, params, weights, rho, imitation, ids),
         coefficients,
         learning_rate,

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ktpfl, ktpfl_homo, ktpfl_rounds
+from processes import ktpfl, ktpfl_coefficients, ktpfl_homo
 from tests import numpy_reference
 from tests.conftest import make_linear_problem
 from tff_pfl import models, settings
@@ -340,7 +340,7 @@ def test_homogeneous_update_is_a_gradient_step_of_eq11():
 
 def test_a_row_of_zeros_keeps_the_clients_own_knowledge():
     c = tf.constant([[0.0, 0.0], [1.0, 3.0]])
-    np.testing.assert_allclose(ktpfl_rounds.mixing_weights(c).numpy(), [[1.0, 0.0], [0.25, 0.75]])
+    np.testing.assert_allclose(ktpfl_coefficients.mixing_weights(c).numpy(), [[1.0, 0.0], [0.25, 0.75]])
 
 
 @pytest.fixture(scope='module')

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 from absl import app, flags
 
-from processes import ktpfl_homo, ktpfl_rounds
+from processes import ktpfl_coefficients, ktpfl_homo
 from tff_pfl import models, reports, runtime
 from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
@@ -129,7 +129,7 @@ def run_one(spec, seed: int, rate: float) -> dict:
 
 def _group_weights(coefficients: np.ndarray) -> tuple[float, float, float]:
     """Mean self, same-group and other-group weight of c's rows as the process mixes them (kt_case1's two halves)."""
-    c = ktpfl_rounds.mixing_weights(tf.constant(coefficients, tf.float32)).numpy()
+    c = ktpfl_coefficients.mixing_weights(tf.constant(coefficients, tf.float32)).numpy()
     n = c.shape[0]
     group = np.arange(n) < (n + 1) // 2
     same = group[:, None] == group[None, :]
