@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
@@ -205,8 +205,8 @@ def build_apfl_process(
 
 def _plots(out, result, process):
     del process
-    client_ids, fields = reports.client_fields(result.client_states, ('alpha',))
-    reports.plot_client_field(
+    client_ids, fields = client_plots.client_fields(result.client_states, ('alpha',))
+    client_plots.plot_client_field(
         out, client_ids, fields['alpha'], 'apfl_alpha.png', 'alpha', 'APFL mixing weight alpha per client', 'alpha'
     )
     return [('APFL alpha per client', 'apfl_alpha.png')]

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, fine_tuning, local_training, model_weights, template
 from tff_pfl.data import client_data
@@ -209,8 +209,8 @@ def build_fedavg_process(
 
 def _finetune_plots(out, result, process):
     del process
-    client_ids, fields = reports.client_fields(result.client_states, ('finetune_epochs',))
-    reports.plot_client_field(
+    client_ids, fields = client_plots.client_fields(result.client_states, ('finetune_epochs',))
+    client_plots.plot_client_field(
         out,
         client_ids,
         fields['finetune_epochs'],

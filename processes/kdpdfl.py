@@ -47,7 +47,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
@@ -624,7 +624,7 @@ def _columns(state):
 def _plots(out, result, process):
     del process
     graph = np.stack([np.asarray(s['connectivity']) for s in result.client_states.values()])
-    reports.plot_client_matrix(
+    client_plots.plot_client_matrix(
         out,
         'collaboration_graph',
         "Collaboration weights w[i, j] (row i: client i's private vector)",

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
     building_blocks,
@@ -575,8 +575,8 @@ def plots(out, result, process):
     """
     client_ids = list(result.client_states)
     architectures = process.extras.get('architectures') or [''] * len(client_ids)
-    labels = [f'{s} {a}'.strip() for s, a in zip(reports.short_ids(client_ids), architectures)]
-    reports.plot_client_matrix(
+    labels = [f'{s} {a}'.strip() for s, a in zip(client_plots.short_ids(client_ids), architectures)]
+    client_plots.plot_client_matrix(
         out,
         'knowledge_coefficients',
         "Knowledge coefficients c[n, m] (row n: client n's mix)",

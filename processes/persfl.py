@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, distillation, local_training, model_weights, template
 from tff_pfl.data import client_data
@@ -314,7 +314,7 @@ def _columns(state):
 
 def _plots(out, result, process):
     # One pass over the client states for every field the plots show (a store's view reads them from disk).
-    client_ids, fields = reports.client_fields(
+    client_ids, fields = client_plots.client_fields(
         result.client_states, ('teacher_round', 'temperature', 'imitation', 'grid_val_accuracy')
     )
     for field, file, label, title, ylabel, kind in (
@@ -336,8 +336,8 @@ def _plots(out, result, process):
             float,
         ),
     ):
-        reports.plot_client_field(out, client_ids, fields[field], file, label, title, ylabel, kind=kind)
-    short = reports.short_ids(client_ids)
+        client_plots.plot_client_field(out, client_ids, fields[field], file, label, title, ylabel, kind=kind)
+    short = client_plots.short_ids(client_ids)
     grid = fields['grid_val_accuracy']
     labels = [f'T={t:g}, λ={lam:g}' for t, lam in process.extras['grid_candidates']]
     reports.plot_heatmap(

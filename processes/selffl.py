@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, reports
+from tff_pfl import algorithm, client_plots, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
     aggregators,
@@ -483,8 +483,8 @@ def _columns(state):
 
 def _plots(out, result, process):
     del process
-    client_ids, fields = reports.client_fields(result.client_states, ('sigma_m_sq', 'local_steps'))
-    short = reports.short_ids(client_ids)
+    client_ids, fields = client_plots.client_fields(result.client_states, ('sigma_m_sq', 'local_steps'))
+    short = client_plots.short_ids(client_ids)
     sigma_m_sq, steps = fields['sigma_m_sq'], fields['local_steps']
     order = sorted(range(len(client_ids)), key=lambda i: float(sigma_m_sq[i]))
     if len(order) > 60:  # a readable sample of clients, spread over the range

@@ -1,4 +1,4 @@
-"""Tests for tff_pfl.reports."""
+"""Tests for tff_pfl.reports and tff_pfl.client_plots."""
 
 import csv
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from matplotlib import pyplot as plt
 
-from tff_pfl import reports
+from tff_pfl import client_plots, reports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,8 +287,8 @@ def test_client_fields_and_plots_of_client_states(tmp_path):
         'client_00002': {'alpha': np.float32(0.25), 'steps': np.int32(3)},
         'client_00010': {'alpha': np.float32(0.75), 'steps': np.int32(5)},
     }
-    ids, fields = reports.client_fields(states, ('alpha', 'steps'))
-    assert ids == ['client_00002', 'client_00010'] and reports.short_ids(ids) == ['00002', '00010']
+    ids, fields = client_plots.client_fields(states, ('alpha', 'steps'))
+    assert ids == ['client_00002', 'client_00010'] and client_plots.short_ids(ids) == ['00002', '00010']
     np.testing.assert_array_equal(fields['alpha'], [0.25, 0.75])
     np.testing.assert_array_equal(fields['steps'], [3, 5])
 
@@ -296,10 +296,12 @@ def test_client_fields_and_plots_of_client_states(tmp_path):
         def fields(self, names):
             return {n: np.array([7.0]) for n in names}
 
-    assert reports.client_fields(View(client_00001=None), ('alpha',))[1]['alpha'].tolist() == [7.0]
-    reports.plot_client_field(str(tmp_path), ids, fields['steps'], 'steps.png', 'steps', 'Steps', 'steps', kind=int)
+    assert client_plots.client_fields(View(client_00001=None), ('alpha',))[1]['alpha'].tolist() == [7.0]
+    client_plots.plot_client_field(
+        str(tmp_path), ids, fields['steps'], 'steps.png', 'steps', 'Steps', 'steps', kind=int
+    )
     assert (tmp_path / 'steps.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    reports.plot_client_matrix(str(tmp_path), 'w', 'W', np.array([[1.0, 0.0], [0.5, 0.5]]), ids)
+    client_plots.plot_client_matrix(str(tmp_path), 'w', 'W', np.array([[1.0, 0.0], [0.5, 0.5]]), ids)
     with open(tmp_path / 'w.csv') as f:
         rows = list(csv.DictReader(f))
     assert rows == [
