@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl.program import checkpoints, client_states, experiment, run_config, training_loop
+from tff_pfl.program import checkpoints, client_states, device_store, experiment, run_config, training_loop
 
 TIMING = {'round_seconds', 'personalize_seconds'}
 
@@ -290,7 +290,7 @@ def test_spilled_chunked_and_resumed_runs_give_the_plain_runs_numbers(
     assert not [f for f in os.listdir(crashed) if f.startswith('client_store_')]
 
 
-@pytest.mark.parametrize('store', [client_states.ClientStateStore, client_states.DeviceStateStore])
+@pytest.mark.parametrize('store', [client_states.ClientStateStore, device_store.DeviceStateStore])
 def test_both_stores_follow_the_one_protocol_the_loops_use(store):
     members = [n for n in vars(client_states.ClientStates) if not n.startswith('_')]
     assert 'nbytes' in client_states.ClientStates.__annotations__ and isinstance(vars(store)['nbytes'], property)

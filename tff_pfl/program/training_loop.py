@@ -17,7 +17,7 @@ import numpy as np
 from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import client_states, health
+from tff_pfl.program import client_states, device_store, health
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -412,7 +412,7 @@ def run(
       on_round: called with each round's metrics row (e.g. to append CSV).
       log: receives one progress line per round.
       device_state_dir: if given, the client states stay on the devices as
-        files in this directory (`client_states.DeviceStateStore`), and the rounds run as
+        files in this directory (`device_store.DeviceStateStore`), and the rounds run as
         the process's `DeviceProcess` (needed to split them over several
         workers); default: the driver keeps them (`client_states.ClientStateStore`).
       checkpoints: where the run's checkpoints live; if it holds one, the
@@ -456,7 +456,7 @@ def run(
     if device_state_dir is None:
         store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     else:
-        store = client_states.DeviceStateStore(process, client_ids, device_state_dir)
+        store = device_store.DeviceStateStore(process, client_ids, device_state_dir)
 
     def one_round(round_num, state):
         sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
