@@ -25,6 +25,8 @@ def test_every_flat_name_lives_in_one_place():
     for name in config_parts.PARTITION_SETTINGS:
         homes.setdefault(name, []).append('partition')
     assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+    every_partition_setting = {n for cls in config_parts.PARTITIONS.values() for n in cls.field_names()}
+    assert set(config_parts.PARTITION_SETTINGS) == every_partition_setting
     assert set(homes) == set(flat)
     assert not set(flat) & algorithms.all_setting_names()
 
@@ -169,6 +171,7 @@ def test_a_config_json_of_the_previous_layout_resumes_as_the_same_configuration(
     flat = json.loads(json.dumps(config.to_dict()))
     own = {k: v for k, v in flat.items() if k in config.settings.field_names()}
     assert {k: v for k, v in flat.items() if k not in own} == written
+    assert [k for k in flat if k not in own] == list(written)  # and in the same order
     assert config.data.partition.params() == {'k': 3}
 
 

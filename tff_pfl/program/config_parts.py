@@ -218,8 +218,17 @@ PARTITIONS = {
         NaturalPartition,
     )
 }
-# Every partition setting's name, in the order of first use.
-PARTITION_SETTINGS = tuple(dict.fromkeys(name for cls in PARTITIONS.values() for name in cls.field_names()))
+# Every partition setting's name, in the order config.json has always written them.
+PARTITION_SETTINGS = (
+    'classes_per_client',
+    'shards_per_client',
+    'dirichlet_alpha',
+    'examples_per_client',
+    'examples_per_class',
+    'base_examples_per_class',
+    'kt_case1_counts',
+    'kd_split_sizes',
+)
 # Settings renamed so that no name means two things: (partition, old name) -> its name now.
 RENAMED = {('shards', 'classes_per_client'): 'shards_per_client'}
 
