@@ -232,7 +232,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
                 if not cell:
                     continue
                 row = (summary or {}).get((partition.name, algorithm.name))
-                dataset = dataset_label(suite.config(partition, algorithm, suite.seeds[0]).dataset)
+                dataset = dataset_label(suite.config(partition, algorithm, suite.seeds[0]).data.dataset)
                 for metric, (paper, _) in cell.items():
                     column, std_column, _ = bench_report.METRICS[metric]
                     entry = dict(
