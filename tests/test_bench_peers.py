@@ -11,7 +11,7 @@ import pytest
 
 from tff_pfl import models
 from tff_pfl.data import client_data
-from tff_pfl.program import experiment
+from tff_pfl.program import config_parts, experiment, run_config
 from tff_pfl_bench import bench_layout, bench_peers, bench_run, bench_suite
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
@@ -282,3 +282,22 @@ def test_a_peer_refuses_more_clients_than_its_marks_hold():
     clients = bench_peers._Clients(types.SimpleNamespace(client_ids=['c0'], num_classes=bench_peers._TEST_MARK), {})
     with pytest.raises(bench_peers.run_config.ConfigError, match=r'at most 1023 classes'):
         bench_peers._check_markable('tff_fed_recon', clients)
+
+
+@pytest.mark.parametrize('partition', ['shards', 'ds1', 'kd_dirichlet'])
+def test_a_peer_takes_every_setting_of_the_data_part_and_of_its_partition(partition):
+    """The data a peer trains on is ours: a partition's own settings are never refused (shards_per_client was)."""
+    cls = config_parts.PARTITIONS[partition]
+    values = {name: {'kd_split_sizes': (5, 9, 3, 4)}.get(name, 3) for name in cls.field_names()}
+    values = {k: 0.5 if k == 'dirichlet_alpha' else v for k, v in values.items()}
+    for name in bench_peers.PEERS:
+        algorithm = bench_peers.PEERS[name].settings_of
+        config = run_config.make_config(
+            output_dir='x',
+            algorithm=algorithm,
+            partition=partition,
+            num_clients=7,
+            split_fractions=(0.5, 0.3, 0.2),
+            **values,
+        )
+        bench_peers.check_config(name, config)

@@ -44,7 +44,7 @@ import tensorflow_federated as tff
 from tff_pfl import losses, models, runtime
 from tff_pfl.computations import audit, model_weights
 from tff_pfl.data import client_data
-from tff_pfl.program import checkpoints, experiment, run_config, training_loop
+from tff_pfl.program import checkpoints, config_parts, experiment, run_config, training_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,31 +81,19 @@ PEERS = {
     ),
 }
 
-# The common settings a peer takes: the data, the model and the run. The others (DP, secure
-# aggregation, remote workers, sampled evaluations, ...) must keep their defaults.
+# The run's settings a peer takes: the data (and every partition's settings), the model and the
+# schedule. The others (DP, secure aggregation, remote workers, sampled evaluations, ...) must keep
+# their defaults.
 COMMON_SETTINGS = (
     'algorithm',
-    'dataset',
-    'data_dir',
-    'download',
-    'partition',
-    'num_clients',
-    'classes_per_client',
-    'dirichlet_alpha',
-    'examples_per_client',
-    'examples_per_class',
-    'base_examples_per_class',
-    'kt_case1_counts',
-    'kd_split_sizes',
-    'split_fractions',
+    *config_parts.DataConfig.field_names(),
+    *config_parts.PARTITION_SETTINGS,
     'model',
     'model_modules',
-    'rounds',
-    'client_fraction',
+    *config_parts.ScheduleConfig.field_names(),
     'eval_every',
     'checkpoint_every',  # a peer checkpoints its model, sampler and rows as our runs do (`_train`)
     'seed',
-    'stop_on_divergence',
     'max_concurrent_clients',
 )
 # Intermediate evaluations (the curve) of FedRecon reconstruct every client's head, one TFF call
