@@ -102,6 +102,13 @@ def migrate(values: dict) -> dict:
 _setting = settings_lib.setting
 
 
+def _partition_type(name: str, where: str = '') -> type:
+    """The settings type of the partition `name`: the one place an unknown partition is refused."""
+    if name not in config_parts.PARTITIONS:
+        raise ConfigError(f'{where}unknown partition {name!r}; known: {", ".join(PARTITIONS)}')
+    return config_parts.PARTITIONS[name]
+
+
 def _partition_setting(name: str) -> tuple[typing.Any, str]:
     """The type and the help line of the partition setting `name` (its help per partition)."""
     users = config_parts.partition_users(name)
@@ -227,9 +234,7 @@ class ExperimentConfig(settings_lib.Settings):
                 raise ConfigError(f'{where}unknown setting {name!r}')
         try:
             partition_name = settings_lib.coerce('partition', values.get('partition', 'natural'), str, where)
-            if partition_name not in config_parts.PARTITIONS:
-                raise ConfigError(f'{where}unknown partition {partition_name!r}; known: {", ".join(PARTITIONS)}')
-            partition_cls = config_parts.PARTITIONS[partition_name]
+            partition_cls = _partition_type(partition_name, where)
             takes = set(partition_cls.field_names())
             stray = [n for n in config_parts.PARTITION_SETTINGS if values.get(n) is not None and n not in takes]
             if stray:
@@ -327,9 +332,7 @@ class ExperimentConfig(settings_lib.Settings):
             top['settings'] = dataclasses.replace(self.settings, **own)
         if partition:
             name = partition.pop('partition', self.data.partition.name)
-            if name not in config_parts.PARTITIONS:
-                raise ConfigError(f'unknown partition {name!r}; known: {", ".join(PARTITIONS)}')
-            current = self.data.partition if name == self.data.partition.name else config_parts.PARTITIONS[name]()
+            current = self.data.partition if name == self.data.partition.name else _partition_type(name)()
             for key in partition:
                 if key not in current.field_names():
                     raise ConfigError(config_parts.stray_line(key, name))
