@@ -1,11 +1,15 @@
 """Rounds on TFF workers someone else runs (`--workers=host:port,...`) equal the local runtime's."""
 
+import asyncio
 import csv
 import os
 import subprocess
+import threading
 
+import numpy as np
 import portpicker
 import pytest
+import tensorflow_federated as tff
 
 from tff_pfl import runtime
 from tff_pfl.program import algorithms, experiment, run_config
@@ -109,3 +113,58 @@ def test_rounds_with_more_than_one_aggregation_are_refused_on_several_workers(al
     ):
         _config(tmp_path / 'out', algorithm, workers=('a:1', 'b:2'), **extra).validate()
     _config(tmp_path / 'out', algorithm, workers=('a:1',), **extra).validate()
+
+
+class _MeetingContext:
+    """A worker's synchronous context whose call returns only once the other worker's call has started."""
+
+    def __init__(self, barrier):
+        self._barrier = barrier
+
+    def invoke(self, comp, arg):
+        del comp
+        self._barrier.wait()
+        return arg
+
+
+def test_workers_compute_their_shares_at_the_same_time():
+    # Each share waits at a barrier for the other one: shares run one after the other never meet there.
+    barrier = threading.Barrier(2, timeout=30)
+    record = runtime.WorkerCalls(2)
+    contexts = [runtime.SyncContextInThread(_MeetingContext(barrier), i, record) for i in range(2)]
+
+    async def both(contexts):
+        return await asyncio.gather(*(context.invoke(None, i) for i, context in enumerate(contexts)))
+
+    assert asyncio.run(both(contexts)) == [0, 1]
+    assert record.calls == [1, 1]
+
+    class Blocking(tff.framework.AsyncContext):
+        """The way TFF's own asynchronous remote context calls a worker: blocking inside the coroutine."""
+
+        def __init__(self, barrier):
+            self._context = _MeetingContext(barrier)
+
+        async def invoke(self, comp, arg):
+            return self._context.invoke(comp, arg)
+
+    blocking = threading.Barrier(2, timeout=2)
+    with pytest.raises(threading.BrokenBarrierError):
+        asyncio.run(both([Blocking(blocking), Blocking(blocking)]))
+
+
+def test_two_workers_each_compute_a_share_of_the_clients(two_workers):
+    @tff.tensorflow.computation(np.float32)
+    def double(x):
+        return x * 2.0
+
+    @tff.federated_computation(tff.FederatedType(np.float32, tff.CLIENTS))
+    def doubled_sum(values):
+        return tff.federated_sum(tff.federated_map(double, values))
+
+    with runtime.RemoteRuntime(two_workers) as remote:
+        assert doubled_sum([1.0, 2.0, 3.0, 4.0]) == pytest.approx(20.0)
+        calls = list(remote.calls.calls)
+    # Both workers ran calls (their halves up to the sum; the merge and what follows on one of them).
+    assert len(calls) == 2 and min(calls) >= 1, calls
+    assert np.isfinite(remote.calls.seconds).all()

@@ -29,6 +29,7 @@ with runtime.local_runtime() as rt:
 ```
 """
 
+import asyncio
 import atexit
 import collections
 import contextlib
@@ -38,6 +39,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import IO
@@ -259,8 +261,8 @@ class ClosingExecutorFactory(tff.framework.ExecutorFactory):
             executor.close()
 
 
-def _execution_context(stub, asynchronous: bool = False):
-    """TFF's synchronous (or asynchronous) execution context on the worker behind `stub`."""
+def _execution_context(stub):
+    """TFF's synchronous execution context on the worker behind `stub`."""
 
     def executor_fn(cardinalities):
         # Computations with no CLIENTS-placed argument (initialize) still
@@ -270,13 +272,85 @@ def _execution_context(stub, asynchronous: bool = False):
         executor.set_cardinalities(cardinalities)
         return executor
 
-    context_class = tff.framework.AsyncExecutionContext if asynchronous else tff.framework.SyncExecutionContext
-    return context_class(
+    return tff.framework.SyncExecutionContext(
         executor_fn=ClosingExecutorFactory(executor_fn),
         compiler_fn=compile_for_worker,
         transform_args=tff.tensorflow.transform_args,
         transform_result=tff.tensorflow.transform_result,
     )
+
+
+class WorkerCalls:
+    """What each worker of a `RemoteRuntime` ran: calls and busy seconds, per worker.
+
+    Attributes:
+        seconds: worker index -> seconds spent in its calls so far.
+        calls: worker index -> number of calls so far.
+    """
+
+    def __init__(self, workers: int):
+        """An empty record.
+
+        Args:
+            workers: number of workers.
+        """
+        self._lock = threading.Lock()
+        self.seconds = [0.0] * workers
+        self.calls = [0] * workers
+
+    def add(self, worker: int, seconds: float) -> None:
+        """Counts one call of `worker` that took `seconds`.
+
+        Args:
+            worker: the worker's index.
+            seconds: how long the call took, from the driver.
+        """
+        with self._lock:
+            self.seconds[worker] += seconds
+            self.calls[worker] += 1
+
+
+class SyncContextInThread(tff.framework.AsyncContext):
+    """One worker's synchronous TFF context, as the asynchronous context TFF's mergeable context needs.
+
+    TFF 0.87's `RemoteExecutor` makes blocking gRPC calls from inside its
+    coroutines, so under TFF's own asynchronous context every call holds the
+    mergeable context's event loop until the worker answers: the workers'
+    shares of a round ran one after the other, never at the same time (a round
+    on two workers took as long as on one). Here each call runs the worker's
+    synchronous context in a thread of its own (`asyncio.to_thread`), so the
+    event loop hands the next worker its share while the first one computes.
+    The mergeable context gives each worker's context one call at a time.
+    """
+
+    def __init__(self, context, index: int, record: WorkerCalls | None = None):
+        """Wraps `context`.
+
+        Args:
+            context: a synchronous TFF context (`tff.framework.SyncContext`) of one worker.
+            index: the worker's index, for `record`.
+            record: optional; receives each call's seconds.
+        """
+        self._context = context
+        self._index = index
+        self._record = record
+
+    async def invoke(self, comp, arg):
+        """Runs `comp(arg)` on the worker, in a thread, without blocking the event loop.
+
+        Args:
+            comp: the computation.
+            arg: its argument, or None.
+
+        Returns:
+            The worker context's result.
+        """
+        start = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._context.invoke, comp, arg)
+        finally:
+            if self._record is not None:
+                self._record.add(self._index, time.monotonic() - start)
 
 
 def parse_worker_address(address: str) -> tuple[str, int]:
@@ -340,12 +414,18 @@ class RemoteRuntime:
     machine; its `--max_concurrent_computation_calls` sets how many client
     computations it runs at once. With one worker the context is TFF's
     synchronous remote context. With several it is TFF's mergeable context:
-    each computation's CLIENTS-placed arguments are split over the workers,
-    each worker runs its clients up to the aggregation, the partial
+    each computation's CLIENTS-placed arguments are split over the workers
+    (as evenly as they divide), the workers run their clients up to the
+    aggregation at the same time (`SyncContextInThread`), the partial
     aggregates are merged here, and the rest runs after the merge. Such
     computations may hold at most one aggregation stage and return nothing
     CLIENTS-placed that depends on work before it. Nothing
     is started or ended here; `close` puts the previous context back.
+
+    Attributes:
+        addresses: the workers' `host:port`.
+        calls: `WorkerCalls`, each worker's calls and busy seconds (with
+            several workers; empty with one).
     """
 
     def __init__(self, addresses, *, ready_timeout: float = 10.0):
@@ -369,11 +449,12 @@ class RemoteRuntime:
         self.addresses = addresses
         self.address = addresses[0]
         stubs = [_wait_until_ready(address, ready_timeout) for address in addresses]
+        self.calls = WorkerCalls(len(stubs))
         if len(stubs) == 1:
             self.context = _execution_context(stubs[0])
         else:
             self.context = tff.backends.native.create_mergeable_comp_execution_context(
-                [_execution_context(stub, asynchronous=True) for stub in stubs]
+                [SyncContextInThread(_execution_context(stub), i, self.calls) for i, stub in enumerate(stubs)]
             )
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
