@@ -75,7 +75,7 @@ PUBLIC = [
         ],
     ),
     ('tff_pfl.program.experiment', ['run_experiment']),
-    ('tff_pfl.runtime', ['local_runtime', 'runtime_for', 'refuse_implicit_runtime']),
+    ('tff_pfl.runtime', ['local_runtime', 'runtime_for', 'refuse_implicit_runtime', 'TlsCredentials', 'check_worker']),
 ]
 
 

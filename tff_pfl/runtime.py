@@ -33,6 +33,7 @@ import asyncio
 import atexit
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -145,9 +146,9 @@ def _worker_command(port: int, max_concurrent_computation_calls: int) -> list[st
 
 
 def _wait_until_ready(
-    address: str, timeout: float, process: subprocess.Popen | None = None
+    address: str, timeout: float, process: subprocess.Popen
 ) -> 'tff.framework.RemoteExecutorGrpcStub':
-    """A stub for the worker at `address`, once it answers.
+    """A stub for the worker we started at `address`, once it answers.
 
     Raises:
         RuntimeStartError: if `process` (the worker we started) exits, or the
@@ -157,14 +158,173 @@ def _wait_until_ready(
     stub = tff.framework.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + timeout
     while not stub.is_ready:
-        if process is not None and process.poll() is not None:
+        if process.poll() is not None:
             raise RuntimeStartError(f'TFF worker exited with code {process.returncode} before it was ready')
         if time.monotonic() > deadline:
-            if process is not None:
-                raise RuntimeStartError(f'TFF worker did not become ready in {timeout:g} s')
-            raise RuntimeStartError(f'no TFF worker answers at {address} (waited {timeout:g} s)')
+            raise RuntimeStartError(f'TFF worker did not become ready in {timeout:g} s')
         time.sleep(0.05)
     return stub
+
+
+class TlsFileError(ValueError):
+    """A TLS file that cannot be used; `which` is 'ca', 'cert' or 'key'."""
+
+    def __init__(self, which: str, path: str, reason: str):
+        """Names the file and what is wrong with it.
+
+        Args:
+            which: 'ca', 'cert' or 'key': the `TlsCredentials.from_files` argument.
+            path: the file's path.
+            reason: what is wrong, without the path.
+        """
+        super().__init__(f'{which} {path} {reason}')
+        self.which, self.path, self.reason = which, path, reason
+
+
+def _read_pem(which: str, path: str, markers: tuple[bytes, ...], what: str) -> bytes:
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except OSError as e:
+        raise TlsFileError(which, path, f'cannot be read: {e.strerror.lower()}') from None
+    if not any(marker in data for marker in markers):
+        raise TlsFileError(which, path, f'is not {what} in PEM form')
+    return data
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsCredentials:
+    """Mutual TLS with remote workers' TLS fronts: the driver's side, as PEM bytes.
+
+    The driver checks the front's certificate against `ca` (and that it names
+    the host it dials) and presents `cert` with its `key`; the front (nginx,
+    deploy/README.md) admits only a client certificate signed by the CA it
+    trusts. Build it with `from_files`.
+
+    Attributes:
+        ca: the CA certificate(s) that signed the workers' certificates.
+        cert: the driver's client certificate (chain).
+        key: the driver's private key, unencrypted (not shown by `repr`).
+    """
+
+    ca: bytes
+    cert: bytes
+    key: bytes = dataclasses.field(repr=False)
+
+    @classmethod
+    def from_files(cls, ca: str, cert: str, key: str) -> 'TlsCredentials':
+        """Reads and checks the three PEM files.
+
+        Args:
+            ca: path of the CA certificate that signed the workers' certificates.
+            cert: path of the driver's client certificate.
+            key: path of the driver's private key (unencrypted: gRPC takes no
+                passphrase).
+
+        Returns:
+            The credentials.
+
+        Raises:
+            TlsFileError: a file that cannot be read, is not PEM of its kind,
+                or a key that does not match the certificate (or is encrypted).
+        """
+        import ssl
+
+        credentials = cls(
+            ca=_read_pem('ca', ca, (b'-----BEGIN CERTIFICATE-----',), 'a certificate'),
+            cert=_read_pem('cert', cert, (b'-----BEGIN CERTIFICATE-----',), 'a certificate'),
+            key=_read_pem('key', key, (b'PRIVATE KEY-----',), 'a private key'),
+        )
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            context.load_verify_locations(cadata=credentials.ca.decode('ascii', 'replace'))
+        except ssl.SSLError as e:
+            raise TlsFileError('ca', ca, f'is not a readable certificate ({e.reason or e})') from None
+        try:
+            context.load_cert_chain(cert, key, password=lambda: b'')
+        except ssl.SSLError as e:
+            raise TlsFileError(
+                'key', key, f'does not match the certificate {cert}, or is encrypted ({e.reason or e})'
+            ) from None
+        return credentials
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """gRPC's credentials for a channel to a TLS front.
+
+        Returns:
+            `grpc.ssl_channel_credentials` of the CA, the key and the certificate.
+        """
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
+# A method no server implements: a gRPC server (the worker) answers it at once with UNIMPLEMENTED,
+# without running anything; a front that refuses the driver answers with its reason.
+_PROBE_METHOD = '/tff_pfl.Probe/Ready'
+_PROBE_CALL_TIMEOUT_S = 2.0
+
+
+def _handshake_failure(details: str) -> str:
+    """The TLS part of gRPC's connection error (from 'Ssl handshake failed'), or ''."""
+    index = details.lower().find('handshake failed')
+    if index < 0:
+        return ''
+    start = details.rfind(': ', 0, index)
+    return details[start + 2 if start >= 0 else index :]
+
+
+def _open_channel(address: str, timeout: float, tls: TlsCredentials | None) -> grpc.Channel:
+    """A channel to a worker someone else runs at `address` (over TLS with `tls`), once it answers.
+
+    One call to a method no server has, repeated until it is answered or
+    `timeout` passes: the worker answers UNIMPLEMENTED, and runs nothing. A
+    front that refuses the driver, or a failed TLS handshake, fails at once
+    with gRPC's reason; a port that refuses connections is tried again.
+
+    Raises:
+        RuntimeStartError: with one line naming `address` and why.
+    """
+    if tls is None:
+        channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+    else:
+        channel = grpc.secure_channel(address, tls.channel_credentials(), _GRPC_OPTIONS)
+    probe = channel.unary_unary(_PROBE_METHOD, request_serializer=bytes, response_deserializer=bytes)
+    deadline = time.monotonic() + timeout
+    last = ''
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            channel.close()
+            if tls is None:
+                raise RuntimeStartError(f'no TFF worker answers at {address} (waited {timeout:g} s)')
+            raise RuntimeStartError(f'no TLS worker answers at {address} (waited {timeout:g} s): {last}')
+        try:
+            probe(b'', timeout=min(remaining, _PROBE_CALL_TIMEOUT_S), wait_for_ready=False)
+            break
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ''
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            break
+        problem = None
+        handshake = _handshake_failure(details)
+        if handshake:
+            problem = f'{address}: the TLS handshake failed: {handshake}'
+        elif 'http1.x server' in details:
+            problem = (
+                f'{address} does not speak plain gRPC (it answers HTTP/1.x): a TLS front? '
+                'give --worker_tls_ca, --worker_tls_cert and --worker_tls_key'
+            )
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            problem = f'{address} refused the driver ({code.name}): {details}'
+        elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            problem = f'{address} does not answer as a TFF worker ({code.name}): {details}'
+        if problem is not None:
+            channel.close()
+            raise RuntimeStartError(problem)
+        last = details
+        time.sleep(0.05)
+    return channel
 
 
 def compile_for_worker(comp):
@@ -372,36 +532,49 @@ def parse_worker_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def check_worker(address: str, timeout: float = 10.0) -> None:
+def check_worker(address: str, timeout: float = 10.0, *, tls: TlsCredentials | None = None) -> None:
     """Raises `RuntimeStartError` unless a TFF worker answers at `address`.
 
+    The worker runs nothing for it: the check calls a method no server has.
+
     Args:
-        address: `host:port` of the worker.
-        timeout: seconds to wait for it to answer.
+        address: `host:port` of the worker (of its TLS front with `tls`).
+        timeout: seconds to wait at most for it to answer.
+        tls: the driver's credentials for mutual TLS with the worker's front;
+            None: plain gRPC.
 
     Raises:
         ValueError: if `address` is not `host:port`.
-        RuntimeStartError: if nothing answers in `timeout` seconds.
+        RuntimeStartError: if nothing answers in `timeout` seconds, or at
+            once when the TLS handshake fails or the front refuses the
+            driver's certificate (one line, with gRPC's reason).
     """
     parse_worker_address(address)
-    _wait_until_ready(address, timeout)
+    _open_channel(address, timeout, tls).close()
 
 
 @contextlib.contextmanager
-def runtime_for(workers=(), **local_kwargs):
+def runtime_for(workers=(), *, tls: TlsCredentials | None = None, **local_kwargs):
     """The runtime of a run: the given remote workers, or a local one we own.
 
     Args:
         workers: `()` for a local worker, else `host:port` of each worker.
+        tls: with `workers`, the driver's mutual-TLS credentials for the
+            workers' TLS fronts; None: plain gRPC.
         **local_kwargs: `LocalRuntime` arguments, used without `workers`.
 
     Yields:
         The open `RemoteRuntime` or `LocalRuntime`; closed on exit.
+
+    Raises:
+        ValueError: `tls` without `workers`.
     """
     if workers:
-        with RemoteRuntime(workers) as remote:
+        with RemoteRuntime(workers, tls=tls) as remote:
             yield remote
     else:
+        if tls is not None:
+            raise ValueError('TLS credentials apply to remote workers: give their addresses')
         with local_runtime(**local_kwargs) as local:
             yield local
 
@@ -422,22 +595,31 @@ class RemoteRuntime:
     CLIENTS-placed that depends on work before it. Nothing
     is started or ended here; `close` puts the previous context back.
 
+    With `tls`, every address is a worker's TLS front (nginx, deploy/README.md)
+    and the driver speaks mutual TLS with it: it checks the front's
+    certificate against `tls.ca` and presents its own. Without, the workers
+    speak plain, unauthenticated gRPC: for loopback only.
+
     Attributes:
         addresses: the workers' `host:port`.
         calls: `WorkerCalls`, each worker's calls and busy seconds (with
             several workers; empty with one).
     """
 
-    def __init__(self, addresses, *, ready_timeout: float = 10.0):
+    def __init__(self, addresses, *, ready_timeout: float = 10.0, tls: TlsCredentials | None = None):
         """Connects to the workers and installs them as TFF's default context.
 
         Args:
             addresses: `host:port` of each running worker (a string for one).
-            ready_timeout: seconds to wait for each worker to answer.
+            ready_timeout: seconds to wait at most for each worker to answer.
+            tls: the driver's mutual-TLS credentials (`TlsCredentials.from_files`);
+                None: plain gRPC.
 
         Raises:
             ValueError: if an address is not `host:port`, or appears twice.
-            RuntimeStartError: if a worker does not answer in `ready_timeout` s.
+            RuntimeStartError: if a worker does not answer in `ready_timeout` s,
+                or at once when its TLS handshake fails or its front refuses
+                the driver's certificate.
         """
         addresses = (addresses,) if isinstance(addresses, str) else tuple(addresses)
         if not addresses:
@@ -448,7 +630,10 @@ class RemoteRuntime:
             raise ValueError(f'worker addresses repeat: {",".join(addresses)}')
         self.addresses = addresses
         self.address = addresses[0]
-        stubs = [_wait_until_ready(address, ready_timeout) for address in addresses]
+        self.tls = tls
+        stubs = [
+            tff.framework.RemoteExecutorGrpcStub(_open_channel(address, ready_timeout, tls)) for address in addresses
+        ]
         self.calls = WorkerCalls(len(stubs))
         if len(stubs) == 1:
             self.context = _execution_context(stubs[0])

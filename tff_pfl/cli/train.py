@@ -14,6 +14,9 @@ import sys
 # CPU-only machine) is not for users of the binary; TF_CPP_MIN_LOG_LEVEL=0
 # brings it back. Errors still surface as Python exceptions.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+# gRPC's C core logs at INFO to stderr (e.g. each failed TLS handshake with a --workers front),
+# beside the one line the binary prints about it; GRPC_VERBOSITY=INFO brings it back.
+os.environ.setdefault('GRPC_VERBOSITY', 'ERROR')
 
 from absl import app, flags, logging
 

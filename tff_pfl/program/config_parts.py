@@ -429,6 +429,10 @@ class PrivacyConfig(settings_lib.Settings):
         return self.dp_delta if self.dp_delta is not None else privacy_lib.default_delta(num_clients)
 
 
+# The mutual-TLS settings of `RuntimeConfig`, in the order of `TlsCredentials.from_files`'s arguments.
+WORKER_TLS_SETTINGS = ('worker_tls_ca', 'worker_tls_cert', 'worker_tls_key')
+
+
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig(settings_lib.Settings):
     """Where the rounds run: a local TFF worker or remote ones, and how many clients at once."""
@@ -439,6 +443,15 @@ class RuntimeConfig(settings_lib.Settings):
         'host:port of each TFF worker_binary to run the rounds on (deploy/README.md); several split every round '
         'over the workers; default: a local one.',
     )
+    worker_tls_ca: str | None = _setting(
+        None,
+        "Mutual TLS with the --workers' TLS fronts (deploy/README.md): PEM file of the CA that signed the "
+        "workers' certificates; with --worker_tls_cert and --worker_tls_key (default: plain gRPC, for loopback).",
+    )
+    worker_tls_cert: str | None = _setting(
+        None, "Mutual TLS: PEM file of the driver's client certificate, signed by the CA the workers' fronts trust."
+    )
+    worker_tls_key: str | None = _setting(None, "Mutual TLS: PEM file of the driver's private key (unencrypted).")
 
     def _checks(self):
         return super()._checks() + [
@@ -447,3 +460,48 @@ class RuntimeConfig(settings_lib.Settings):
                 f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}',
             )
         ]
+
+    def validate(self) -> 'RuntimeConfig':
+        """Checks the settings, and that the TLS files (if any) can be used; returns self.
+
+        Returns:
+          This part.
+
+        Raises:
+          settings.SettingsError: on the first value that cannot run: a TLS
+            setting without the other two or without `workers`, or a TLS file
+            that cannot be read, is not PEM of its kind, or a key that does not
+            match the certificate.
+        """
+        super().validate()
+        self.worker_tls()
+        return self
+
+    def worker_tls(self):
+        """The driver's mutual-TLS credentials for the workers' fronts, read from the files.
+
+        Returns:
+          A `runtime.TlsCredentials`, or None when no TLS setting is given.
+
+        Raises:
+          settings.SettingsError: as `validate`, with one line.
+        """
+        given = [name for name in WORKER_TLS_SETTINGS if getattr(self, name) is not None]
+        if not given:
+            return None
+        if len(given) < len(WORKER_TLS_SETTINGS):
+            missing = [f'--{name}' for name in WORKER_TLS_SETTINGS if name not in given]
+            raise settings_lib.SettingsError(
+                '--worker_tls_ca, --worker_tls_cert and --worker_tls_key go together: '
+                f'{", ".join(f"--{name}" for name in given)} given without {" and ".join(missing)}'
+            )
+        if not self.workers:
+            raise settings_lib.SettingsError(
+                '--worker_tls_ca, --worker_tls_cert and --worker_tls_key apply to remote workers: give --workers'
+            )
+        from tff_pfl import runtime
+
+        try:
+            return runtime.TlsCredentials.from_files(self.worker_tls_ca, self.worker_tls_cert, self.worker_tls_key)
+        except runtime.TlsFileError as e:
+            raise settings_lib.SettingsError(f'--worker_tls_{e.which} {e.path} {e.reason}') from None

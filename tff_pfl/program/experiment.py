@@ -212,10 +212,20 @@ class RunComplete(Exception):
 
 
 # Fields that may differ when a run is resumed: where and how it runs, not what it computes.
-# Where and how a run executes, and what it does on a non-finite loss (a run that has not diverged
-# trains the same rounds either way; a config.json written before that setting resumes too).
+# Where and how a run executes (the workers, and the TLS files the driver reaches them with), and
+# what it does on a non-finite loss (a run that has not diverged trains the same rounds either way;
+# a config.json written before that setting resumes too).
 _RESUMABLE_CHANGES = frozenset(
-    {'output_dir', 'workers', 'max_concurrent_clients', 'checkpoint_every', 'stop_on_divergence'}
+    {
+        'output_dir',
+        'workers',
+        'worker_tls_ca',
+        'worker_tls_cert',
+        'worker_tls_key',
+        'max_concurrent_clients',
+        'checkpoint_every',
+        'stop_on_divergence',
+    }
 )
 
 
@@ -320,9 +330,10 @@ def run_experiment(
             raise RunComplete(f'output_dir {out} already holds this run, finished (report.md)')
     else:
         prepare_output_dir(out, overwrite)
+    tls = config.runtime.worker_tls()  # the files, read once (validate checked them)
     for address in config.runtime.workers:  # before anything is written
         try:
-            runtime.check_worker(address)
+            runtime.check_worker(address, tls=tls)
         except runtime.RuntimeStartError as e:
             raise run_config.ConfigError(f'--workers: {e}') from None
     if saved is not None:
@@ -369,6 +380,7 @@ def run_experiment(
     try:
         with runtime.runtime_for(
             config.runtime.workers,
+            tls=tls,
             max_concurrent_computation_calls=config.runtime.max_concurrent_clients,
             log_path=os.path.join(out, 'worker.log'),
         ):
