@@ -5,10 +5,12 @@ notebooks' markdown; a renamed file, a removed flag or an algorithm without a
 page fails here.
 """
 
+import contextlib
 import json
 import pathlib
 import re
 import shlex
+import subprocess
 
 import pytest
 
@@ -115,7 +117,7 @@ def _train_commands():
                     yield path, args
 
 
-def test_documented_training_commands_are_valid_configurations():
+def test_documented_training_commands_are_valid_configurations(tmp_path):
     from absl import flags
 
     from tff_pfl import models
@@ -124,12 +126,21 @@ def test_documented_training_commands_are_valid_configurations():
     refused = []
     commands = list(_train_commands())
     built_in = set(models.names())
+    # Commands with the driver's TLS files run where deploy/tls/make-certs.sh wrote them (certs/),
+    # as deploy/README.md makes them.
+    subprocess.run(
+        [str(REPO / 'deploy' / 'tls' / 'make-certs.sh'), str(tmp_path / 'certs'), 'localhost'],
+        check=True,
+        capture_output=True,
+    )
     try:
         for path, args in commands:
             flags.FLAGS.unparse_flags()
             flags.FLAGS(['tff-pfl-train', *args])
+            tls = any(a.startswith('--worker_tls_') for a in args)
             try:
-                train.config_from_flags()
+                with contextlib.chdir(tmp_path) if tls else contextlib.nullcontext():
+                    train.config_from_flags()
             except run_config.ConfigError as e:
                 refused.append(f'{path.relative_to(REPO)}: {" ".join(args)}: {e}')
     finally:
