@@ -108,10 +108,19 @@ def front(tmp_path_factory, certs):
     front = Front(tmp_path_factory.mktemp('front'), certs)
     try:
         tls = runtime.TlsCredentials.from_files(*_files(certs).values())
-        try:
-            runtime.check_worker(front.address, timeout=60, tls=tls)
-        except runtime.RuntimeStartError:
-            pytest.fail(f'the worker behind nginx did not come up: {(front.directory / "nginx.log").read_text()}')
+        deadline = time.monotonic() + 60
+        while True:
+            processes = {'nginx': front.nginx, 'worker_binary': front.worker}
+            exited = [f'{name} exited with {p.returncode}' for name, p in processes.items() if p.poll() is not None]
+            try:
+                if exited:
+                    raise runtime.RuntimeStartError(', '.join(exited))
+                runtime.check_worker(front.address, timeout=2, tls=tls)
+                break
+            except runtime.RuntimeStartError as e:
+                if exited or time.monotonic() > deadline:
+                    logs = {name: (front.directory / name).read_text()[-2000:] for name in ('nginx.log', 'worker.log')}
+                    pytest.fail(f'the worker behind nginx did not come up: {e}; {logs}')
         yield front
     finally:
         front.close()
