@@ -75,7 +75,10 @@ PUBLIC = [
         ],
     ),
     ('tff_pfl.program.experiment', ['run_experiment']),
-    ('tff_pfl.runtime', ['local_runtime', 'runtime_for', 'refuse_implicit_runtime', 'TlsCredentials', 'check_worker']),
+    (
+        'tff_pfl.runtime',
+        ['local_runtime', 'runtime_for', 'RemoteRuntime', 'refuse_implicit_runtime', 'TlsCredentials', 'check_worker'],
+    ),
 ]
 
 
