@@ -16,7 +16,6 @@ the two ways' metrics.csv and clients.csv (timing columns aside).
     uv run --locked python benchmarks/worker_tls.py --repeats=3
 """
 
-import csv
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ import subprocess
 import tempfile
 
 import portpicker
+import run_csvs
 from absl import app, flags
 
 from tff_pfl import runtime
@@ -37,7 +37,6 @@ _ROUNDS = flags.DEFINE_integer('rounds', 20, 'FedAvg rounds per run.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/worker_tls', 'Result path prefix (.json, .md).')
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = {'round_seconds', 'personalize_seconds'}
 
 
 def _config(out, workers, tls):
@@ -61,28 +60,6 @@ def _config(out, workers, tls):
             **tls,
         )
     )
-
-
-def _rows(path):
-    with open(path, newline='') as f:
-        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
-
-
-def _max_relative_difference(rows, reference):
-    """Largest |a - b| / |b| over the numeric cells of two CSVs of the same shape."""
-    assert len(rows) == len(reference)
-    worst = 0.0
-    for row, ref in zip(rows, reference):
-        assert row.keys() == ref.keys()
-        for key, value in ref.items():
-            if value != row[key]:
-                worst = max(worst, abs(float(row[key]) - float(value)) / max(abs(float(value)), 1e-12))
-    return worst
-
-
-def _round_seconds(out):
-    with open(os.path.join(out, 'metrics.csv'), newline='') as f:
-        return [float(row['round_seconds']) for row in csv.DictReader(f)]
 
 
 def _start_front(directory, worker_port):
@@ -139,13 +116,13 @@ def main(argv):
                     workers, way_tls = ways[way]
                     out = os.path.join(tmp, f'{way}-{repeat}')
                     experiment.run_experiment(_config(out, workers, way_tls), log=lambda line: None)
-                    rounds = _round_seconds(out)
+                    rounds = run_csvs.round_seconds(out)
                     seconds[way].extend(rounds[1:])  # round 1 includes tracing and warm-up
-                    files = (_rows(os.path.join(out, 'metrics.csv')), _rows(os.path.join(out, 'clients.csv')))
+                    files = run_csvs.run_files(out)
                     if reference is None:
                         reference = files
                     for name, rows, ref in zip(('metrics.csv', 'clients.csv'), files, reference):
-                        difference[name] = max(difference[name], _max_relative_difference(rows, ref))
+                        difference[name] = max(difference[name], run_csvs.max_relative_difference(rows, ref))
                     print(f'{way} repeat {repeat}: median {statistics.median(rounds[1:]):.3f} s/round', flush=True)
     finally:
         for process in (nginx, worker):

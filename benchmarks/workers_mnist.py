@@ -18,7 +18,6 @@ hits them alike.
     uv run python benchmarks/workers_mnist.py --repeats=2
 """
 
-import csv
 import json
 import os
 import platform
@@ -27,6 +26,7 @@ import subprocess
 import tempfile
 
 import portpicker
+import run_csvs
 from absl import app, flags
 
 from tff_pfl import runtime
@@ -50,7 +50,6 @@ JOBS = {
         kt_rho=0.7,
     ),
 }
-TIMING = {'round_seconds', 'personalize_seconds'}
 
 
 def _config(out, algorithm, workers):
@@ -75,29 +74,6 @@ def _config(out, algorithm, workers):
     )
 
 
-def _rows(path):
-    with open(path, newline='') as f:
-        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
-
-
-def _max_relative_difference(rows, reference):
-    """Largest |a - b| / |b| over the numeric cells of two CSVs of the same shape."""
-    assert len(rows) == len(reference)
-    worst = 0.0
-    for row, ref in zip(rows, reference):
-        assert row.keys() == ref.keys()
-        for key, value in ref.items():
-            if value == row[key]:
-                continue
-            worst = max(worst, abs(float(row[key]) - float(value)) / max(abs(float(value)), 1e-12))
-    return worst
-
-
-def _round_seconds(out):
-    with open(os.path.join(out, 'metrics.csv'), newline='') as f:
-        return [float(row['round_seconds']) for row in csv.DictReader(f)]
-
-
 def main(argv):
     del argv
     ports = [portpicker.pick_unused_port() for _ in range(2)]
@@ -120,13 +96,14 @@ def main(argv):
                     for way, way_workers in ways.items():
                         out = os.path.join(tmp, f'{algorithm}-{way.replace(" ", "_")}-{repeat}')
                         experiment.run_experiment(_config(out, algorithm, way_workers), log=lambda line: None)
-                        rounds = _round_seconds(out)
+                        rounds = run_csvs.round_seconds(out)
                         seconds[way].extend(rounds[1:])  # round 1 includes tracing and warm-up
-                        files = (_rows(os.path.join(out, 'metrics.csv')), _rows(os.path.join(out, 'clients.csv')))
+                        files = run_csvs.run_files(out)
                         if reference is None:
                             reference = files
                         for name, rows, ref in zip(('metrics.csv', 'clients.csv'), files, reference):
-                            differences[way][name] = max(differences[way][name], _max_relative_difference(rows, ref))
+                            difference = run_csvs.max_relative_difference(rows, ref)
+                            differences[way][name] = max(differences[way][name], difference)
                         print(
                             f'{algorithm} {way} repeat {repeat}: median {statistics.median(rounds[1:]):.3f} s/round',
                             flush=True,

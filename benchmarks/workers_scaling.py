@@ -42,6 +42,7 @@ import tempfile
 
 import portpicker
 import psutil
+import run_csvs
 from absl import app, flags
 
 from tff_pfl import runtime
@@ -55,7 +56,6 @@ _ROUNDS = flags.DEFINE_integer('rounds', 8, 'Rounds per run; the first two (trac
 _REPEATS = flags.DEFINE_integer('repeats', 2, 'Runs of each way per model.')
 _OUT = flags.DEFINE_string('out', 'benchmarks/results/workers_scaling', 'Result path prefix (.json, .md).')
 
-TIMING = {'round_seconds', 'personalize_seconds'}
 WAYS = ('local', 'one worker', 'two workers')
 
 
@@ -78,20 +78,6 @@ def _config(out, model, workers):
             client_learning_rate=0.05,
         )
     )
-
-
-def _rows(path):
-    with open(path, newline='') as f:
-        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
-
-
-def _max_relative_difference(rows, reference):
-    worst = 0.0
-    for row, ref in zip(rows, reference, strict=True):
-        for key, value in ref.items():
-            if value != row[key]:
-                worst = max(worst, abs(float(row[key]) - float(value)) / max(abs(float(value)), 1e-12))
-    return worst
 
 
 def _connection_bytes(port):
@@ -166,7 +152,7 @@ def main(argv):
                     experiment.run_experiment(_config(out, model, ()), log=lambda line: None)
                 finally:
                     os.sched_setaffinity(0, everywhere)
-                reference = _rows(os.path.join(out, 'metrics.csv')) + _rows(os.path.join(out, 'clients.csv'))
+                reference = sum(run_csvs.run_files(out), [])
                 for repeat in range(_REPEATS.value):
                     order = WAYS if repeat % 2 == 0 else tuple(reversed(WAYS))
                     for way in order:
@@ -179,8 +165,8 @@ def main(argv):
                         # Evaluation runs after the last round and is sampled with it: drop that round.
                         seconds[way].extend(rounds[2:-1])
                         worker_rounds[way].extend(sampler.per_round()[1:-1])
-                        files = _rows(os.path.join(out, 'metrics.csv')) + _rows(os.path.join(out, 'clients.csv'))
-                        difference[way] = max(difference[way], _max_relative_difference(files, reference))
+                        files = sum(run_csvs.run_files(out), [])
+                        difference[way] = max(difference[way], run_csvs.max_relative_difference(files, reference))
                         median = statistics.median(rounds[2:-1])
                         print(f'{model} {way} repeat {repeat}: {median:.3f} s/round', flush=True)
                 local_rows = reference
