@@ -166,7 +166,8 @@ def _no_client_certificate(monkeypatch, certs):
 REFUSED = {
     'no TLS: plain gRPC': (
         None,
-        r' does not speak plain gRPC \(it answers HTTP/1.x\): a TLS front\? give --worker_tls_ca',
+        r' does not speak plain gRPC \(it answers HTTP/1.x\): a TLS front\? give the driver\'s TLS credentials '
+        r'\(RemoteRuntime\(tls=...\); --worker_tls_ca',
         None,
     ),
     'TLS, no client certificate': (

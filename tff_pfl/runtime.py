@@ -312,8 +312,8 @@ def _open_channel(address: str, timeout: float, tls: TlsCredentials | None) -> g
             problem = f'{address}: the TLS handshake failed: {handshake}'
         elif 'http1.x server' in details:
             problem = (
-                f'{address} does not speak plain gRPC (it answers HTTP/1.x): a TLS front? '
-                'give --worker_tls_ca, --worker_tls_cert and --worker_tls_key'
+                f"{address} does not speak plain gRPC (it answers HTTP/1.x): a TLS front? give the driver's "
+                'TLS credentials (RemoteRuntime(tls=...); --worker_tls_ca, --worker_tls_cert and --worker_tls_key)'
             )
         elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             problem = f'{address} refused the driver ({code.name}): {details}'
