@@ -128,16 +128,20 @@ class _MeetingContext:
 
 
 def test_workers_compute_their_shares_at_the_same_time():
-    # Each share waits at a barrier for the other one: shares run one after the other never meet there.
-    barrier = threading.Barrier(2, timeout=30)
-    record = runtime.WorkerCalls(2)
-    contexts = [runtime.SyncContextInThread(_MeetingContext(barrier), i, record) for i in range(2)]
+    # Each share waits at a barrier for the others: shares run one after the other never meet there.
+    # More workers than the event loop's default thread pool holds (min(32, cores + 4)): each has its own thread.
+    workers = min(32, (os.cpu_count() or 1) + 4) + 2
+    barrier = threading.Barrier(workers, timeout=30)
+    record = runtime.WorkerCalls(workers)
+    contexts = [runtime.SyncContextInThread(_MeetingContext(barrier), i, record) for i in range(workers)]
 
     async def both(contexts):
         return await asyncio.gather(*(context.invoke(None, i) for i, context in enumerate(contexts)))
 
-    assert asyncio.run(both(contexts)) == [0, 1]
-    assert record.calls == [1, 1]
+    assert asyncio.run(both(contexts)) == list(range(workers))
+    assert record.calls == [1] * workers
+    for context in contexts:
+        context.close()
 
     class Blocking(tff.framework.AsyncContext):
         """The way TFF's own asynchronous remote context calls a worker: blocking inside the coroutine."""

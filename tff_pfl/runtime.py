@@ -32,6 +32,7 @@ with runtime.local_runtime() as rt:
 import asyncio
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -478,9 +479,12 @@ class SyncContextInThread(tff.framework.AsyncContext):
     mergeable context's event loop until the worker answers: the workers'
     shares of a round ran one after the other, never at the same time (a round
     on two workers took as long as on one). Here each call runs the worker's
-    synchronous context in a thread of its own (`asyncio.to_thread`), so the
-    event loop hands the next worker its share while the first one computes.
-    The mergeable context gives each worker's context one call at a time.
+    synchronous context on a thread of this worker's own, so the event loop
+    hands the next worker its share while the first one computes. The
+    mergeable context gives each worker's context one call at a time, so one
+    thread per worker is enough, and enough for any number of workers (the
+    event loop's shared default pool holds min(32, cores + 4) threads: on two
+    cores, a seventh worker would wait for a thread).
     """
 
     def __init__(self, context, index: int, record: WorkerCalls | None = None):
@@ -494,6 +498,11 @@ class SyncContextInThread(tff.framework.AsyncContext):
         self._context = context
         self._index = index
         self._record = record
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f'tff-worker-{index}')
+
+    def close(self) -> None:
+        """Ends this worker's thread once its call (if any) returns; safe to call twice."""
+        self._thread.shutdown(wait=False)
 
     async def invoke(self, comp, arg):
         """Runs `comp(arg)` on the worker, in a thread, without blocking the event loop.
@@ -507,7 +516,7 @@ class SyncContextInThread(tff.framework.AsyncContext):
         """
         start = time.monotonic()
         try:
-            return await asyncio.to_thread(self._context.invoke, comp, arg)
+            return await asyncio.get_running_loop().run_in_executor(self._thread, self._context.invoke, comp, arg)
         finally:
             if self._record is not None:
                 self._record.add(self._index, time.monotonic() - start)
@@ -634,19 +643,23 @@ class RemoteRuntime:
         stubs = [
             tff.framework.RemoteExecutorGrpcStub(_open_channel(address, ready_timeout, tls)) for address in addresses
         ]
+        self._threaded: list[SyncContextInThread] = []
         self.calls = WorkerCalls(len(stubs))
         if len(stubs) == 1:
             self.context = _execution_context(stubs[0])
         else:
-            self.context = tff.backends.native.create_mergeable_comp_execution_context(
-                [SyncContextInThread(_execution_context(stub), i, self.calls) for i, stub in enumerate(stubs)]
-            )
+            self._threaded = [
+                SyncContextInThread(_execution_context(stub), i, self.calls) for i, stub in enumerate(stubs)
+            ]
+            self.context = tff.backends.native.create_mergeable_comp_execution_context(self._threaded)
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
         _OPEN_RUNTIMES.append(self)
 
     def close(self) -> None:
-        """Puts back the context that was there before; safe to call twice."""
+        """Puts back the context that was there before, and ends the workers' threads; safe to call twice."""
+        for threaded in self._threaded:
+            threaded.close()
         previous, self._previous_context = self._previous_context, None
         if self in _OPEN_RUNTIMES:
             _OPEN_RUNTIMES.remove(self)

@@ -330,7 +330,7 @@ def run_experiment(
             raise RunComplete(f'output_dir {out} already holds this run, finished (report.md)')
     else:
         prepare_output_dir(out, overwrite)
-    tls = config.runtime.worker_tls()  # the files, read once (validate checked them)
+    tls = config.runtime.worker_tls()  # the PEM files (validate checked them); None without TLS
     for address in config.runtime.workers:  # before anything is written
         try:
             runtime.check_worker(address, tls=tls)
