@@ -193,12 +193,14 @@ def test_client_work_alone_is_what_the_map_reduce_work_computes(exports, tmp_pat
     first, second = exported.device_inputs(str(tmp_path / 'a'))[0], exported.device_inputs(str(tmp_path / 'b'))[0]
     os.makedirs(tmp_path / 'a')
     os.makedirs(tmp_path / 'b')
-    weighted_update, weight, metric_sums = form.work(first, broadcast)[0]
-    alone = exported.client_work(broadcast[0], second)  # prepare wraps the broadcast value in a 1-tuple
-    # The form's work also runs the client side of the weighted mean.
+    # The round's one federated sum: the weighted update, the weight and the metric sums together.
+    (sums,) = form.work(first, broadcast)[0]
+    weighted_update, weight, metric_sums = sums['weighted_update'], sums['weight'], sums['metric_sums']
+    alone = exported.client_work(broadcast[0], second)['sums']  # prepare wraps the broadcast value in a 1-tuple
+    # The device weighs its own update (the client side of the weighted mean), as the form's work does.
     assert weight == alone['weight']
-    for product, update in zip(weighted_update, alone['update']):
-        np.testing.assert_array_equal(product, update * alone['weight'])
+    for product, weighted in zip(weighted_update, alone['weighted_update']):
+        np.testing.assert_array_equal(product, weighted)
     _assert_equal(metric_sums, alone['metric_sums'])
     _assert_equal(exported.load_client_state(first), exported.load_client_state(second))
 

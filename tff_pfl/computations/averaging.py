@@ -30,6 +30,34 @@ Aggregator = tff.aggregators.WeightedAggregationFactory | tff.aggregators.Unweig
 PersonalizeBuilder = Callable[[tff.Type, tff.Type], tff.Computation]
 
 
+def weigh(update, weight):
+    """A client's update times its weight: `tff.aggregators.MeanFactory`'s client step (TF code).
+
+    Args:
+      update: a structure of float tensors.
+      weight: a float32 scalar.
+
+    Returns:
+      `update` with every tensor multiplied by `weight`.
+    """
+    return tf.nest.map_structure(lambda x: x * tf.cast(weight, x.dtype), update)
+
+
+@tff.tensorflow.computation
+def divide_by_weight(weighted_sum, weight_sum):
+    """The summed weighted updates over the summed weights: `MeanFactory`'s server step.
+
+    Args:
+      weighted_sum: a structure of float tensors, the sum of `weigh`'s results.
+      weight_sum: the float32 sum of the weights.
+
+    Returns:
+      `weighted_sum` with every tensor divided by `weight_sum` (no guard
+      against a zero sum, as `MeanFactory()`).
+    """
+    return tf.nest.map_structure(lambda x: tf.math.divide(x, tf.cast(weight_sum, x.dtype)), weighted_sum)
+
+
 def broadcast_personalize(client_fn: tff.Computation) -> PersonalizeBuilder:
     """A `personalize` stage that runs `client_fn` on every client from the final global model.
 
@@ -127,6 +155,8 @@ def build_averaging_process(
         raise TypeError(f'PersonalizedProcess declares no output {unknown}; it declares {declarable}')
     if server_optimizer is None:
         server_optimizer = tff.learning.optimizers.build_sgdm(learning_rate=1.0)
+    # The default mean is fused into the round: one `federated_sum` a client (below).
+    fused_mean = model_aggregator is None
     if model_aggregator is None:
         model_aggregator = tff.aggregators.MeanFactory()
     weights_type = model_weights.weights_type(model_fn, shared_indices)
@@ -190,11 +220,35 @@ def build_averaging_process(
     @tff.tensorflow.computation(broadcast_type, client_state_type)
     def client_step(broadcast, client_state):
         if info_fn is None:
-            return client_work(broadcast['model'], broadcast['round_num'], client_state)
-        return client_work(broadcast['model'], broadcast['round_num'], broadcast['info'], client_state)
+            outputs = client_work(broadcast['model'], broadcast['round_num'], client_state)
+        else:
+            outputs = client_work(broadcast['model'], broadcast['round_num'], broadcast['info'], client_state)
+        if not fused_mean:
+            return outputs
+        return collections.OrderedDict(
+            sums=collections.OrderedDict(
+                weighted_update=weigh(outputs['update'], outputs['weight']),
+                weight=outputs['weight'],
+                metric_sums=outputs['metric_sums'],
+            ),
+            client_state=outputs['client_state'],
+        )
 
     def finish(state, outputs):
         """Aggregation, server update and metrics of a round (federated code)."""
+        if fused_mean:
+            totals = tff.federated_sum(outputs.sums)
+            mean = tff.federated_map(divide_by_weight, (totals.weighted_update, totals.weight))
+            updated = tff.federated_map(server_update, (state, mean))
+            new_state = tff.federated_zip(
+                collections.OrderedDict(
+                    model=updated.model,
+                    optimizer_state=updated.optimizer_state,
+                    aggregator_state=state.aggregator_state,  # MeanFactory's: empty
+                    round_num=updated.round_num,
+                )
+            )
+            return new_state, building_blocks.training_metrics(totals.metric_sums)
         if weighted:
             aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
         else:

@@ -102,7 +102,23 @@ def aggregate_training_metrics(client_sums, measurements=None):
       aggregator>@SERVER`: the example-weighted loss and accuracy over every
       example seen in local training, the totals, and the extras.
     """
-    totals = tff.federated_sum(client_sums)
+    return training_metrics(tff.federated_sum(client_sums), measurements)
+
+
+def training_metrics(totals, measurements=None):
+    """Round metrics from the sum of the clients' `training_metric_sums`.
+
+    Must be called inside a `tff.federated_computation`; for a round that
+    sums the metrics together with other client values in one
+    `federated_sum` (`averaging.build_averaging_process`'s default mean).
+
+    Args:
+      totals: `{training_metric_sums}` summed over the clients, at SERVER.
+      measurements: as in `aggregate_training_metrics`.
+
+    Returns:
+      What `aggregate_training_metrics` returns.
+    """
     base = ('loss_sum', 'num_correct', 'num_examples', 'num_clients')
     extra = [name for name, _ in tff.structure.iter_elements(totals.type_signature.member) if name not in base]
 
