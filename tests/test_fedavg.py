@@ -278,6 +278,39 @@ def test_only_aggregates_reach_server(problem):
     assert 'float32[?' not in str(signature) and '*' not in str(signature)
 
 
+def test_the_default_mean_is_meanfactorys_in_one_sum(problem, tff_runtime):
+    # The default (None) fuses the example-weighted mean into the round; an explicit
+    # MeanFactory() is TFF's own. The same float operations in the same order: equal bits.
+    spec, model_fn = problem
+    fused = fedavg.build_fedavg_process(spec, model_fn, SETTINGS, seed=SEED)
+    tffs = fedavg.build_fedavg_process(
+        spec, model_fn, SETTINGS, seed=SEED, model_aggregator=tff.aggregators.MeanFactory()
+    )
+    assert fused.next.type_signature == tffs.next.type_signature
+    # One federated_sum a round (what crosses: the weighted update, the weight, the metric
+    # sums), where MeanFactory's round makes three.
+    sums = [t for uri, t in audit.clients_to_server_values(fused.next) if uri == 'federated_sum']
+    assert len(sums) == 1
+    assert [name for name, _ in tff.structure.iter_elements(sums[0].member)] == [
+        'weighted_update',
+        'weight',
+        'metric_sums',
+    ]
+    assert len([u for u, _ in audit.clients_to_server_values(tffs.next) if u == 'federated_sum']) == 3
+    sampled = [spec.client_ids[0], spec.client_ids[2], spec.client_ids[1]]
+    runs = []
+    for process in (fused, tffs):
+        state, client_states = process.initialize(), [process.initial_client_state(c) for c in sampled]
+        metrics = []
+        for _ in range(3):
+            output = process.next(state, client_states)
+            state, client_states = output.state, output.client_states
+            metrics.append(output.metrics)
+        runs.append((state, client_states, metrics))
+    for got, want in zip(tf.nest.flatten(runs[0]), tf.nest.flatten(runs[1])):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_audit_sees_sums_and_ignores_maps():
     @tff.tensorflow.computation(np.float32)
     def double(v):

@@ -43,9 +43,8 @@ def weigh(update, weight):
     return tf.nest.map_structure(lambda x: x * tf.cast(weight, x.dtype), update)
 
 
-@tff.tensorflow.computation
 def divide_by_weight(weighted_sum, weight_sum):
-    """The summed weighted updates over the summed weights: `MeanFactory`'s server step.
+    """The summed weighted updates over the summed weights: `MeanFactory`'s server step (TF code).
 
     Args:
       weighted_sum: a structure of float tensors, the sum of `weigh`'s results.
@@ -112,10 +111,14 @@ def build_averaging_process(
         (of the global `weights` and of any personalized model it holds).
       server_optimizer: applied to the aggregated update; default SGD with
         learning rate 1.0 (plain averaging).
-      model_aggregator: aggregation of updates; default
-        `tff.aggregators.MeanFactory()`. A weighted factory receives each
-        client's `weight`; an unweighted one (user-level DP,
-        `privacy.DPConfig.factory`) counts every client once.
+      model_aggregator: aggregation of updates. A weighted factory receives
+        each client's `weight`; an unweighted one (user-level DP,
+        `privacy.DPConfig.factory`) counts every client once. Default (None):
+        the example-weighted mean with `tff.aggregators.MeanFactory()`'s
+        arithmetic and state, fused into the round: each client weighs its
+        own update (`weigh`) and one `federated_sum` adds the weighted
+        updates, the weights and the metric sums (docs/runtime.md, "The
+        default mean in one sum").
       personalize_builder: optional; called with the server state type and
         the client state type, returns the process's `personalize`.
       server_info: optional; called with the aggregator state type, returns
@@ -234,11 +237,15 @@ def build_averaging_process(
             client_state=outputs['client_state'],
         )
 
+    @tff.tensorflow.computation(weights_type, np.float32)
+    def mean_update(weighted_sum, weight_sum):
+        return divide_by_weight(weighted_sum, weight_sum)
+
     def finish(state, outputs):
         """Aggregation, server update and metrics of a round (federated code)."""
         if fused_mean:
             totals = tff.federated_sum(outputs.sums)
-            mean = tff.federated_map(divide_by_weight, (totals.weighted_update, totals.weight))
+            mean = tff.federated_map(mean_update, (totals.weighted_update, totals.weight))
             updated = tff.federated_map(server_update, (state, mean))
             new_state = tff.federated_zip(
                 collections.OrderedDict(
