@@ -34,11 +34,12 @@ _AFTER = flags.DEFINE_string('after', '.', 'Checkout of the code after the chang
 _PAIRS = flags.DEFINE_integer('pairs', 6, 'Processes per side, alternating.')
 _BLOCKS = flags.DEFINE_integer('blocks', 6, 'Blocks of 10 rounds per process.')
 _CLIENTS = flags.DEFINE_integer('clients', 10, 'Clients a round (every client, every round).')
-_EXAMPLES = flags.DEFINE_integer('examples', 6000, "Examples a client holds (60 % of them for training).")
+_EXAMPLES = flags.DEFINE_integer('examples', 6000, 'Examples a client holds (60 % of them for training).')
 _MODEL = flags.DEFINE_string('model', 'mnist_dnn', 'mnist_dnn (with the floor) or fedavg_cnn.')
 _MNIST = flags.DEFINE_string('mnist_npz', '../shared/data/mnist.npz', 'MNIST in Keras npz layout.')
 _OUT = flags.DEFINE_string('results', None, 'Result path prefix (.json, .md); none: print only.')
 _CHILD = flags.DEFINE_string('child', None, 'Internal: measure with the project of this checkout.')
+_RENDER = flags.DEFINE_string('render', None, 'Only rewrite the .md of this result .json.')
 
 # A process whose rounds take more than this many times the floor ran in the slow mode.
 SLOW_RATIO = 1.6
@@ -62,7 +63,7 @@ def _measure(tree):
     members = partition.iid(pool.y, _CLIENTS.value, seed=0, examples_per_client=_EXAMPLES.value)
     splits = [partition.split_client(c, pool.y, (0.6, 0.2, 0.2), seed=i) for i, c in enumerate(members)]
     with tempfile.TemporaryDirectory(prefix='round_ab.') as workdir:
-        spec = client_data_writer.write_client_data(workdir, pool.x, pool.y, 10, splits)
+        spec = client_data_writer.write_client_data(os.path.join(workdir, 'data'), pool.x, pool.y, 10, splits)
         model_fn = functools.partial(getattr(models, _MODEL.value), spec.feature_shape, 10)
         settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=32, client_learning_rate=0.1)
         process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=0)
@@ -115,6 +116,12 @@ def _run_child(tree):
     return json.loads(lines[-1][len('MEASURED ') :])
 
 
+def _commit(tree):
+    command = ['git', 'rev-parse', '--short', 'HEAD']
+    done = subprocess.run(command, cwd=tree, capture_output=True, text=True, check=False)
+    return done.stdout.strip() or 'not a git checkout'
+
+
 def _side_summary(rows):
     summary = {'processes': len(rows), 'round_median': statistics.median(r['round'] for r in rows)}
     if rows[0]['floor']:
@@ -130,6 +137,8 @@ def _side_summary(rows):
 
 def _markdown(record):
     has_floor = record['rows'][0]['floor'] > 0
+    # Rounds far above the floor by their workload (tiny clients) have no fast mode to tell apart.
+    modes = has_floor and any(s.get('fast_processes') for s in record['summary'].values())
     lines = [
         '# FedAvg rounds, before and after a change, in fresh processes',
         '',
@@ -144,15 +153,18 @@ def _markdown(record):
         lines.append(
             f'| {i + 1} | {r["side"]} | {r["round"]:.4f} | {floor} | {r["worker_cpu"]:.4f} | {r["driver_cpu"]:.4f} |'
         )
-    lines += ['', '| side | processes | median round s |' + (' median ratio | fast / slow processes |' if has_floor else '')]
-    lines.append('|---|---|---|' + ('---|---|' if has_floor else ''))
+    header = '| side | processes | median round s |' + (' median ratio |' if has_floor else '')
+    header += ' fast / slow processes |' if modes else ''
+    lines += ['', header, '|---|---|---|' + ('---|' if has_floor else '') + ('---|' if modes else '')]
     for side in ('before', 'after'):
         s = record['summary'][side]
-        row = f'| {side} | {s["processes"]} | {s["round_median"]:.4f} |'
+        row = f'| {side} ({record["commits"][side]}) | {s["processes"]} | {s["round_median"]:.4f} |'
         if has_floor:
-            row += f' {s["ratio_median"]:.2f} | {s["fast_processes"]} / {s["slow_processes"]} |'
+            row += f' {s["ratio_median"]:.2f} |'
+        if modes:
+            row += f' {s["fast_processes"]} / {s["slow_processes"]} |'
         lines.append(row)
-    if has_floor:
+    if modes:
         lines += [
             '',
             f'A process is slow when its rounds take more than {SLOW_RATIO}x the floor; fast processes only:',
@@ -172,6 +184,12 @@ def main(argv):
     if _CHILD.value:
         print('MEASURED ' + json.dumps(_measure(_CHILD.value)), flush=True)
         return
+    if _RENDER.value:
+        with open(_RENDER.value) as f:
+            record = json.load(f)
+        with open(_RENDER.value[: -len('.json')] + '.md', 'w') as f:
+            f.write(_markdown(record))
+        return
     if not _BEFORE.value:
         raise app.UsageError('--before: give the checkout of the code before the change')
     trees = {'before': os.path.abspath(_BEFORE.value), 'after': os.path.abspath(_AFTER.value)}
@@ -182,14 +200,18 @@ def main(argv):
             row['ratio'] = row['round'] / row['floor'] if row['floor'] else None
             rows.append(row)
             print(f'{side} {i + 1}/{_PAIRS.value}: round {row["round"]:.4f} s, floor {row["floor"]:.4f} s', flush=True)
+    commits = {side: _commit(tree) for side, tree in trees.items()}
+    command = 'uv run python benchmarks/round_ab.py ' + ' '.join(sys.argv[1:])
+    for side, given in (('before', _BEFORE.value), ('after', _AFTER.value)):
+        command = command.replace(f'--{side}={given}', f'--{side}=<checkout of {commits[side]}>')
     record = {
-        'command': 'uv run python benchmarks/round_ab.py ' + ' '.join(sys.argv[1:]),
+        'command': command,
+        'commits': commits,
         'workload': (
             f'FedAvg, {_MODEL.value}, {_CLIENTS.value} clients x {int(_EXAMPLES.value * 0.6)} MNIST training '
             'examples, batch 32, 1 epoch, 2 concurrent clients'
         ),
         'machine': f'{platform.machine()}, {os.cpu_count()} cores',
-        'trees': trees,
         'rows': rows,
         'summary': {side: _side_summary([r for r in rows if r['side'] == side]) for side in trees},
     }
