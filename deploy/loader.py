@@ -22,6 +22,7 @@ Command line (runs rounds over every client of the export):
 
     python -m deploy.loader --export_dir=DIR --state_dir=DIR [--rounds=N]
         [--form=map_reduce|distribute_aggregate] [--workers=host:port]
+        [--worker_tls_ca=ca.pem --worker_tls_cert=driver.pem --worker_tls_key=driver.key]
         [--clients_dir=DIR]
 """
 
@@ -441,6 +442,10 @@ def main(argv=None) -> int:
     parser.add_argument('--rounds', type=int, default=1)
     parser.add_argument('--form', choices=('map_reduce', 'distribute_aggregate'), default='map_reduce')
     parser.add_argument('--workers', default='', help='host:port of a TFF worker; default: a local one')
+    for part, what in (('ca', 'the CA certificate'), ('cert', "the driver's client certificate"), ('key', 'its key')):
+        parser.add_argument(
+            f'--worker_tls_{part}', default='', help=f"mutual TLS to the workers' TLS fronts: {what} (PEM)"
+        )
     parser.add_argument(
         '--clients_dir',
         default='',
@@ -454,6 +459,18 @@ def main(argv=None) -> int:
 
     runtime.refuse_implicit_runtime()
     workers = tuple(w for w in args.workers.split(',') if w)
+    tls_files = (args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key)
+    if any(tls_files) and not all(tls_files):
+        parser.error('--worker_tls_ca, --worker_tls_cert and --worker_tls_key go together: give all three or none')
+    if any(tls_files) and not workers:
+        parser.error('--worker_tls_ca, --worker_tls_cert, --worker_tls_key: TLS is for remote workers; give --workers')
+    tls = None
+    if all(tls_files):
+        try:
+            tls = runtime.TlsCredentials.from_files(*tls_files)
+        except runtime.TlsFileError as e:
+            print(f'deploy.loader: error: --worker_tls_{e.which}: {e}', file=sys.stderr)
+            return 2
     if not workers:  # a local worker: keep its port out of reach (docs/runtime.md#security)
         runtime.isolate_network('deploy.loader', ['-m', 'deploy.loader', *(sys.argv[1:] if argv is None else argv)])
     try:
@@ -464,8 +481,14 @@ def main(argv=None) -> int:
         print(f'deploy.loader: error: {e}', file=sys.stderr)
         return 2
     run_round = export.run_round_map_reduce if args.form == 'map_reduce' else export.run_round_distribute_aggregate
+    for address in workers:  # before anything is written: a worker that is down or refuses the driver
+        try:
+            runtime.check_worker(address, tls=tls)
+        except runtime.RuntimeStartError as e:
+            print(f'deploy.loader: error: --workers: {e}', file=sys.stderr)
+            return 2
     os.makedirs(args.state_dir, exist_ok=True)
-    with runtime.runtime_for(workers):
+    with runtime.runtime_for(workers, tls=tls):
         try:
             devices = export.device_inputs(args.state_dir)
             state = export.initialize()

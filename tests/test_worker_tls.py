@@ -306,3 +306,85 @@ def test_tls_files_are_where_a_run_executes_so_a_resumed_run_may_change_them(cer
     saved = _config('x', workers=('a:1',)).to_dict()
     assert experiment._changed_fields(saved, _config('x', workers=('a:1',), **_files(certs))) == []
     assert 'key' not in repr(runtime.TlsCredentials.from_files(*_files(certs).values())).split('cert=')[-1]
+
+
+@pytest.fixture(scope='module')
+def fedavg_export(tmp_path_factory):
+    """FedAvg on 4 synthetic clients, exported (docs/export.md)."""
+    from tff_pfl.program import export
+
+    out = tmp_path_factory.mktemp('export') / 'fedavg'
+    config = run_config.make_config(output_dir=str(out), algorithm='fedavg', dataset='synthetic', num_clients=4)
+    export.export(config, log=lambda line: None)
+    return str(out)
+
+
+def _loader(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    command = [sys.executable, '-m', 'deploy.loader', *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+
+
+def test_the_loader_runs_an_export_through_the_front_as_on_a_local_worker(front, certs, fedavg_export, tmp_path):
+    local = _loader(f'--export_dir={fedavg_export}', f'--state_dir={tmp_path / "local"}', '--rounds=2')
+    assert local.returncode == 0, local.stderr
+    before = front.log_lines()
+    flags = [f'--{name}={path}' for name, path in _files(certs).items()]
+    tls = _loader(
+        f'--export_dir={fedavg_export}',
+        f'--state_dir={tmp_path / "tls"}',
+        '--rounds=2',
+        f'--workers={front.address}',
+        *flags,
+    )
+    assert tls.returncode == 0, tls.stderr
+    # The rounds' metrics (each line without its seconds) and every device's state file are equal.
+    assert [line.rsplit(None, 1)[0] for line in tls.stdout.splitlines()] == [
+        line.rsplit(None, 1)[0] for line in local.stdout.splitlines()
+    ]
+    states = sorted(os.listdir(tmp_path / 'local'))
+    assert states and sorted(os.listdir(tmp_path / 'tls')) == states
+    for name in states:
+        assert (tmp_path / 'tls' / name).read_bytes() == (tmp_path / 'local' / name).read_bytes(), name
+    calls = front.calls_since(before)
+    assert any('/tensorflow_federated.v0.ExecutorGroup/Compute' in line for line in calls)
+    assert all('client_verify=SUCCESS client="CN=tff-pfl-driver"' in line for line in calls)
+
+
+def test_the_loader_refuses_a_driver_the_front_does_not_trust_in_one_line(front, certs, fedavg_export, tmp_path):
+    before = front.log_lines()
+    flags = [f'--{name}={path}' for name, path in _files(certs, ca='ours', client='other').items()]
+    state_dir = tmp_path / 'states'
+    result = _loader(f'--export_dir={fedavg_export}', f'--state_dir={state_dir}', f'--workers={front.address}', *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f'deploy.loader: error: --workers: {front.address} refused the driver (UNAUTHENTICATED)')
+    assert not state_dir.exists()
+    assert all('upstream=- ' in line for line in front.calls_since(before))  # the worker ran nothing
+
+
+@pytest.mark.parametrize(
+    'flags, message',
+    [
+        (['--worker_tls_ca=x.pem'], '--worker_tls_ca, --worker_tls_cert and --worker_tls_key go together'),
+        (
+            ['--worker_tls_ca=a', '--worker_tls_cert=b', '--worker_tls_key=c'],
+            'TLS is for remote workers; give --workers',
+        ),
+    ],
+)
+def test_the_loader_refuses_tls_flags_that_cannot_apply(flags, message, tmp_path):
+    result = _loader('--export_dir=/nonexistent', f'--state_dir={tmp_path / "s"}', *flags)
+    assert result.returncode == 2
+    assert message in result.stderr and not (tmp_path / 's').exists()
+
+
+def test_the_loader_names_an_unreadable_tls_file(certs, tmp_path):
+    files = _files(certs)
+    files['worker_tls_key'] = str(tmp_path / 'missing.key')
+    flags = [f'--{name}={path}' for name, path in files.items()]
+    result = _loader('--export_dir=/nonexistent', f'--state_dir={tmp_path / "s"}', '--workers=localhost:1', *flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('deploy.loader: error: --worker_tls_key: '), result.stderr
