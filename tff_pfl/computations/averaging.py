@@ -246,30 +246,25 @@ def build_averaging_process(
         if fused_mean:
             totals = tff.federated_sum(outputs.sums)
             mean = tff.federated_map(mean_update, (totals.weighted_update, totals.weight))
-            updated = tff.federated_map(server_update, (state, mean))
-            new_state = tff.federated_zip(
-                collections.OrderedDict(
-                    model=updated.model,
-                    optimizer_state=updated.optimizer_state,
-                    aggregator_state=state.aggregator_state,  # MeanFactory's: empty
-                    round_num=updated.round_num,
-                )
-            )
-            return new_state, building_blocks.training_metrics(totals.metric_sums)
-        if weighted:
-            aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
+            aggregator_state = state.aggregator_state  # MeanFactory's: empty
+            metrics = building_blocks.training_metrics(totals.metric_sums)
         else:
-            aggregated = aggregation.next(state.aggregator_state, outputs.update)
-        updated = tff.federated_map(server_update, (state, aggregated.result))
+            if weighted:
+                aggregated = aggregation.next(state.aggregator_state, outputs.update, outputs.weight)
+            else:
+                aggregated = aggregation.next(state.aggregator_state, outputs.update)
+            mean, aggregator_state = aggregated.result, aggregated.state
+            metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
+        updated = tff.federated_map(server_update, (state, mean))
         new_state = tff.federated_zip(
             collections.OrderedDict(
                 model=updated.model,
                 optimizer_state=updated.optimizer_state,
-                aggregator_state=aggregated.state,
+                aggregator_state=aggregator_state,
                 round_num=updated.round_num,
             )
         )
-        return new_state, building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
+        return new_state, metrics
 
     # The round, written once: `next` in process and the device form are both made from it.
     phases = [device_state.Phase('next', server_broadcast, client_step, finish)]
