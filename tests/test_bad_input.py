@@ -81,6 +81,37 @@ CASES = [
         dict(dp_noise_multiplier=0.5, dp_clip=1.0, rounds=50, dp_target_epsilon=1.0),
         '--dp_target_epsilon 1: 50 rounds at noise multiplier 0.5',
     ),
+    ('rounds per call 0', {}, dict(rounds_per_call=0), 'rounds_per_call must be >= 1, got 0'),
+    (
+        'several rounds a call with sampled clients',
+        {},
+        dict(rounds_per_call=2, client_fraction=0.5),
+        '--rounds_per_call=2 runs the same clients in every round of a call: it needs --client_fraction=1, got 0.5',
+    ),
+    (
+        'evaluations inside a call',
+        {},
+        dict(rounds_per_call=3),
+        '--eval_every=10 is not a multiple of --rounds_per_call=3',
+    ),
+    (
+        'checkpoints inside a call',
+        {},
+        dict(rounds_per_call=2, eval_every=0, checkpoint_every=5),
+        '--checkpoint_every=5 is not a multiple of --rounds_per_call=2',
+    ),
+    (
+        'several rounds a call on several workers',
+        {},
+        dict(rounds_per_call=2, workers=('localhost:1', 'localhost:2')),
+        '--rounds_per_call=2 keeps the client states in the driver, which several workers do not',
+    ),
+    (
+        'several rounds a call of a serverless algorithm',
+        {},
+        dict(algorithm='kdpdfl', rounds_per_call=2),
+        '--rounds_per_call: kdpdfl is serverless; each exchange interval is one call',
+    ),
 ]
 
 
@@ -123,7 +154,12 @@ BINARY_CASES = [
     c
     for c in CASES
     if c[0]
-    in ('corrupt data file', 'an output directory that is not writable', 'a target epsilon the schedule exceeds')
+    in (
+        'corrupt data file',
+        'an output directory that is not writable',
+        'a target epsilon the schedule exceeds',
+        'evaluations inside a call',
+    )
 ]
 
 

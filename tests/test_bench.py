@@ -636,6 +636,7 @@ def test_an_interrupted_run_continues_from_its_checkpoint_to_the_same_numbers(ti
     assert experiment.resumable_round(config) == 1
     # Where and how often it checkpoints may change; what it computes may not.
     assert experiment.resumable_round(config.replace(checkpoint_every=7)) == 1
+    assert experiment.resumable_round(config.replace(rounds_per_call=2, checkpoint_every=2)) == 1
     assert experiment.resumable_round(config.replace(rounds=3)) is None
     # What to do on a non-finite loss may change, and a config.json from before that setting resumes.
     assert experiment.resumable_round(config.replace(stop_on_divergence=False)) == 1

@@ -114,6 +114,7 @@ def test_parts_are_checked_in_one_line_and_by_type():
         ({'eval_every': -1}, 'eval_every must be >= 0, got -1'),
         ({'checkpoint_every': -2}, 'checkpoint_every must be >= 0, got -2'),
         ({'max_concurrent_clients': 0}, 'max_concurrent_clients must be >= 1 or -1, got 0'),
+        ({'rounds_per_call': 0}, 'rounds_per_call must be >= 1, got 0'),
         ({'partition': 'ds1', 'classes_per_client': 0}, 'classes_per_client must be >= 1, got 0'),
         ({'partition': 'ds2', 'dirichlet_alpha': 0.0}, 'dirichlet_alpha must be > 0, got 0.0'),
         (
@@ -170,8 +171,8 @@ def test_a_config_json_of_the_previous_layout_resumes_as_the_same_configuration(
     config = run_config.ExperimentConfig.from_dict(written)
     flat = json.loads(json.dumps(config.to_dict()))
     own = {k: v for k, v in flat.items() if k in config.settings.field_names()}
-    # Settings added since (the mutual-TLS files, last) are written with their defaults.
-    added = {name: None for name in config_parts.WORKER_TLS_SETTINGS}
+    # Settings added since (the mutual-TLS files, then the rounds a call, last) are written with their defaults.
+    added = {**{name: None for name in config_parts.WORKER_TLS_SETTINGS}, 'rounds_per_call': 1}
     assert {k: v for k, v in flat.items() if k not in own} == {**written, **added}
     assert [k for k in flat if k not in own] == [*written, *added]  # and in the same order
     assert config.data.partition.params() == {'k': 3}

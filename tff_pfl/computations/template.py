@@ -137,6 +137,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._global_model = global_model
         self._no_global_model = no_global_model
         self._model_weights_fns = None
+        self._several_rounds = {}
         if global_model is not None:
             server_state_type = initialize_fn.type_signature.result.member
             names = [name for name, _ in tff.structure.iter_elements(server_state_type)]
@@ -176,6 +177,46 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
 
             self._initial_client_states = initial_client_states
         return list(self._initial_client_states(list(client_ids)))
+
+    def several_rounds(self, count: int) -> tff.Computation:
+        """`count` rounds of `next` over the same clients, in one TFF call.
+
+        Each round takes the state and client states the one before returned,
+        so the numbers are those of `count` calls of `next`; what the call
+        saves is TFF's fixed cost of a call (the state serialized to and from
+        the runtime, the call's set-up on the driver and the worker;
+        docs/runtime.md, "Several rounds a call"). Built at the first use of
+        each `count`.
+
+        Args:
+          count: the rounds, at least 1.
+
+        Returns:
+          `(S@SERVER, {C}@CLIENTS) -> RoundOutput(state=S@SERVER,
+          client_states={C}@CLIENTS, metrics=<M@SERVER, ...>)`, one metrics
+          value per round, in order; for `count` 1, a call of `next` itself
+          with its metrics in a one-element struct.
+
+        Raises:
+          ValueError: if `count` is below 1.
+        """
+        if count < 1:
+            raise ValueError(f'count must be >= 1, got {count}')
+        if count not in self._several_rounds:
+            next_fn = self.next
+            state_type, client_states_type = next_fn.type_signature.parameter
+
+            @tff.federated_computation(state_type, client_states_type)
+            def several_rounds(state, client_states):
+                every_metrics = []
+                for _ in range(count):
+                    output = next_fn(state, client_states)
+                    state, client_states = output[0], output[1]
+                    every_metrics.append(output[2])
+                return RoundOutput(state, client_states, every_metrics)
+
+            self._several_rounds[count] = several_rounds
+        return self._several_rounds[count]
 
     @property
     def evaluate(self) -> tff.Computation:

@@ -430,6 +430,28 @@ class ClientStateStore:
         self.put(client_ids, output.client_states)
         return output.state, output.metrics
 
+    def run_rounds(self, process: template.PersonalizedProcess, state, client_ids: Sequence[str], count: int):
+        """`count` rounds over the same clients in one TFF call (`process.several_rounds`); stores their states.
+
+        The numbers are those of `count` calls of `run_round` over
+        `client_ids`.
+
+        Args:
+          process: the algorithm.
+          state: the server state before the first round.
+          client_ids: every round's clients.
+          count: the rounds, at least 1.
+
+        Returns:
+          `(server state after the last round, [metrics of each round])`.
+        """
+        if count == 1:
+            state, metrics = self.run_round(process, state, client_ids)
+            return state, [metrics]
+        output = process.several_rounds(count)(state, self.get(client_ids))
+        self.put(client_ids, output.client_states)
+        return output.state, list(output.metrics)
+
     def chunks(self, client_ids: Sequence[str] | None = None) -> list:
         """`client_ids` (default: every client) in pieces of `clients_per_call`.
 

@@ -452,13 +452,19 @@ class RuntimeConfig(settings_lib.Settings):
         None, "Mutual TLS: PEM file of the driver's client certificate, signed by the CA the workers' fronts trust."
     )
     worker_tls_key: str | None = _setting(None, "Mutual TLS: PEM file of the driver's private key (unencrypted).")
+    rounds_per_call: int = _setting(
+        1,
+        "Rounds run in one TFF call, with the same numbers and less of TFF's fixed cost a round (docs/runtime.md); "
+        'needs --client_fraction=1, one worker at most, and --eval_every and --checkpoint_every multiples of it.',
+    )
 
     def _checks(self):
         return super()._checks() + [
             (
                 self.max_concurrent_clients >= 1 or self.max_concurrent_clients == -1,
                 f'max_concurrent_clients must be >= 1 or -1, got {self.max_concurrent_clients}',
-            )
+            ),
+            (self.rounds_per_call >= 1, f'rounds_per_call must be >= 1, got {self.rounds_per_call}'),
         ]
 
     def validate(self) -> 'RuntimeConfig':

@@ -98,7 +98,8 @@ def run(
     num_clients = len(client_ids)
     store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
 
-    def one_interval(interval, state):
+    def one_interval(interval, count, state):
+        del count  # always 1: every interval is its own call
         first_slot = (interval - 1) * exchange_interval
         slots = np.full(num_clients, exchange_interval, np.int32)
         row = collections.OrderedDict(round=interval, slot=first_slot + exchange_interval)
@@ -124,7 +125,7 @@ def run(
         states, train_metrics = process.local_work(store.all(), list(slots), np.int32(first_slot))
         store.put(store.ids(), states)
         row.update(training_loop.flatten(train_metrics))
-        return state, row
+        return state, [row]
 
     return training_loop.run_rounds(
         process,

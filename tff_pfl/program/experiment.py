@@ -212,7 +212,8 @@ class RunComplete(Exception):
 
 
 # Fields that may differ when a run is resumed: where and how it runs, not what it computes.
-# Where and how a run executes (the workers, and the TLS files the driver reaches them with), and
+# Where and how a run executes (the workers, the TLS files the driver reaches them with, the rounds a
+# call: the same numbers either way), and
 # what it does on a non-finite loss (a run that has not diverged trains the same rounds either way;
 # a config.json written before that setting resumes too).
 _RESUMABLE_CHANGES = frozenset(
@@ -223,6 +224,7 @@ _RESUMABLE_CHANGES = frozenset(
         'worker_tls_cert',
         'worker_tls_key',
         'max_concurrent_clients',
+        'rounds_per_call',
         'checkpoint_every',
         'stop_on_divergence',
     }
@@ -425,6 +427,7 @@ def run_experiment(
                     # DP accounting assumes Poisson sampling of the clients.
                     poisson_sampling=config.poisson_sampling(),
                     privacy=None if dp is None else _epsilon_column(dp, config, spec.num_clients),
+                    rounds_per_call=config.runtime.rounds_per_call,
                     **loop,
                 )
             on_round.close()

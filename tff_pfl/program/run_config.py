@@ -521,7 +521,28 @@ class ExperimentConfig(settings_lib.Settings):
                 runtime.parse_worker_address(address)
             except ValueError as e:
                 raise ConfigError(f'--workers: {e}') from None
+        self._check_rounds_per_call(entry)
         return self
+
+    def _check_rounds_per_call(self, entry) -> None:
+        k = self.runtime.rounds_per_call
+        if k > 1 and entry.serverless:
+            raise ConfigError(f'--rounds_per_call: {self.algorithm} is serverless; each exchange interval is one call')
+        if k > 1 and len(self.runtime.workers) > 1:
+            raise ConfigError(
+                f'--rounds_per_call={k} keeps the client states in the driver, which several workers do not: '
+                'give one --workers address or none'
+            )
+        try:
+            training_loop.check_rounds_per_call(
+                k,
+                client_fraction=self.schedule.client_fraction,
+                eval_every=self.evaluation.eval_every,
+                checkpoint_every=self.checkpoints.checkpoint_every,
+                prefix='--',
+            )
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def make_config(settings: settings_lib.Settings | None = None, **values) -> ExperimentConfig:

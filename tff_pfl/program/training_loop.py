@@ -202,6 +202,55 @@ def source_id_map(client_ids: Sequence[str], source_ids: Sequence[str] | None) -
     return dict(zip(client_ids, (str(s) for s in source_ids)))
 
 
+def check_rounds_per_call(
+    rounds_per_call: int,
+    *,
+    client_fraction: float,
+    device_state_dir: str | None = None,
+    eval_every: int = 0,
+    checkpoint_every: int = 0,
+    prefix: str = '',
+) -> None:
+    """Refuses, in one line, a `rounds_per_call` that `run` cannot keep.
+
+    Several rounds share one call only over the same clients, with the
+    client states in the driver, and with evaluations and checkpoints
+    between calls.
+
+    Args:
+      rounds_per_call: as in `run`.
+      client_fraction: as in `run`.
+      device_state_dir: as in `run`.
+      eval_every: as in `run`.
+      checkpoint_every: as in `run`.
+      prefix: put before each argument's name in the message (`--` for flags).
+
+    Raises:
+      ValueError: naming the first argument that conflicts.
+    """
+    k = rounds_per_call
+    if k < 1:
+        raise ValueError(f'{prefix}rounds_per_call must be >= 1, got {k}')
+    if k == 1:
+        return
+    if client_fraction < 1.0:
+        raise ValueError(
+            f'{prefix}rounds_per_call={k} runs the same clients in every round of a call: it needs '
+            f'{prefix}client_fraction=1, got {client_fraction:g}'
+        )
+    if device_state_dir is not None:
+        raise ValueError(
+            f'{prefix}rounds_per_call={k} keeps the client states in the driver: it does not run with the client '
+            'states on the devices (several workers)'
+        )
+    for name, every in (('eval_every', eval_every), ('checkpoint_every', checkpoint_every)):
+        if every % k:
+            raise ValueError(
+                f'{prefix}{name}={every} is not a multiple of {prefix}rounds_per_call={k}: evaluations and '
+                'checkpoints fall between calls'
+            )
+
+
 def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
     """The clients an intermediate evaluation scores: a seeded sample, or None for every client.
 
@@ -396,6 +445,7 @@ def run(
     stop_on_divergence: bool = False,
     num_classes: int | None = None,
     source_ids: Sequence[str] | None = None,
+    rounds_per_call: int = 1,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -445,37 +495,68 @@ def run(
         `ClientData` ids, kept by `tff_pfl.data.federated`): each row of
         `RunResult.clients` then carries its client's as `source_id`.
         None: rows carry `client_id` only.
+      rounds_per_call: run this many rounds in one TFF call
+        (`PersonalizedProcess.several_rounds`), with the numbers of one round
+        a call and less of TFF's fixed cost a call (docs/runtime.md,
+        "Several rounds a call"). Every client takes part in every round
+        (`client_fraction` 1), the client states stay in the driver (no
+        `device_state_dir`), and `eval_every` and `checkpoint_every` are
+        multiples of it, so that evaluations and checkpoints fall between
+        calls; the last call runs the rounds left. A call's rounds share
+        its time equally (`round_seconds`). With `stop_on_divergence`, a
+        round that diverges inside a call stops the run after that call:
+        its row is the last, and the models evaluated are the call's last
+        round's.
 
     Returns:
       A `RunResult`.
 
     Raises:
-      ValueError: if `source_ids` does not hold one id per client.
+      ValueError: if `source_ids` does not hold one id per client, or
+        `rounds_per_call` is below 1 or given (above 1) with partial
+        participation, `device_state_dir`, or an `eval_every` or
+        `checkpoint_every` that is not a multiple of it (one line naming
+        the argument).
     """
+    check_rounds_per_call(
+        rounds_per_call,
+        client_fraction=client_fraction,
+        device_state_dir=device_state_dir,
+        eval_every=eval_every,
+        checkpoint_every=checkpoint_every,
+    )
     rng = np.random.default_rng([seed, 0x5A3D])
     if device_state_dir is None:
         store = client_states.ClientStateStore(process, client_ids, spill_dir=spill_dir)
     else:
         store = device_store.DeviceStateStore(process, client_ids, device_state_dir)
 
-    def one_round(round_num, state):
-        sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
-        if sampled:
-            state, round_metrics = store.run_round(process, state, sampled)
-        else:  # an empty Poisson draw: nothing to aggregate
-            round_metrics = {'num_clients': 0}
-        row = collections.OrderedDict(round=round_num, **flatten(round_metrics))
-        if privacy is not None:
-            row.update(privacy(round_num))
-        return state, row
+    def some_rounds(round_num, count, state):
+        if count > 1:  # every client, every round (check_rounds_per_call): the rng draws nothing
+            state, every_metrics = store.run_rounds(process, state, list(client_ids), count)
+        else:
+            sampled = sample_clients(rng, client_ids, client_fraction, poisson=poisson_sampling)
+            if sampled:
+                state, round_metrics = store.run_round(process, state, sampled)
+            else:  # an empty Poisson draw: nothing to aggregate
+                round_metrics = {'num_clients': 0}
+            every_metrics = [round_metrics]
+        rows = []
+        for i, round_metrics in enumerate(every_metrics):
+            row = collections.OrderedDict(round=round_num + i, **flatten(round_metrics))
+            if privacy is not None:
+                row.update(privacy(round_num + i))
+            rows.append(row)
+        return state, rows
 
     return run_rounds(
         process,
         client_ids,
         store,
         rng,
-        one_round,
+        some_rounds,
         rounds=rounds,
+        rounds_per_call=rounds_per_call,
         unit='round',
         seed=seed,
         eval_every=eval_every,
@@ -512,12 +593,14 @@ def run_rounds(
     num_classes: int | None = None,
     source_ids: Sequence[str] | None = None,
     progress_label: Callable[[int, Mapping], str] | None = None,
+    rounds_per_call: int = 1,
 ) -> RunResult:
     """The one run loop: rounds of `step`, resumed from a checkpoint, checked, evaluated, released, saved.
 
     `run` (federated rounds over sampled clients) and the serverless loop
     (`decentralized.run`, star exchanges and local slots) are this loop with
-    their own `step`. Per round: `step` (timed as `round_seconds`); the
+    their own `step`. Per round: `step` (timed as `round_seconds`, a call's
+    rounds sharing its time equally); the
     divergence check; at the last round the process's `personalize` stage
     (where it has one); every client's evaluation every `eval_every` rounds
     and at the end; `on_round`; a checkpoint every `checkpoint_every` rounds;
@@ -529,8 +612,9 @@ def run_rounds(
       store: the run's client-state store.
       rng: the driver's generator that `step` draws from (its state is part
         of every checkpoint).
-      step: `(round_num, state) -> (state, row)`, one round; `row` is the
-        round's ordered metrics.
+      step: `(round_num, count, state) -> (state, rows)`: `count` rounds
+        from `round_num` on, in one call; `rows` holds each round's ordered
+        metrics (`count` is 1 unless `rounds_per_call` is above 1).
       rounds: the last round (the rows count `unit`s).
       unit: what a round is called in lines and checkpoints ('round',
         'interval').
@@ -547,6 +631,10 @@ def run_rounds(
       source_ids: as in `run`.
       progress_label: `(round_num, row) -> label` of the progress line;
         default `'<unit> <n>/<rounds>'`.
+      rounds_per_call: the most rounds one call of `step` runs; calls start
+        after round 0 and after each multiple of it (the caller keeps
+        evaluations and checkpoints on those boundaries,
+        `check_rounds_per_call`).
 
     Returns:
       A `RunResult`.
@@ -562,42 +650,47 @@ def run_rounds(
     monitor.replay(rows)
     diverged_round = None
     client_rows, summaries = [], {}
-    for round_num in range(first_round, rounds + 1):
-        round_start = time.monotonic()
-        state, row = step(round_num, state)
-        row['round_seconds'] = time.monotonic() - round_start
-        if stop_on_divergence and diverged(row):
-            diverged_round = round_num
-            log(divergence_line(f'{unit} {round_num}', row))
-        last = round_num == rounds or diverged_round is not None
-        evaluate_now = last or (eval_every and round_num % eval_every == 0)
-        if last and process.personalize is not None:
-            log(f'personalizing {len(client_ids)} clients ...')
-            personalize_start = time.monotonic()
-            store.personalize(process, state)
-            row['personalize_seconds'] = time.monotonic() - personalize_start
-        if evaluate_now:
-            sample = None if last else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
-            client_rows, summaries = evaluate_all(process, state, store, row, sample, source_map)
-        rows.append(row)
-        if on_round is not None:
-            on_round(row)
-        if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and not last:
-            save_checkpoint(checkpoints, round_num, state, store, rng, rows)
-        label = progress_label(round_num, row) if progress_label else f'{unit} {round_num}/{rounds}'
-        log(
-            progress_line(
-                label,
-                round_num - first_round + 1,
-                rounds - first_round + 1,
-                row,
-                summaries if evaluate_now else {},
-                started,
-                monitor.observe(row),
+    round_num = first_round
+    while round_num <= rounds and diverged_round is None:
+        count = min(rounds_per_call - (round_num - 1) % rounds_per_call, rounds - round_num + 1)
+        call_start = time.monotonic()
+        state, call_rows = step(round_num, count, state)
+        seconds = (time.monotonic() - call_start) / count
+        for row in call_rows:
+            row['round_seconds'] = seconds
+            if stop_on_divergence and diverged(row):
+                diverged_round = round_num
+                log(divergence_line(f'{unit} {round_num}', row))
+            last = round_num == rounds or diverged_round is not None
+            evaluate_now = last or (eval_every and round_num % eval_every == 0)
+            if last and process.personalize is not None:
+                log(f'personalizing {len(client_ids)} clients ...')
+                personalize_start = time.monotonic()
+                store.personalize(process, state)
+                row['personalize_seconds'] = time.monotonic() - personalize_start
+            if evaluate_now:
+                sample = None if last else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
+                client_rows, summaries = evaluate_all(process, state, store, row, sample, source_map)
+            rows.append(row)
+            if on_round is not None:
+                on_round(row)
+            if checkpoints is not None and checkpoint_every and round_num % checkpoint_every == 0 and not last:
+                save_checkpoint(checkpoints, round_num, state, store, rng, rows)
+            label = progress_label(round_num, row) if progress_label else f'{unit} {round_num}/{rounds}'
+            log(
+                progress_line(
+                    label,
+                    round_num - first_round + 1,
+                    rounds - first_round + 1,
+                    row,
+                    summaries if evaluate_now else {},
+                    started,
+                    monitor.observe(row),
+                )
             )
-        )
-        if diverged_round is not None:
-            break
+            round_num += 1
+            if diverged_round is not None:
+                break
     return RunResult(
         state=state,
         client_states=store.states(),
