@@ -16,6 +16,9 @@ summary gives each side's median and its fast and slow processes apart.
 
 `--examples=60` (36 training examples a client, two SGD steps) isolates what a
 round costs beyond SGD; `--model=fedavg_cnn` times the CNN (no floor).
+`--after_rounds_per_call=5` runs the after side's rounds five to a TFF call
+(`PersonalizedProcess.several_rounds`); with `--before=. --after=.` it measures
+several rounds a call against one, on the same code.
 """
 
 import json
@@ -38,6 +41,9 @@ _EXAMPLES = flags.DEFINE_integer('examples', 6000, 'Examples a client holds (60 
 _MODEL = flags.DEFINE_string('model', 'mnist_dnn', 'mnist_dnn (with the floor) or fedavg_cnn.')
 _MNIST = flags.DEFINE_string('mnist_npz', '../shared/data/mnist.npz', 'MNIST in Keras npz layout.')
 _OUT = flags.DEFINE_string('results', None, 'Result path prefix (.json, .md); none: print only.')
+_BEFORE_K = flags.DEFINE_integer('before_rounds_per_call', 1, 'Rounds a TFF call on the before side (divides 10).')
+_AFTER_K = flags.DEFINE_integer('after_rounds_per_call', 1, 'Rounds a TFF call on the after side (divides 10).')
+_K = flags.DEFINE_integer('rounds_per_call', 1, "Internal: the child's rounds a call.")
 _CHILD = flags.DEFINE_string('child', None, 'Internal: measure with the project of this checkout.')
 _RENDER = flags.DEFINE_string('render', None, 'Only rewrite the .md of this result .json.')
 
@@ -83,6 +89,11 @@ def _measure(tree):
                 state, client_states = out.state, out.client_states
                 if floor is not None:
                     weights = floor(weights, tf.constant(r))
+            count = _K.value
+            several = process.several_rounds(count) if count > 1 else None
+            if several is not None:  # its first call builds and warms it
+                out = several(state, client_states)
+                state, client_states = out.state, out.client_states
             for _ in range(_BLOCKS.value):
                 floor_seconds = 0.0
                 if floor is not None:
@@ -91,21 +102,29 @@ def _measure(tree):
                         weights = floor(weights, tf.constant(r))
                         weights[0].numpy()
                     floor_seconds = (time.perf_counter() - t0) / 10
+                one_a_call = 0.0
+                if several is not None:  # the same process's rounds one a call, as a reference
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        out = process.next(state, client_states)
+                        state, client_states = out.state, out.client_states
+                    one_a_call = (time.perf_counter() - t0) / 10
                 cpu = worker.cpu_times()
                 w0, d0, t0 = cpu.user + cpu.system, time.process_time(), time.perf_counter()
-                for _ in range(10):
-                    out = process.next(state, client_states)
+                for _ in range(10 // count):
+                    out = (several or process.next)(state, client_states)
                     state, client_states = out.state, out.client_states
                 cpu = worker.cpu_times()
                 w1, d1, t1 = cpu.user + cpu.system, time.process_time(), time.perf_counter()
-                blocks.append(((t1 - t0) / 10, (d1 - d0) / 10, (w1 - w0) / 10, floor_seconds))
-    keys = ('round', 'driver_cpu', 'worker_cpu', 'floor')
+                blocks.append(((t1 - t0) / 10, (d1 - d0) / 10, (w1 - w0) / 10, floor_seconds, one_a_call))
+    keys = ('round', 'driver_cpu', 'worker_cpu', 'floor', 'one_a_call')
     return {k: statistics.median(b[i] for b in blocks) for i, k in enumerate(keys)}
 
 
-def _run_child(tree):
+def _run_child(tree, rounds_per_call):
     command = [
         'uv', 'run', '--locked', 'python', os.path.abspath(__file__), f'--child={tree}',
+        f'--rounds_per_call={rounds_per_call}',
         f'--blocks={_BLOCKS.value}', f'--clients={_CLIENTS.value}', f'--examples={_EXAMPLES.value}',
         f'--model={_MODEL.value}', f'--mnist_npz={os.path.abspath(_MNIST.value)}',
     ]  # fmt: skip
@@ -156,9 +175,11 @@ def _markdown(record):
     header = '| side | processes | median round s |' + (' median ratio |' if has_floor else '')
     header += ' fast / slow processes |' if modes else ''
     lines += ['', header, '|---|---|---|' + ('---|' if has_floor else '') + ('---|' if modes else '')]
+    calls = record.get('rounds_per_call', {'before': 1, 'after': 1})
     for side in ('before', 'after'):
         s = record['summary'][side]
-        row = f'| {side} ({record["commits"][side]}) | {s["processes"]} | {s["round_median"]:.4f} |'
+        described = record['commits'][side] + (f', {calls[side]} rounds a call' if calls[side] > 1 else '')
+        row = f'| {side} ({described}) | {s["processes"]} | {s["round_median"]:.4f} |'
         if has_floor:
             row += f' {s["ratio_median"]:.2f} |'
         if modes:
@@ -176,6 +197,24 @@ def _markdown(record):
             s = record['summary'][side]
             if s['fast_processes']:
                 lines.append(f'| {side} | {s["fast_round_median"]:.4f} | {s["fast_ratio_median"]:.2f} |')
+    paired = [(i, r) for i, r in enumerate(record['rows']) if r.get('one_a_call')]
+    if paired:
+        lines += [
+            '',
+            'Each process that ran several rounds a call also timed its rounds one a call, in the blocks between '
+            '(the same worker process and memory):',
+            '',
+            '| # | side | one a call s | ratio | several a call s | ratio | change |',
+            '|---|---|---|---|---|---|---|',
+        ]
+        for i, r in paired:
+            ratios = [f'{t / r["floor"]:.2f}' if r['floor'] else '-' for t in (r['one_a_call'], r['round'])]
+            lines.append(
+                f'| {i + 1} | {r["side"]} | {r["one_a_call"]:.4f} | {ratios[0]} | {r["round"]:.4f} '
+                f'| {ratios[1]} | {100 * (r["round"] / r["one_a_call"] - 1):+.1f} % |'
+            )
+        change = statistics.median(r['round'] / r['one_a_call'] - 1 for _, r in paired)
+        lines += ['', f'Median change in the same process: {100 * change:+.1f} %.']
     return '\n'.join(lines) + '\n'
 
 
@@ -192,11 +231,15 @@ def main(argv):
         return
     if not _BEFORE.value:
         raise app.UsageError('--before: give the checkout of the code before the change')
+    calls = {'before': _BEFORE_K.value, 'after': _AFTER_K.value}
+    for side, count in calls.items():
+        if count < 1 or 10 % count:
+            raise app.UsageError(f'--{side}_rounds_per_call must divide 10 (a block), got {count}')
     trees = {'before': os.path.abspath(_BEFORE.value), 'after': os.path.abspath(_AFTER.value)}
     rows = []
     for i in range(_PAIRS.value):
         for side, tree in trees.items():
-            row = dict(side=side, **_run_child(tree))
+            row = dict(side=side, **_run_child(tree, calls[side]))
             row['ratio'] = row['round'] / row['floor'] if row['floor'] else None
             rows.append(row)
             print(f'{side} {i + 1}/{_PAIRS.value}: round {row["round"]:.4f} s, floor {row["floor"]:.4f} s', flush=True)
@@ -207,6 +250,7 @@ def main(argv):
     record = {
         'command': command,
         'commits': commits,
+        'rounds_per_call': calls,
         'workload': (
             f'FedAvg, {_MODEL.value}, {_CLIENTS.value} clients x {int(_EXAMPLES.value * 0.6)} MNIST training '
             'examples, batch 32, 1 epoch, 2 concurrent clients'
