@@ -182,3 +182,27 @@ def test_run_refuses_what_several_rounds_a_call_cannot_keep(fedavg_process, prob
         training_loop.run(fedavg_process, spec.client_ids, **kwargs)
     assert str(raised.value).startswith(message) and '\n' not in str(raised.value)
     assert '--' not in str(raised.value)  # Python arguments, not flags
+
+
+def test_a_round_that_diverges_inside_a_call_stops_the_run_when_the_call_ends(problem, tff_runtime):
+    """A learning rate of 1e38 overflows round 1 of a 2-round call: its row is the last, the models are scored."""
+    spec, model_fn = problem
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=1e38)
+    process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=1)
+    lines = []
+    stopped = training_loop.run(
+        process,
+        spec.client_ids,
+        rounds=4,
+        client_fraction=1.0,
+        seed=5,
+        stop_on_divergence=True,
+        rounds_per_call=2,
+        log=lines.append,
+    )
+    assert stopped.diverged_round == 1 and [r['round'] for r in stopped.rounds] == [1]
+    assert not np.isfinite(stopped.rounds[0]['train_loss'])
+    assert 'test_global_model_accuracy_mean' in stopped.rounds[0]  # evaluated as the last round
+    assert lines[0].startswith('round 1: the mean training loss is inf: the run diverged and stops here')
+    # The state is the call's last round's (round 2): its round number says so.
+    assert int(stopped.state['round_num']) == 2
