@@ -846,6 +846,34 @@ def test_binary(tiny_run, tmp_path):
         assert section(f.read()) == section(g.read())
 
 
+def test_the_binary_refuses_flags_and_toml_before_importing_tensorflow(tmp_path):
+    """A wrong flag, a missing suite file or bad TOML is refused without TensorFlow's start-up."""
+    bad_toml = tmp_path / 'bad.toml'
+    bad_toml.write_text('name = "x"\n[defaults\n')
+    probe = (
+        'import sys\n'
+        'from tff_pfl_bench import cli\n'
+        'sys.argv = ["tff-pfl-bench", *sys.argv[1:]]\n'
+        'try:\n'
+        '    cli.run()\n'
+        'except SystemExit as e:\n'
+        '    print(e.code, sorted(m for m in ("tensorflow", "tensorflow_federated") if m in sys.modules))\n'
+    )
+    env = dict(os.environ, PYTHONPATH=REPO)
+    for flags, message in [
+        ([f'--output_dir={tmp_path}/out'], '--suite is required'),
+        ([f'--suite={tmp_path}/missing.toml'], 'suite file not found'),
+        ([f'--suite={bad_toml}'], 'bad TOML'),
+        ([f'--suite={bad_toml}', '--seeds=0,x'], '--seeds must be integers'),
+    ]:
+        done = subprocess.run(
+            [sys.executable, '-c', probe, *flags], capture_output=True, text=True, env=env, cwd=REPO, timeout=120
+        )
+        assert done.stdout.strip() == '2 []', (flags, done.stdout, done.stderr[-2000:])
+        assert done.stderr.strip().startswith('tff-pfl-bench: error: ') and message in done.stderr, done.stderr
+        assert not (tmp_path / 'out').exists()
+
+
 def test_client_lift_by_hand():
     """benchmarks/client_lift.py: per-client differences to a baseline, on the same client and seed."""
     import importlib.util
