@@ -118,7 +118,8 @@ def main(argv) -> None:
     text = _read_suite(_SUITE.value)
     from tff_pfl import runtime
 
-    # Now that TFF is imported: its default context out before any refusal below (`run`).
+    # TFF is imported from here on: take its default context out before any refusal below, or
+    # the context's __del__ would print a traceback after the one-line error at exit.
     runtime.refuse_implicit_runtime()
     from tff_pfl.data import partition, sources
     from tff_pfl.program import run_config
