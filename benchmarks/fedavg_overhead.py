@@ -12,6 +12,13 @@ machine noise disturbs less than wall time):
   TFF worker's and the driver's CPU seconds per round; the slope is what
   each further client costs beyond its SGD (its calls, its reads, the
   aggregation's steps), the intercept what a round costs with no client;
+* the floor's clients as separate calls: its ten clients' epochs as ten
+  one-client tf.functions, two at a time from two threads (as TFF's worker
+  runs clients, `max_concurrent_computation_calls=2`), against the floor's
+  ten loops in one tf.function, in-process: what running each client as its
+  own call costs with no TFF at all;
+* the full round with one local step per client (10 clients x 3,600): what
+  a round of full-size clients costs beyond SGD;
 * the full round (10 clients x 3,600): wall seconds, the worker's and the
   driver's CPU seconds, and the floor's, on three fresh workers (on this
   machine a worker process's rounds were either all fast or all slow:
@@ -21,6 +28,7 @@ machine noise disturbs less than wall time):
     uv run python benchmarks/fedavg_overhead.py
 """
 
+import concurrent.futures
 import functools
 import json
 import os
@@ -58,10 +66,10 @@ def _cpu(process):
     return times.user + times.system
 
 
-def _rounds(spec):
+def _rounds(spec, local_steps=0):
     """Per block of 10 rounds: (wall s, worker CPU s, driver CPU s, floor wall s, floor CPU s), per round."""
     model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, 10)
-    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=32, client_learning_rate=0.1)
+    settings = fedavg.FedAvgSettings(batch_size=32, client_learning_rate=0.1, local_steps=local_steps)
     process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=0)
     floor = fedavg_speed.build_floor([client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids])
     rng = np.random.default_rng(0)
@@ -89,6 +97,18 @@ def _rounds(spec):
     return [statistics.median(b[i] for b in blocks) for i in range(5)]
 
 
+def _alternating(sides, runs=23, warmup=3):
+    """Median seconds of each side's function, the sides called in turn `runs` times (the first `warmup` not timed)."""
+    seconds = {side: [] for side in sides}
+    for r in range(runs):
+        for side, fn in sides.items():
+            t = time.perf_counter()
+            fn()
+            if r >= warmup:
+                seconds[side].append(time.perf_counter() - t)
+    return {side: statistics.median(s) for side, s in seconds.items()}
+
+
 def _client_step(spec):
     """Seconds of one client's epoch in-process: our SGD loop (`local_training.train`) and the floor's."""
     x, y = client_data.read_split_numpy(spec, spec.client_ids[0], 'train')
@@ -103,15 +123,23 @@ def _client_step(spec):
     def ours():
         return local_training.train(model, split, epochs=1, batch_size=32, learning_rate=0.1, seed=seed)
 
-    sides = {'ours': lambda: ours()[0].numpy(), 'floor': lambda: floor(weights, tf.constant(0))[0].numpy()}
-    seconds = {side: [] for side in sides}
-    for r in range(23):
-        for side, fn in sides.items():
-            t = time.perf_counter()
-            fn()
-            if r >= 3:
-                seconds[side].append(time.perf_counter() - t)
-    return {side: statistics.median(s) for side, s in seconds.items()}
+    return _alternating({'ours': lambda: ours()[0].numpy(), 'floor': lambda: floor(weights, tf.constant(0))[0].numpy()})
+
+
+def _separate_calls(spec):
+    """Seconds of the floor's ten clients in one tf.function, and as ten one-client ones two at a time."""
+    arrays = [client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids]
+    together = fedavg_speed.build_floor(arrays)
+    apart = [fedavg_speed.build_floor([a]) for a in arrays]
+    rng = np.random.default_rng(0)
+    weights = [tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    round_num = tf.constant(0)
+
+    def one(floor):
+        return floor(weights, round_num)[0].numpy()
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return _alternating({'one_call': lambda: one(together), 'separate_calls': lambda: list(pool.map(one, apart))})
 
 
 def main(argv):
@@ -122,11 +150,13 @@ def main(argv):
     full = _spec(pool, workdir, 10, 6000)
     tiny = {n: _spec(pool, workdir, n, 60) for n in (10, 40)}
     step = _client_step(full)
+    separate = _separate_calls(full)
     keys = ('wall', 'worker_cpu', 'driver_cpu', 'floor_wall', 'floor_cpu')
     # The full round three times, each on a fresh worker: its wall time differs from one worker
     # process to the next (see the .md); the table shows the median one and the range.
     full_runs = sorted((dict(zip(keys, _rounds(full))) for _ in range(3)), key=lambda r: r['wall'] / r['floor_wall'])
     rounds = {'full': full_runs[1], 'full_runs': full_runs}
+    rounds['full_one_step'] = dict(zip(keys, _rounds(full, local_steps=1)))
     for n, spec in tiny.items():
         rounds[f'tiny_{n}'] = dict(zip(keys, _rounds(spec)))
     per_client = {k: (rounds['tiny_40'][k] - rounds['tiny_10'][k]) / 30 for k in ('wall', 'worker_cpu', 'driver_cpu')}
@@ -135,13 +165,14 @@ def main(argv):
         'machine': {'cpus': os.cpu_count(), 'processor': platform.processor(), 'python': platform.python_version()},
         'repeats': _REPEATS.value,
         'client_epoch_seconds_one_thread': step,
+        'floor_clients_seconds': separate,
         'rounds': rounds,
         'per_client': per_client,
         'fixed_per_round': fixed,
     }
     with open(_OUT.value + '.json', 'w') as f:
         json.dump(record, f, indent=2)
-    f_ = rounds['full']
+    f_, o_ = rounds['full'], rounds['full_one_step']
     lines = [
         '# Where a FedAvg round on the MLP spends its time above the plain-TF floor',
         '',
@@ -153,8 +184,13 @@ def main(argv):
         '|---|---|---|---|',
         f"| one client's epoch, 3,600 examples, in-process (s) | {step['ours']:.4f} | "
         f'{step["floor"]:.4f} | {step["ours"] / step["floor"]:.2f} |',
+        f"| the floor's 10 clients as separate calls, 2 at a time, in-process (s) | "
+        f'{separate["separate_calls"]:.4f} | {separate["one_call"]:.4f} | '
+        f'{separate["separate_calls"] / separate["one_call"]:.2f} |',
         f'| full round, 10 clients x 3,600: wall s | {f_["wall"]:.4f} | {f_["floor_wall"]:.4f} | '
         f'{f_["wall"] / f_["floor_wall"]:.2f} |',
+        f'| the same clients, one local step each: wall s | {o_["wall"]:.4f} | {o_["floor_wall"]:.4f} | '
+        f'{o_["wall"] / o_["floor_wall"]:.2f} |',
         f'| full round: CPU s (ours: worker + driver) | {f_["worker_cpu"]:.4f} + {f_["driver_cpu"]:.4f} | '
         f'{f_["floor_cpu"]:.4f} | {(f_["worker_cpu"] + f_["driver_cpu"]) / f_["floor_cpu"]:.2f} |',
         '',
@@ -180,7 +216,11 @@ def main(argv):
         f'| a round of no client (intercept) | {fixed["wall"]:.4f} | {fixed["worker_cpu"]:.4f} | '
         f'{fixed["driver_cpu"]:.4f} |',
         '',
-        "The floor's CPU seconds are the driver process's own (it runs the floor in-process).",
+        "The floor's CPU seconds are the driver process's own (it runs the floor in-process). The separate "
+        "calls' row runs the floor's own code, each client as its own tf.function, from two threads: the ratio "
+        'is what one call per client costs without TFF. The one-step row is the full round with '
+        '`local_steps=1`: every cost of the round but its SGD, on clients of the full size; its floor column is '
+        "the floor's full round, measured in the same blocks.",
     ]
     with open(_OUT.value + '.md', 'w') as f:
         f.write('\n'.join(lines) + '\n')
