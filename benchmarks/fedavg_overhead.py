@@ -19,6 +19,13 @@ machine noise disturbs less than wall time):
   own call costs with no TFF at all;
 * the full round with one local step per client (10 clients x 3,600): what
   a round of full-size clients costs beyond SGD;
+* the smallest TFF round on the same client training (FedAvg's own
+  `build_client_training`; broadcast, one `federated_map`, two sums, a
+  division: no client states, metrics or server optimizer), with one client
+  a call and with 5 clients a call (one graph of 5 loops, the CLIENTS value
+  a vector of 5 ids), beside the floor and the project's round in one
+  runtime: what TFF's runtime costs on its own, and what grouping clients
+  into a call would buy;
 * the full round (10 clients x 3,600): wall seconds, the worker's and the
   driver's CPU seconds, and the floor's, on three fresh workers (on this
   machine a worker process's rounds were either all fast or all slow:
@@ -28,6 +35,7 @@ machine noise disturbs less than wall time):
     uv run python benchmarks/fedavg_overhead.py
 """
 
+import collections
 import concurrent.futures
 import functools
 import json
@@ -41,12 +49,14 @@ import fedavg_speed
 import numpy as np
 import psutil
 import tensorflow as tf
+import tensorflow_federated as tff
 from absl import app, flags
 
 from processes import fedavg
 from tff_pfl import models, runtime
-from tff_pfl.computations import local_training
+from tff_pfl.computations import building_blocks, local_training, model_weights
 from tff_pfl.data import client_data, client_data_writer, partition, sources
+from tff_pfl.models import adapters
 
 _MNIST = fedavg_speed._MNIST  # its --mnist (importing fedavg_speed defines its flags)
 _REPEATS = flags.DEFINE_integer('repeats', 5, 'Alternating blocks of 10 rounds per side.')
@@ -142,6 +152,72 @@ def _separate_calls(spec):
         return _alternating({'one_call': lambda: one(together), 'separate_calls': lambda: list(pool.map(one, apart))})
 
 
+GROUP = 5  # clients a call in the grouped bare round
+
+
+def _bare_round(training, weights_type, ids_type, group):
+    """The smallest FedAvg round on `training`: the example-weighted mean of `group` clients' updates a call."""
+
+    @tff.tensorflow.computation(weights_type, np.int32, ids_type)
+    def work(weights, round_num, ids):
+        outs = [training(weights, round_num, ids[i] if group > 1 else ids) for i in range(group)]
+        return collections.OrderedDict(
+            update=[tf.add_n([o['update'][k] * o['weight'] for o in outs]) for k in range(len(weights))],
+            weight=tf.add_n([o['weight'] for o in outs]),
+        )
+
+    @tff.tensorflow.computation
+    def divide(total, weight):
+        return [t / weight for t in total]
+
+    @tff.federated_computation(
+        tff.FederatedType(weights_type, tff.SERVER),
+        tff.FederatedType(np.int32, tff.SERVER),
+        tff.FederatedType(ids_type, tff.CLIENTS),
+    )
+    def bare_round(weights, round_num, ids):
+        out = tff.federated_map(work, (tff.federated_broadcast(weights), tff.federated_broadcast(round_num), ids))
+        return tff.federated_map(divide, (tff.federated_sum(out.update), tff.federated_sum(out.weight)))
+
+    return bare_round
+
+
+def _bare_rounds(spec):
+    """Median wall s a round in one runtime, alternating: the floor, bare rounds of 1 and GROUP clients a call, next."""
+    model_fn = adapters.keras_model_fn(functools.partial(models.mnist_dnn, spec.feature_shape, 10))
+    settings = fedavg.FedAvgSettings(batch_size=32, client_learning_rate=0.1)
+    process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=0)
+    weights_type = model_weights.weights_type(model_fn)
+    training = building_blocks.build_client_training(spec, model_fn, settings.training_config(), seed=0)
+    one = _bare_round(training, weights_type, tff.TensorType(np.str_), 1)
+    grouped = _bare_round(training, weights_type, tff.TensorType(np.str_, [GROUP]), GROUP)
+    ids = [c.encode() for c in spec.client_ids]
+    groups = [np.array(ids[i : i + GROUP], dtype=object) for i in range(0, len(ids), GROUP)]
+    floor = fedavg_speed.build_floor([client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids])
+    rng = np.random.default_rng(0)
+    weights = [rng.normal(0, 0.05, s).astype(np.float32) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    floor_weights = [tf.constant(w) for w in weights]
+    with runtime.local_runtime(max_concurrent_computation_calls=2):
+        state = [process.initialize(), [process.initial_client_state(c) for c in spec.client_ids]]
+
+        def project_round():
+            out = process.next(*state)
+            state[:] = [out.state, out.client_states]
+
+        apart, together = one(weights, 0, ids), grouped(weights, 0, groups)
+        difference = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(apart, together))
+        seconds = _alternating(
+            {
+                'floor': lambda: floor(floor_weights, tf.constant(0))[0].numpy(),
+                'bare_one_a_call': lambda: one(weights, 0, ids),
+                'bare_grouped': lambda: grouped(weights, 0, groups),
+                'next': project_round,
+            },
+            runs=10 * _REPEATS.value + 3,
+        )
+    return {'seconds': seconds, 'grouped_max_abs_difference': difference}
+
+
 def main(argv):
     del argv
     runtime.refuse_implicit_runtime()
@@ -151,6 +227,7 @@ def main(argv):
     tiny = {n: _spec(pool, workdir, n, 60) for n in (10, 40)}
     step = _client_step(full)
     separate = _separate_calls(full)
+    bare = _bare_rounds(full)
     keys = ('wall', 'worker_cpu', 'driver_cpu', 'floor_wall', 'floor_cpu')
     # The full round three times, each on a fresh worker: its wall time differs from one worker
     # process to the next (see the .md); the table shows the median one and the range.
@@ -166,6 +243,7 @@ def main(argv):
         'repeats': _REPEATS.value,
         'client_epoch_seconds_one_thread': step,
         'floor_clients_seconds': separate,
+        'bare_rounds': bare,
         'rounds': rounds,
         'per_client': per_client,
         'fixed_per_round': fixed,
@@ -201,6 +279,27 @@ def main(argv):
             for r in full_runs
         )
         + '.',
+        '',
+        "The smallest TFF round on the same client training (FedAvg's `build_client_training`: broadcast, "
+        'one `federated_map`, two `federated_sum`s and a division; no client states, metrics or server '
+        f'optimizer), in one runtime, the four sides alternating, {10 * _REPEATS.value} rounds each:',
+        '',
+        '| | wall s a round | against the floor |',
+        '|---|---|---|',
+    ]
+    labels = {
+        'floor': 'the floor',
+        'bare_one_a_call': 'smallest TFF round, one client a call',
+        'bare_grouped': f'smallest TFF round, {GROUP} clients a call (one graph of {GROUP} loops)',
+        'next': "the project's FedAvg `next`",
+    }
+    for key, label in labels.items():
+        value = bare['seconds'][key]
+        lines.append(f'| {label} | {value:.4f} | {value / bare["seconds"]["floor"]:.2f} |')
+    lines += [
+        '',
+        f"The grouped round's mean update differs from one client a call by at most "
+        f'{bare["grouped_max_abs_difference"]:.1e} (the weighted sum adds in another order).',
         '',
         'Rounds of clients with 36 training examples (two SGD steps each): what a round costs beyond SGD.',
         '',
