@@ -82,8 +82,7 @@ def _rounds(spec, local_steps=0):
     settings = fedavg.FedAvgSettings(batch_size=32, client_learning_rate=0.1, local_steps=local_steps)
     process = fedavg.build_fedavg_process(spec, model_fn, settings, seed=0)
     floor = fedavg_speed.build_floor([client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids])
-    rng = np.random.default_rng(0)
-    weights = [tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    weights = [tf.constant(w) for w in fedavg_speed.floor_start_weights()]
     blocks = []
     with runtime.local_runtime(max_concurrent_computation_calls=2) as rt:
         worker = psutil.Process(rt.pid)
@@ -141,8 +140,7 @@ def _separate_calls(spec):
     arrays = [client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids]
     together = fedavg_speed.build_floor(arrays)
     apart = [fedavg_speed.build_floor([a]) for a in arrays]
-    rng = np.random.default_rng(0)
-    weights = [tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    weights = [tf.constant(w) for w in fedavg_speed.floor_start_weights()]
     round_num = tf.constant(0)
 
     def one(floor):
@@ -194,8 +192,7 @@ def _bare_rounds(spec):
     ids = [c.encode() for c in spec.client_ids]
     groups = [np.array(ids[i : i + GROUP], dtype=object) for i in range(0, len(ids), GROUP)]
     floor = fedavg_speed.build_floor([client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids])
-    rng = np.random.default_rng(0)
-    weights = [rng.normal(0, 0.05, s).astype(np.float32) for s in [(784, 100), (100,), (100, 10), (10,)]]
+    weights = fedavg_speed.floor_start_weights()
     floor_weights = [tf.constant(w) for w in weights]
     with runtime.local_runtime(max_concurrent_computation_calls=2):
         state = [process.initialize(), [process.initial_client_state(c) for c in spec.client_ids]]

@@ -43,6 +43,12 @@ _OUT = flags.DEFINE_string('out', 'benchmarks/results/fedavg_speed', 'Result pat
 NUM_CLIENTS, TRAIN_PER_CLIENT, BATCH, LR = 10, 3600, 32, 0.1
 
 
+def floor_start_weights(seed=0):
+    """The floor's starting MLP weights (784-100-10), drawn from `seed`: float32 arrays."""
+    rng = np.random.default_rng(seed)
+    return [rng.normal(0, 0.05, s).astype(np.float32) for s in [(784, 100), (100,), (100, 10), (10,)]]
+
+
 def build_floor(client_arrays, seed=0):
     """Plain TF: every client's epoch in one tf.function; returns a round fn."""
     xs = [tf.constant(x.reshape(len(x), -1)) for x, _ in client_arrays]
@@ -88,10 +94,7 @@ def main(argv):
     arrays = [client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids]
 
     floor = build_floor(arrays)
-    rng = np.random.default_rng(0)
-    floor_weights = [
-        tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in [(784, 100), (100,), (100, 10), (10,)]
-    ]
+    floor_weights = [tf.constant(w) for w in floor_start_weights()]
 
     model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, 10)
     settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=BATCH, client_learning_rate=LR)

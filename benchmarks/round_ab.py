@@ -57,7 +57,6 @@ def _measure(tree):
     import functools
 
     import fedavg_speed
-    import numpy as np
     import psutil
     import tensorflow as tf
 
@@ -76,9 +75,7 @@ def _measure(tree):
         floor = None
         if _MODEL.value == 'mnist_dnn':
             floor = fedavg_speed.build_floor([client_data.read_split_numpy(spec, c, 'train') for c in spec.client_ids])
-            rng = np.random.default_rng(0)
-            shapes = [(784, 100), (100,), (100, 10), (10,)]
-            weights = [tf.constant(rng.normal(0, 0.05, s).astype(np.float32)) for s in shapes]
+            weights = [tf.constant(w) for w in fedavg_speed.floor_start_weights()]
         blocks = []
         with runtime.local_runtime(max_concurrent_computation_calls=2) as rt:
             worker = psutil.Process(rt.pid)
