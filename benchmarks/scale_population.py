@@ -32,7 +32,7 @@ Measured per run:
 - every checkpoint: seconds, bytes written, clients stored;
 - the final stage: personalization (PersFL) and evaluation of every client up
   to `--final_clients` (10,000), above that of a seeded sample of that many
-  (`training_loop.evaluation_sample(seed, rounds, N, n)`); the mean test
+  (`evaluation.evaluation_sample(seed, rounds, N, n)`); the mean test
   accuracy of the global and the personalized model over the scored clients
   with the half-width of the 95 % interval of the population's mean
   (`metrics.sample_mean_interval`, 0 when every client is scored), and the
@@ -69,7 +69,7 @@ import shared_population
 from absl import app, flags
 
 from tff_pfl import metrics
-from tff_pfl.program import checkpoints, client_states, experiment, run_config, training_loop
+from tff_pfl.program import checkpoints, client_states, evaluation, experiment, run_config
 
 _ROUNDS = flags.DEFINE_integer('rounds', 200, 'Training rounds per run.')
 _ACTIVE = flags.DEFINE_integer('active', 100, 'Clients per round.')
@@ -82,7 +82,7 @@ _FINAL_CLIENTS = flags.DEFINE_integer(
     'final_clients',
     10000,
     'The final stage personalizes and evaluates a seeded sample of this many clients when the population is '
-    'larger (training_loop.evaluation_sample with the run seed and the last round); 0: every client.',
+    'larger (evaluation.evaluation_sample with the run seed and the last round); 0: every client.',
 )
 _JOB = flags.DEFINE_integer('job', -1, 'Internal: run only this job and write its record into --workdir.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Where runs go (default: a temporary directory here).')
@@ -171,7 +171,7 @@ class _RecordingStore(client_states.ClientStateStore):
     """The run's store: kept for its size; the final stage on a seeded sample of `final_clients`, timed and scored.
 
     Above `final_clients` clients the last round personalizes and evaluates the
-    sample `training_loop.evaluation_sample(seed, rounds, N, final_clients)` (the
+    sample `evaluation.evaluation_sample(seed, rounds, N, final_clients)` (the
     run seed and the last round: the draw of the sampled evaluations, so the same
     clients for every algorithm of a population); up to it, every client. The
     mean test accuracy of each model over the scored clients is recorded with the
@@ -191,7 +191,7 @@ class _RecordingStore(client_states.ClientStateStore):
 
     def _final_ids(self):
         ids = self.ids()
-        sample = training_loop.evaluation_sample(self.seed, self.final_round, len(ids), self.final_clients)
+        sample = evaluation.evaluation_sample(self.seed, self.final_round, len(ids), self.final_clients)
         return ids if sample is None else [ids[i] for i in sample]
 
     def personalize(self, process, state):

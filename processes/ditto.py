@@ -158,7 +158,7 @@ def build_ditto_process(
         loss_fn=loss_fn,
     )
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(np.str_)

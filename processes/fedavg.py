@@ -135,7 +135,7 @@ def build_fedavg_process(
         spec, model_fn, local_config, seed=seed, optimizer=client_optimizer, loss_fn=loss_fn
     )
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(np.str_)

@@ -378,7 +378,7 @@ def build_feddf_process(
     def evaluate_client(state, client_state):
         client_id, architecture = client_state['client_id'], client_state['architecture']
         prototype = tf.gather(state['prototypes'], architecture)
-        test = client_data.read_split(spec, client_id, 'test')
+        test = client_data.read_split(spec, client_id, spec.evaluation_split)
         result = collections.OrderedDict(
             global_model=heterogeneous.evaluate_packed(archs, architecture, prototype, test, user_metrics)
         )

@@ -586,7 +586,7 @@ def build_kdpdfl_process(
         return trained[0], building_blocks.aggregate_training_metrics(trained[1])
 
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(client_state_type)

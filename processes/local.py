@@ -96,7 +96,7 @@ def build_local_process(
         loss_fn=local_training.loss_from(loss, spec),
     )
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(np.str_)

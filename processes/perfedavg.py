@@ -175,7 +175,7 @@ def build_perfedavg_process(
         epochs, max_steps = settings.local_epochs, None
     weights_type = model_weights.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(np.str_)

@@ -206,7 +206,7 @@ def build_persfl_process(
         spec, model_fn, local_config, seed=seed, optimizer=client_optimizer
     )
     test_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
     val_evaluation = building_blocks.build_client_evaluation(spec, model_fn, 'val')
 

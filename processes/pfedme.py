@@ -140,7 +140,7 @@ def build_pfedme_process(
     personal_learning_rate = settings.pfedme_personal_learning_rate
     weights_type = model_weights.weights_type(model_fn)
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
 
     @tff.tensorflow.computation(np.str_)

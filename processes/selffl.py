@@ -320,7 +320,7 @@ def build_selffl_process(
     loss_fn = _gaussian_loss(gaussian_noise_var) if gaussian else local_training.loss_from(loss, spec)
     weights_type = model_weights.weights_type(model_fn)
     test_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, 'test', local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
     aggregator = aggregators.PrecisionWeightedMeanFactory(
         spec.num_clients, fixed_sigma0_sq=known_sigma0_sq, dp=dp, secure=secure

@@ -171,10 +171,13 @@ def test_a_config_json_of_the_previous_layout_resumes_as_the_same_configuration(
     config = run_config.ExperimentConfig.from_dict(written)
     flat = json.loads(json.dumps(config.to_dict()))
     own = {k: v for k, v in flat.items() if k in config.settings.field_names()}
-    # Settings added since (the mutual-TLS files, then the rounds a call, last) are written with their defaults.
+    # Settings added since (the mutual-TLS files, then the rounds a call, last; the validation curve
+    # beside the other evaluation settings) are written with their defaults.
     added = {**{name: None for name in config_parts.WORKER_TLS_SETTINGS}, 'rounds_per_call': 1}
-    assert {k: v for k, v in flat.items() if k not in own} == {**written, **added}
-    assert [k for k in flat if k not in own] == [*written, *added]  # and in the same order
+    assert {k: v for k, v in flat.items() if k not in own} == {**written, **added, 'eval_validation': False}
+    listed = [k for k in flat if k not in own]
+    assert [k for k in listed if k != 'eval_validation'] == [*written, *added]  # and in the same order
+    assert listed[listed.index('eval_clients') + 1] == 'eval_validation'
     assert config.data.partition.params() == {'k': 3}
 
 
@@ -206,3 +209,15 @@ def test_the_partitions_are_the_partitioners_and_natural():
             partition_registry.partitioner(name)
     with pytest.raises(partition.PartitionError):
         partition_registry.partitioner('natural')
+
+
+def test_a_run_recorded_before_the_validation_curve_resumes_as_the_same_configuration():
+    """A config.json without `eval_validation` means False: the run continues; True is another configuration."""
+    from tff_pfl.program import experiment
+
+    config = run_config.make_config(output_dir='runs/x', algorithm='fedavg').validate()
+    saved = json.loads(json.dumps(config.to_dict()))
+    del saved['eval_validation']
+    assert experiment._changed_fields(saved, config) == []
+    curved = run_config.make_config(output_dir='runs/x', algorithm='fedavg', eval_validation=True).validate()
+    assert experiment._changed_fields(saved, curved) == ['eval_validation: False -> True']

@@ -1,5 +1,6 @@
 """The shared run loop: sampling, the client-state store, evaluation of every client."""
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -8,7 +9,8 @@ import pytest
 from processes import fedavg
 from tests.conftest import make_linear_problem
 from tff_pfl import models
-from tff_pfl.program import client_states, training_loop
+from tff_pfl.data import client_data
+from tff_pfl.program import client_states, evaluation, training_loop
 
 
 def test_sample_clients_is_seeded_and_sized():
@@ -20,7 +22,7 @@ def test_sample_clients_is_seeded_and_sized():
 
 
 def test_flatten():
-    assert training_loop.flatten({'a': {'b': np.float32(1.5)}, 'c': np.int32(2)}) == {'a_b': 1.5, 'c': 2}
+    assert evaluation.flatten({'a': {'b': np.float32(1.5)}, 'c': np.int32(2)}) == {'a_b': 1.5, 'c': 2}
 
 
 @pytest.fixture(scope='module')
@@ -98,10 +100,10 @@ def test_sampled_evaluations_score_a_seeded_sample_and_change_no_training_number
     assert [r.get('eval_clients') for r in sampled.rounds] == [None, 3, None, 8]
     assert 'test_global_model_accuracy_mean_ci95' not in sampled.rounds[3]
     assert sampled.clients == full.clients  # the last round scores every client
-    chosen = training_loop.evaluation_sample(5, 2, 8, 3)
-    np.testing.assert_array_equal(chosen, training_loop.evaluation_sample(5, 2, 8, 3))
+    chosen = evaluation.evaluation_sample(5, 2, 8, 3)
+    np.testing.assert_array_equal(chosen, evaluation.evaluation_sample(5, 2, 8, 3))
     assert len(set(chosen.tolist())) == 3 and list(chosen) == sorted(chosen)
-    assert training_loop.evaluation_sample(5, 2, 8, 8) is None and training_loop.evaluation_sample(5, 2, 8, 0) is None
+    assert evaluation.evaluation_sample(5, 2, 8, 8) is None and evaluation.evaluation_sample(5, 2, 8, 0) is None
     # Round 2's sample against a full evaluation of the same clients at round 2.
     store = client_states.ClientStateStore(proc, spec.client_ids)
     rng = np.random.default_rng([5, 0x5A3D])
@@ -137,3 +139,79 @@ def test_a_diverged_round_is_the_last(tmp_path, tff_runtime):
     assert lines[-1].startswith('round 1/4')
     every, _ = _run(proc, spec, rounds=4, client_fraction=1.0, seed=5)
     assert every.diverged_round is None and len(every.rounds) == 4
+
+
+def _numpy_accuracy(weights, x, y):
+    """Logistic regression's accuracy, computed in numpy from its kernel and bias."""
+    kernel, bias = (np.asarray(w) for w in weights.trainable)
+    return float(np.mean(np.argmax(x.reshape(len(x), -1) @ kernel + bias, axis=1) == y))
+
+
+def test_the_validation_curve_scores_the_validation_splits_and_changes_no_training_number(tmp_path, tff_runtime):
+    """A second process on the validation splits: its numbers are the models' on val; training is untouched."""
+    spec = make_linear_problem(tmp_path / 'data', num_clients=4, sizes=(37, 50, 23, 30))
+    model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
+    settings = fedavg.FedAvgSettings(local_epochs=1, batch_size=8, client_learning_rate=0.3)
+    proc = fedavg.build_fedavg_process(spec, model_fn, settings, seed=1)
+    val_spec = dataclasses.replace(spec, evaluation_split='val')
+    validation = fedavg.build_fedavg_process(val_spec, model_fn, settings, seed=1)
+    plain, _ = _run(proc, spec, rounds=3, client_fraction=1.0, seed=2, eval_every=1)
+    curved, _ = _run(proc, spec, rounds=3, client_fraction=1.0, seed=2, eval_every=1, validation=validation)
+    for a, b in zip(plain.rounds, curved.rounds):
+        assert {k: v for k, v in b.items() if not k.startswith('val_') and k != 'round_seconds'} == {
+            k: v for k, v in a.items() if k != 'round_seconds'
+        }
+    weights = proc.get_model_weights(curved.state)
+    val, test = [], []
+    for row in curved.clients:
+        x, y = client_data.read_split_numpy(spec, row['client_id'], 'val')
+        val.append(_numpy_accuracy(weights, x, y))
+        assert row['global_model_val_accuracy'] == pytest.approx(val[-1], abs=1e-6)
+        x, y = client_data.read_split_numpy(spec, row['client_id'], 'test')
+        test.append(_numpy_accuracy(weights, x, y))
+        assert row['global_model_accuracy'] == pytest.approx(test[-1], abs=1e-6)
+    assert val != test  # the two splits differ, so the check can tell them apart
+    last = curved.rounds[-1]
+    assert last['val_global_model_accuracy_mean'] == pytest.approx(np.mean(val), abs=1e-6)
+    sizes = np.array(spec.split_sizes['val'], float)
+    assert last['val_global_model_accuracy_weighted_mean'] == pytest.approx(np.average(val, weights=sizes), abs=1e-6)
+    assert all('val_global_model_accuracy_mean' in row for row in curved.rounds)
+
+
+def test_only_test_or_val_is_an_evaluation_split(tmp_path):
+    spec = make_linear_problem(tmp_path / 'data', num_clients=3)
+    with pytest.raises(ValueError, match="evaluation_split must be 'test' or 'val', got 'train'"):
+        dataclasses.replace(spec, evaluation_split='train')
+
+
+def test_eval_validation_gives_the_serverless_loop_its_validation_curve(tiny_npz, tmp_path, tff_runtime):
+    """`eval_validation` through the binary's path: KD-PDFL's loop writes val columns beside the test ones."""
+    import csv
+
+    from processes import kdpdfl
+    from tff_pfl.program import experiment, run_config
+
+    out = tmp_path / 'run'
+    config = run_config.make_config(
+        output_dir=str(out),
+        algorithm='kdpdfl',
+        dataset=f'npz:{tiny_npz}',
+        partition='kd_dirichlet',
+        num_clients=4,
+        kd_split_sizes=(5, 15, 5, 10),
+        model='mnist_dnn',
+        rounds=2,
+        eval_every=1,
+        eval_validation=True,
+        settings=kdpdfl.KDPDFLSettings(
+            exchange_interval=3, kd_mean_neighbours=2.0, kd_max_neighbours=2, batch_size=8, client_learning_rate=0.1
+        ),
+    ).validate()
+    result = experiment.run_experiment(config, log=lambda line: None)
+    for row in result.rounds:
+        assert 0 <= row['val_personalized_model_accuracy_mean'] <= 1
+    with open(out / 'clients.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and all(0 <= float(r['personalized_model_val_accuracy']) <= 1 for r in rows)
+    with open(out / 'metrics.csv') as f:
+        assert 'val_personalized_model_accuracy_mean' in next(csv.reader(f))

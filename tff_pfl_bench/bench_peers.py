@@ -44,7 +44,7 @@ import tensorflow_federated as tff
 from tff_pfl import losses, models, runtime
 from tff_pfl.computations import audit, model_weights
 from tff_pfl.data import client_data
-from tff_pfl.program import checkpoints, config_parts, experiment, run_config, training_loop
+from tff_pfl.program import checkpoints, config_parts, evaluation, experiment, run_config, training_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,7 +569,7 @@ def _evaluate_now(config, round_num: int, last: bool) -> bool:
 
 
 def _result(clients, evaluations: Sequence[Mapping], rows, diverged_round) -> training_loop.RunResult:
-    client_rows, summary = training_loop.summarize_evaluation(clients.ids, evaluations)
+    client_rows, summary = evaluation.summarize_evaluation(clients.ids, evaluations)
     return training_loop.RunResult(
         state=None, client_states={}, rounds=rows, clients=client_rows, summary=summary, diverged_round=diverged_round
     )

@@ -35,7 +35,7 @@ from processes import ktpfl_coefficients, ktpfl_homo
 from tff_pfl import models, reports, runtime
 from tff_pfl.computations import heterogeneous
 from tff_pfl.data import client_data, pipeline
-from tff_pfl.program import client_states, training_loop
+from tff_pfl.program import client_states, evaluation
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,7 +111,7 @@ def run_one(spec, seed: int, rate: float) -> dict:
     result = {'seed': seed, 'transfer_rate': rate, 'val_accuracy': {}, 'train_accuracy': [], 'transfer_distance': []}
     for round_num in range(1, _ROUNDS.value + 1):
         state, metrics = store.run_round(process, state, ids)
-        flat = training_loop.flatten(metrics)
+        flat = evaluation.flatten(metrics)
         result['train_accuracy'].append(float(flat['train_accuracy']))
         result['transfer_distance'].append(float(flat['transfer_distance']))
         if round_num % _EVAL_EVERY.value == 0 or round_num == _ROUNDS.value:

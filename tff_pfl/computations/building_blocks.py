@@ -266,14 +266,18 @@ def build_server_update(
 
 
 def build_client_evaluation(
-    spec: client_data.ClientDataSpec, model_fn: ModelFn, split: str = 'test', metrics: local_training.Metrics = ()
+    spec: client_data.ClientDataSpec,
+    model_fn: ModelFn,
+    split: str | None = None,
+    metrics: local_training.Metrics = (),
 ) -> tff.Computation:
     """A client's loss and accuracy of `weights` on its own `split`.
 
     Args:
       spec: the partition on disk.
       model_fn: builds a fresh Keras model.
-      split: which split to evaluate on.
+      split: which split to evaluate on; None: `spec.evaluation_split` (the
+        test split, or the validation split of a validation curve).
       metrics: a user's extra metrics (`local_training.metrics_from`).
 
     Returns:
@@ -281,6 +285,8 @@ def build_client_evaluation(
       num_examples, ...metrics>`.
     """
     weights_type = model_weights.weights_type(model_fn)
+
+    split = spec.evaluation_split if split is None else split
 
     @tff.tensorflow.computation(weights_type, np.str_)
     def client_evaluation(weights, client_id):

@@ -373,7 +373,11 @@ def evaluate_model(model: tf.keras.Model, data, metrics: local_training.Metrics 
 
 
 def build_personalized_evaluation(
-    spec, archs: Architectures, client_state_type: tff.Type, split: str = 'test', metrics: local_training.Metrics = ()
+    spec,
+    archs: Architectures,
+    client_state_type: tff.Type,
+    split: str | None = None,
+    metrics: local_training.Metrics = (),
 ) -> tff.Computation:
     """Each client's evaluation of the model its state holds (`params`, packed).
 
@@ -385,13 +389,15 @@ def build_personalized_evaluation(
       archs: the `Architectures`.
       client_state_type: the client state type, with `client_id` and
         `params` (and optionally `architecture`).
-      split: which split to evaluate on.
+      split: which split to evaluate on; None: `spec.evaluation_split` (the
+        test split, or the validation split of a validation curve).
       metrics: a user's extra metrics (`local_training.metrics_from`).
 
     Returns:
       A `tff.tensorflow.computation` `client_state ->
       <personalized_model=<loss, accuracy, num_examples>>`.
     """
+    split = spec.evaluation_split if split is None else split
     per_client = 'architecture' in [name for name, _ in tff.structure.iter_elements(client_state_type)]
 
     @tff.tensorflow.computation(client_state_type)

@@ -102,6 +102,11 @@ class ClientDataSpec:
         `client_ids` order; None for a partition made by the project.
       layout: `SHARDED` (shard files and an index) or `PER_CLIENT` (one
         directory per client, written by earlier versions).
+      evaluation_split: the split the processes built on this spec score in
+        `evaluate`: 'test', or 'val' for a run's validation curve (a second
+        process built on `dataclasses.replace(spec, evaluation_split='val')`
+        scores the same states on the validation splits). Not stored in
+        the manifest: a view of the data, not the data.
     """
 
     root: str
@@ -114,6 +119,11 @@ class ClientDataSpec:
     label_shape: tuple[int, ...] = ()
     source_ids: tuple[str, ...] | None = None
     layout: str = SHARDED
+    evaluation_split: str = 'test'
+
+    def __post_init__(self):
+        if self.evaluation_split not in ('test', 'val'):
+            raise ValueError(f"evaluation_split must be 'test' or 'val', got {self.evaluation_split!r}")
 
     @property
     def num_clients(self) -> int:

@@ -335,6 +335,11 @@ class EvaluationConfig(settings_lib.Settings):
         'Evaluations before the last round score a seeded sample of this many clients, with a 95% confidence '
         'interval of the mean (0: every client); the last round scores every client.',
     )
+    eval_validation: bool = _setting(
+        False,
+        "Each evaluation also scores every client's models on its validation split (val_* columns of "
+        'metrics.csv and clients.csv): the curve a round or a setting is chosen on, never the test split.',
+    )
 
     def _checks(self):
         return super()._checks() + [

@@ -24,7 +24,7 @@ import numpy as np
 
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import client_states, training_loop
+from tff_pfl.program import client_states, evaluation, training_loop
 
 
 def run(
@@ -47,6 +47,7 @@ def run(
     stop_on_divergence: bool = False,
     num_classes: int | None = None,
     source_ids: Sequence[str] | None = None,
+    validation=None,
 ) -> training_loop.RunResult:
     """Runs `intervals` exchange intervals of `exchange_interval` slots each.
 
@@ -65,7 +66,7 @@ def run(
       eval_every: evaluate every client every this many intervals (0: only at
         the end); the last interval is always evaluated.
       eval_clients: evaluations before the last interval score a seeded
-        sample of this many clients (`training_loop.evaluation_sample`);
+        sample of this many clients (`evaluation.evaluation_sample`);
         0: every client.
       on_round: called with each interval's metrics row.
       log: receives one progress line per interval.
@@ -78,6 +79,7 @@ def run(
         mean training loss is NaN or infinite.
       num_classes: as in `training_loop.run` (the `health.RunMonitor` tags).
       source_ids: as in `training_loop.run`.
+      validation: as in `training_loop.run`.
 
     Returns:
       A `training_loop.RunResult` (its `rounds` are the intervals).
@@ -120,11 +122,11 @@ def run(
                 state = output.state
                 store.put([client_ids[star]], [state['star']])
                 store.put(neighbour_ids, output.client_states)
-                row.update(training_loop.flatten(output.metrics, 'exchange_'))
+                row.update(evaluation.flatten(output.metrics, 'exchange_'))
                 slots[[star] + neighbours] = exchange_interval - 2
         states, train_metrics = process.local_work(store.all(), list(slots), np.int32(first_slot))
         store.put(store.ids(), states)
-        row.update(training_loop.flatten(train_metrics))
+        row.update(evaluation.flatten(train_metrics))
         return state, [row]
 
     return training_loop.run_rounds(
@@ -146,5 +148,6 @@ def run(
         stop_on_divergence=stop_on_divergence,
         num_classes=num_classes,
         source_ids=source_ids,
+        validation=validation,
         progress_label=lambda interval, row: f'interval {interval}/{intervals} (slot {row["slot"]})',
     )

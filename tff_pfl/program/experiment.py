@@ -245,10 +245,15 @@ def _saved_config(out: str) -> dict | None:
         ) from None
 
 
+# Run settings added after runs were recorded: the value a `config.json` that lacks one means.
+_ADDED_SINCE = {'eval_validation': False}
+
+
 def _changed_fields(saved: dict, config: run_config.ExperimentConfig) -> list[str]:
     # The flat form holds only the run's settings and the chosen algorithm's:
     # a setting of another algorithm can neither be set nor differ.
     current = json.loads(json.dumps(config.to_dict()))
+    saved = {**_ADDED_SINCE, **saved}
     return [
         f'{k}: {saved.get(k)!r} -> {current[k]!r}'
         for k in current
@@ -364,6 +369,10 @@ def run_experiment(
         spec, process = prepare_run(config, out, log)
     if on_process is not None:
         on_process(process)
+    # The validation curve: the same algorithm built on the clients' validation splits scores the same states.
+    validation = None
+    if config.evaluation.eval_validation:
+        validation = build_process(config, dataclasses.replace(spec, evaluation_split='val'))
     # Settings that imply a model that barely moves: one line each, before round 1 (docs/reliability.md).
     warnings = health.pre_run_warnings(config, health.dp_uploads(config, spec, process))
     for line in warnings:
@@ -400,6 +409,7 @@ def run_experiment(
                 num_classes=spec.num_classes,
                 # A source's own client ids (TFF's Shakespeare roles, a user's ClientData ids) in clients.csv.
                 source_ids=spec.source_ids,
+                validation=validation,
             )
             if algorithms.get(config.algorithm).serverless:
                 result = decentralized.run(

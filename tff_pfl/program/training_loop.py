@@ -14,10 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from tff_pfl import metrics as metrics_lib
 from tff_pfl.computations import template
 from tff_pfl.program import checkpoints as checkpoints_lib
-from tff_pfl.program import client_states, device_store, health
+from tff_pfl.program import client_states, device_store, evaluation, health
 
 
 def clients_per_round(num_clients: int, fraction: float) -> int:
@@ -58,28 +57,6 @@ def sample_clients(
     count = clients_per_round(len(client_ids), fraction)
     chosen = np.sort(rng.choice(len(client_ids), size=count, replace=False))
     return [client_ids[i] for i in chosen]
-
-
-def flatten(nested: Mapping, prefix: str = '') -> collections.OrderedDict:
-    """`{'a': {'b': 1}}` -> `{'a_b': 1}`, values as Python scalars.
-
-    Args:
-      nested: a (nested) mapping of metrics; values are array-likes.
-      prefix: prepended to every flattened key.
-
-    Returns:
-      Flat key -> value, in `nested`'s order: rank-0 values as Python
-      scalars, others as (nested) lists.
-    """
-    flat = collections.OrderedDict()
-    for key, value in nested.items():
-        name = f'{prefix}{key}'
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, name + '_'))
-        else:
-            value = np.asarray(value)
-            flat[name] = value.item() if value.ndim == 0 else value.tolist()
-    return flat
 
 
 @dataclasses.dataclass
@@ -143,65 +120,6 @@ def divergence_line(label: str, row: Mapping) -> str:
     )
 
 
-def summarize_evaluation(
-    client_ids: Sequence[str], evaluations: Sequence[Mapping], source_ids: Mapping[str, str] | None = None
-):
-    """Per-client rows and across-client summaries of an `evaluate` result.
-
-    Args:
-      client_ids: the evaluated clients, in the order of `evaluations`.
-      evaluations: one (nested) evaluation mapping per client; every entry
-        that holds an `accuracy` is a model, with its `num_examples`.
-      source_ids: client id -> the client's id in its source (a user's
-        `ClientData` ids, a naturally federated dataset's), added to each row
-        as `source_id`; None: no such column.
-
-    Returns:
-      `(rows, summaries)`: one flat dict per client (`client_id` first, then
-      `source_id` where given), and model name (e.g. 'global_model') ->
-      `metrics.summarize` of its test accuracies weighted by the clients'
-      test sizes.
-    """
-    rows = []
-    for c, e in zip(client_ids, evaluations):
-        row = collections.OrderedDict(client_id=c)
-        if source_ids is not None:
-            row['source_id'] = source_ids[c]
-        row.update(flatten(e))
-        rows.append(row)
-    summaries = collections.OrderedDict()
-    model_names = [k for k, v in evaluations[0].items() if isinstance(v, Mapping) and 'accuracy' in v]
-    for model_name in model_names:
-        accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
-        sizes = [float(e[model_name]['num_examples']) for e in evaluations]
-        summaries[model_name] = metrics_lib.summarize(accuracies, sizes)
-        # Self-FL's Table 1: weighted accuracy of the 10% of clients with the
-        # most samples (test sizes are proportional to client sizes).
-        summaries[model_name]['top_10_by_samples'] = metrics_lib.top_by_weight_mean(accuracies, sizes)
-    return rows, summaries
-
-
-def source_id_map(client_ids: Sequence[str], source_ids: Sequence[str] | None) -> dict | None:
-    """client id -> source id, for `summarize_evaluation` (None when `source_ids` is None).
-
-    Args:
-      client_ids: every client id.
-      source_ids: one source id per client, in `client_ids` order, or None.
-
-    Returns:
-      The mapping, or None.
-
-    Raises:
-      ValueError: if `source_ids` does not hold one id per client.
-    """
-    if source_ids is None:
-        return None
-    source_ids = list(source_ids)
-    if len(source_ids) != len(client_ids):
-        raise ValueError(f'source_ids has {len(source_ids)} ids for {len(client_ids)} clients')
-    return dict(zip(client_ids, (str(s) for s in source_ids)))
-
-
 def check_rounds_per_call(
     rounds_per_call: int,
     *,
@@ -249,68 +167,6 @@ def check_rounds_per_call(
                 f'{prefix}{name}={every} is not a multiple of {prefix}rounds_per_call={k}: evaluations and '
                 'checkpoints fall between calls'
             )
-
-
-def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
-    """The clients an intermediate evaluation scores: a seeded sample, or None for every client.
-
-    The draw depends only on (seed, round), not on the run's sampling
-    generator, so sampled evaluation changes no training number, and a resumed
-    run scores the same clients.
-
-    Args:
-      seed: the run's seed.
-      round_num: the round (or interval) evaluated.
-      num_clients: the population.
-      eval_clients: the sample size; 0 or at least `num_clients`: every client.
-
-    Returns:
-      Sorted client indices without repetition, or None.
-    """
-    if not 0 < eval_clients < num_clients:
-        return None
-    rng = np.random.default_rng([seed, 0xE7A1, round_num])
-    return np.sort(rng.choice(num_clients, size=eval_clients, replace=False))
-
-
-def evaluate_all(
-    process, state, store, row: dict, sample: np.ndarray | None = None, source_ids: Mapping[str, str] | None = None
-):
-    """Evaluates every client (or a sample of them); adds the across-client summaries to `row`.
-
-    Args:
-      process: the algorithm.
-      state: the server state.
-      store: the run's store (a `client_states.ClientStates`).
-      row: the current metrics row; gets a
-        `test_<model>_accuracy_<statistic>` entry per model and statistic,
-        and `eval_clients`, the number of clients scored. A sample also adds
-        `test_<model>_accuracy_mean_ci95`, the half-width of the 95 %
-        confidence interval of the population's mean
-        (`metrics.sample_mean_interval`).
-      sample: indices (into `store.ids()`) of the clients to score; None:
-        every client.
-      source_ids: as in `summarize_evaluation`.
-
-    Returns:
-      `summarize_evaluation`'s `(client rows, summaries)` of the scored
-      clients.
-    """
-    ids = store.ids()
-    if sample is not None:
-        ids = [ids[i] for i in sample]
-    evaluations = store.evaluate(process, state, None if sample is None else ids)
-    client_rows, summaries = summarize_evaluation(ids, evaluations, source_ids)
-    row['eval_clients'] = len(ids)
-    for model_name, summary in summaries.items():
-        for stat in ('mean', 'weighted_mean', 'std', 'worst_10', 'best_10', 'top_10_by_samples'):
-            row[f'test_{model_name}_accuracy_{stat}'] = summary[stat]
-        if sample is not None:
-            accuracies = [float(e[model_name]['accuracy']) for e in evaluations]
-            row[f'test_{model_name}_accuracy_mean_ci95'] = metrics_lib.sample_mean_interval(
-                accuracies, len(store.ids())
-            )
-    return client_rows, summaries
 
 
 def progress_line(
@@ -446,6 +302,7 @@ def run(
     num_classes: int | None = None,
     source_ids: Sequence[str] | None = None,
     rounds_per_call: int = 1,
+    validation: template.PersonalizedProcess | None = None,
 ) -> RunResult:
     """Trains for `rounds` rounds, evaluating every client as it goes.
 
@@ -507,6 +364,9 @@ def run(
         round that diverges inside a call stops the run after that call:
         its row is the last, and the models evaluated are the call's last
         round's.
+      validation: optional; the same algorithm built on the clients'
+        validation splits, whose `evaluate` also scores every evaluation's
+        states (`evaluate_all`): the validation curve.
 
     Returns:
       A `RunResult`.
@@ -543,7 +403,7 @@ def run(
             every_metrics = [round_metrics]
         rows = []
         for i, round_metrics in enumerate(every_metrics):
-            row = collections.OrderedDict(round=round_num + i, **flatten(round_metrics))
+            row = collections.OrderedDict(round=round_num + i, **evaluation.flatten(round_metrics))
             if privacy is not None:
                 row.update(privacy(round_num + i))
             rows.append(row)
@@ -569,6 +429,7 @@ def run(
         stop_on_divergence=stop_on_divergence,
         num_classes=num_classes,
         source_ids=source_ids,
+        validation=validation,
     )
 
 
@@ -594,6 +455,7 @@ def run_rounds(
     source_ids: Sequence[str] | None = None,
     progress_label: Callable[[int, Mapping], str] | None = None,
     rounds_per_call: int = 1,
+    validation: template.PersonalizedProcess | None = None,
 ) -> RunResult:
     """The one run loop: rounds of `step`, resumed from a checkpoint, checked, evaluated, released, saved.
 
@@ -635,6 +497,7 @@ def run_rounds(
         after round 0 and after each multiple of it (the caller keeps
         evaluations and checkpoints on those boundaries,
         `check_rounds_per_call`).
+      validation: as in `run`.
 
     Returns:
       A `RunResult`.
@@ -642,7 +505,7 @@ def run_rounds(
     Raises:
       ValueError: if `source_ids` does not hold one id per client.
     """
-    source_map = source_id_map(client_ids, source_ids)
+    source_map = evaluation.source_id_map(client_ids, source_ids)
     state = store.initialize(process)
     started = time.monotonic()
     state, rows, first_round = resume(checkpoints, state, store, rng, client_ids, rounds, unit, log, on_resume)
@@ -669,8 +532,10 @@ def run_rounds(
                 store.personalize(process, state)
                 row['personalize_seconds'] = time.monotonic() - personalize_start
             if evaluate_now:
-                sample = None if last else evaluation_sample(seed, round_num, len(client_ids), eval_clients)
-                client_rows, summaries = evaluate_all(process, state, store, row, sample, source_map)
+                sample = None if last else evaluation.evaluation_sample(seed, round_num, len(client_ids), eval_clients)
+                client_rows, summaries = evaluation.evaluate_all(
+                    process, state, store, row, sample, source_map, validation
+                )
             rows.append(row)
             if on_round is not None:
                 on_round(row)
