@@ -232,6 +232,56 @@ def test_blank_cells_old_summaries_and_stale_results(tmp_path):
     assert not any(e['stale'] for e in scoreboard.entries(str(root)))
 
 
+PAPER_ERRORS = """
+[paper_errors]
+"FT" = { natural = "Table 2's FT column repeats its FedAvg column" }
+"""
+
+
+def test_paper_errors_are_marked_and_left_out_of_the_counts(tmp_path):
+    root = _tree(tmp_path, stored_suite=SUITE)  # results written before the suite marked the error
+    (root / 'benchmarks' / 'suites' / 'fake.toml').write_text(SUITE + PAPER_ERRORS)
+    items = scoreboard.entries(str(root))
+    by_key = _by_key(items)
+    # Every metric of the marked cell carries the reason; the results are not "of an older suite.toml".
+    for metric in ('mean', 'worst10'):
+        e = by_key[('fake', 'natural', 'FT', metric)]
+        assert e['paper_error'] == "Table 2's FT column repeats its FedAvg column" and e['status'] == 'ok'
+        assert not e['stale']
+    assert by_key[('fake', 'natural', 'FedAvg', 'mean')]['paper_error'] is None
+    text = scoreboard.render(items)
+    assert (
+        '7 paper numbers from 2 suites, 2 of them paper errors (marked below, not counted); of the other 5: '
+        '3 with a result, 2 of them within 2 points of the paper; 2 not run yet.'
+    ) in text
+    row = next(line for line in text.splitlines() if '| FT | mean |' in line)
+    cells = [c.strip() for c in row.split('|')[1:-1]]
+    reason = "paper error: Table 2's FT column repeats its FedAvg column"
+    assert cells[5:10] == ['70.25', '72.25 ± 1.25', '3/3', '+2.00', reason]
+    one = PAPER_ERRORS.replace('"FT" = { natural', '"FedAvg" = { natural')
+    (root / 'benchmarks' / 'suites' / 'fake.toml').write_text(SUITE + one)
+    assert '1 of them a paper error (marked below, not counted); of the other 6:' in scoreboard.generate(str(root))
+
+
+@pytest.mark.parametrize(
+    'errors, message',
+    [
+        ('"Ditto" = { natural = "x" }', 'paper_errors.Ditto: unknown algorithm label; the suite has FedAvg, FT'),
+        ('"FT" = { ds9 = "x" }', 'paper_errors.FT.ds9: unknown partition label; the suite has natural, IID'),
+        ('"FedAvg" = { IID = "x" }\n"FT" = { IID = "x" }', 'paper_errors.FT.IID: no such [paper] cell (paper.FT.IID)'),
+        ('"FT" = { natural = " " }', 'paper_errors.FT.natural: must be a non-empty string'),
+        ('"FT" = { natural = 3 }', 'paper_errors.FT.natural: must be a non-empty string'),
+        ('"FT" = "x"', 'paper_errors.FT: must be a table, got str'),
+    ],
+)
+def test_paper_errors_are_validated(errors, message):
+    suite = SUITE.replace('IID = { weighted = 90.0, top10 = 99.0 }', 'IID = 90.0').replace(', IID = 50', '')
+    with pytest.raises(bench_suite.SuiteError) as raised:
+        bench_suite.parse_suite(suite + '[paper_errors]\n' + errors + '\n', 'x.toml')
+    assert str(raised.value).startswith('x.toml: ') and message in str(raised.value)
+    assert '\n' not in str(raised.value)
+
+
 @pytest.mark.parametrize(
     'commands, partition, algorithm, expected',
     [

@@ -1,1 +1,1 @@
-"""The benchmark tool beside the library: suites, their runs and reports, and the scoreboard (tff-pfl-bench)."""
+"""The benchmark tool beside the library: suites, their runs and reports (tff-pfl-bench), the scoreboard, the claims."""

@@ -34,11 +34,16 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     "PersFL" = { ds1 = { mean = 98.6, top10 = 99.0 } }  # or metric -> value
     [paper_source]                     # optional, with [paper]: where the
     source = "PersFL, Table 3, MNIST"  # numbers come from (the scoreboard)
+    [paper_errors]                     # optional: [paper] cells that are the
+    "FedPer" = { ds2 = "..." }         # paper's own errors -> the reason
 
 A `[paper]` cell is `[mean, std]` (the across-client mean and the
 across-client std), a number (the across-client mean), or a table naming the
 metrics it targets (`PAPER_METRICS`): `mean` takes a number or
-`[mean, std]`, `weighted`, `worst10` and `top10` a number.
+`[mean, std]`, `weighted`, `worst10` and `top10` a number. A
+`[paper_errors]` cell names a `[paper]` cell the paper got wrong (a column
+copied from another, say) and why; the scoreboard marks its numbers and
+leaves them out of its counts.
 
 A run's configuration is the settings' defaults (the common
 `ExperimentConfig` and the algorithm's settings dataclass), updated in this
@@ -74,7 +79,16 @@ MODELS = ('global_model', 'personalized_model')
 
 _RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
 _COMMON_HINTS = {name: hint for _, name, hint, _, _ in run_config.ExperimentConfig.common_settings()}
-_SUITE_KEYS = ('name', 'description', 'defaults', 'partitions', 'algorithms', 'paper', 'paper_source')
+_SUITE_KEYS = (
+    'name',
+    'description',
+    'defaults',
+    'partitions',
+    'algorithms',
+    'paper',
+    'paper_source',
+    'paper_errors',
+)
 # What a `[paper]` number can be: the across-client mean, the sample-weighted
 # mean, the mean of the worst 10% of clients, and the sample-weighted mean of
 # the 10% of clients with the most examples (`bench_report.METRICS`).
@@ -87,14 +101,14 @@ _DATA_FIELDS = ('dataset', 'data_dir', 'num_clients', 'split_fractions')
 
 # Keys of a suite that do not change its runs: results written under a suite
 # that differs from another only there belong to both.
-RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source')
+RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source', 'paper_errors')
 
 
 def same_runs(stored_text: str | None, suite: 'Suite') -> bool:
     """Whether a stored suite.toml gives the same runs as `suite`.
 
-    Comments, layout, the description and the paper numbers aside
-    (`RESULT_NEUTRAL_KEYS`).
+    Comments, layout, the description, the paper numbers and their errors
+    aside (`RESULT_NEUTRAL_KEYS`).
 
     Args:
       stored_text: the stored suite.toml's text, or None when there is none.
@@ -198,6 +212,8 @@ class Suite:
       paper: algorithm label -> partition label -> metric (`PAPER_METRICS`)
         -> (value, std or None), in %; only `mean` has a std (across clients).
       paper_source: where the `[paper]` numbers come from, or ''.
+      paper_errors: algorithm label -> partition label -> why that `[paper]`
+        cell is the paper's own error (a reason, one line).
     """
 
     name: str
@@ -211,6 +227,7 @@ class Suite:
     algorithms: tuple
     paper: Mapping
     paper_source: str = ''
+    paper_errors: Mapping = dataclasses.field(default_factory=dict)
 
     def config(
         self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
@@ -459,6 +476,20 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
             fail('paper_source.source', 'required, a non-empty string (e.g. "KT-pFL, Table 2, Fashion-MNIST")')
         if not paper:
             fail('paper_source', 'given without a [paper] table')
+    paper_errors = {}
+    for algorithm_name, cells in _table(raw.get('paper_errors', {}), 'paper_errors', fail).items():
+        if algorithm_name not in algorithm_names:
+            known = ', '.join(algorithm_names)
+            fail(f'paper_errors.{algorithm_name}', f'unknown algorithm label; the suite has {known}')
+        for partition_name, reason in _table(cells, f'paper_errors.{algorithm_name}', fail).items():
+            key = f'paper_errors.{algorithm_name}.{partition_name}'
+            if partition_name not in partition_names:
+                fail(key, f'unknown partition label; the suite has {", ".join(partition_names)}')
+            if partition_name not in paper.get(algorithm_name, {}):
+                fail(key, f'no such [paper] cell (paper.{algorithm_name}.{partition_name}): a paper error marks one')
+            if not isinstance(reason, str) or not reason.strip():
+                fail(key, "must be a non-empty string: why the paper's number is wrong")
+            paper_errors.setdefault(algorithm_name, {})[partition_name] = ' '.join(reason.split())
 
     suite = Suite(
         name=name,
@@ -472,6 +503,7 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         algorithms=tuple(entries),
         paper=paper,
         paper_source=paper_source.strip(),
+        paper_errors=paper_errors,
     )
     used = set(run_config.ExperimentConfig.common_fields()).union(*(setting_names(a.algorithm) for a in entries))
     for key in config_defaults:

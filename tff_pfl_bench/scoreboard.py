@@ -12,7 +12,9 @@ Run from the repository root. Reads every `benchmarks/suites/*.toml` that has a
 value, ours (mean ± std over seeds, from `summary.csv`), the seeds complete,
 the difference, whether it is within 2 points, and the commands that
 produced it (`commands.txt`). A number whose cell has no committed result is
-a "not run yet" row. Suites without a `[paper]` table follow in a short
+a "not run yet" row. A number the suite's `[paper_errors]` marks as the
+paper's own error says so, with the reason, and is left out of the counts.
+Suites without a `[paper]` table follow in a short
 list (what each runs, runs complete, its report). Nothing is run or recomputed: the page only reads
 committed files, so `tests/test_scoreboard.py` can check that it is current.
 
@@ -181,8 +183,16 @@ def _number(row: Mapping, column: str) -> float | None:
     return None if value in (None, '') else float(value)
 
 
-def _run_command(suite: bench_suite.Suite, suite_path: str) -> str:
-    """The command that runs the whole suite, adding to its committed results."""
+def run_command(suite: bench_suite.Suite, suite_path: str) -> str:
+    """The command that runs the whole suite, adding to its committed results.
+
+    Args:
+      suite: the suite.
+      suite_path: its file, relative to the repository root.
+
+    Returns:
+      `tff-pfl-bench --suite=... --output_dir=runs/bench/<slug> --results_dir=<results_dir>`.
+    """
     output_dir = os.path.join('runs', 'bench', bench_suite.slug(suite.name))
     results = results_dir('', suite)
     return f'tff-pfl-bench --suite={suite_path} --output_dir={output_dir} --results_dir={results}'
@@ -205,8 +215,9 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
       for results written before the metric was reported, 'not available'
       for a blank cell), `stale` (the results' suite.toml gives other runs
       than the suite file), `diff` (ours - paper or None), `within` (bool or
-      None) and `commands` (the recorded invocations covering the cell, or
-      the command to run it when it is not run yet).
+      None), `paper_error` (the suite's `[paper_errors]` reason for the
+      cell, or None) and `commands` (the recorded invocations covering the
+      cell, or the command to run it when it is not run yet).
 
     Raises:
       bench_suite.SuiteError: a suite file does not load, or a summary.csv
@@ -225,7 +236,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
             bench_layout.file_text(os.path.join(directory, bench_layout.SUITE_FILE)), suite
         )
         report = os.path.join(directory, 'report.md')
-        run_command = _run_command(suite, suite_path)
+        command = run_command(suite, suite_path)
         for partition in suite.partitions:
             for algorithm in suite.algorithms:
                 cell = suite.paper.get(algorithm.name, {}).get(partition.name)
@@ -252,7 +263,8 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
                         stale=False,
                         diff=None,
                         within=None,
-                        commands=[run_command],
+                        paper_error=suite.paper_errors.get(algorithm.name, {}).get(partition.name),
+                        commands=[command],
                     )
                     if row is not None:
                         entry.update(
@@ -313,7 +325,7 @@ def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
                 report=os.path.relpath(report, root) if summary and os.path.exists(report) else None,
                 what=' '.join(suite.description.split()),
                 runs=f'{complete}/{len(suite.runs())}',
-                command=_run_command(suite, suite_path),
+                command=run_command(suite, suite_path),
             )
         )
     return result
@@ -336,6 +348,22 @@ def _ours_text(entry: Mapping) -> str:
     return f'{entry["ours"]:.2f} ± {entry["ours_std"]:.2f}'
 
 
+def _within_text(entry: Mapping) -> str:
+    if entry.get('paper_error'):
+        return f'paper error: {entry["paper_error"]}'
+    return '' if entry['within'] is None else ('yes' if entry['within'] else 'no')
+
+
+def _headline(numbers: int, suites: int, errors: int, done: int, within: int, not_run: int) -> str:
+    """The page's count line; the paper's own errors are left out of every count after the first."""
+    head = f'{numbers} paper numbers from {suites} suite{"s" if suites != 1 else ""}'
+    counts = f'{done} with a result, {within} of them within {TOLERANCE:g} points of the paper; {not_run} not run yet.'
+    if not errors:
+        return f'{head}: {counts}'
+    marked = f'{errors} of them {"a paper error" if errors == 1 else "paper errors"}'
+    return f'{head}, {marked} (marked below, not counted); of the other {numbers - errors}: {counts}'
+
+
 def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
     """The scoreboard page.
 
@@ -348,9 +376,11 @@ def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
       The markdown text, ending with a newline.
     """
     suites = list(dict.fromkeys(e['suite'] for e in items))
-    done = [e for e in items if e['status'] == 'ok']
+    errors = [e for e in items if e.get('paper_error')]
+    counted = [e for e in items if not e.get('paper_error')]
+    done = [e for e in counted if e['status'] == 'ok']
     within = [e for e in done if e['within']]
-    not_run = [e for e in items if e['status'] == 'not run yet']
+    not_run = [e for e in counted if e['status'] == 'not run yet']
     link_base = os.path.dirname(OUTPUT)
     rows = []
     for e in items:
@@ -371,7 +401,7 @@ def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
                 'ours': _ours_text(e),
                 'seeds': runs,
                 'diff': '' if e['diff'] is None else f'{e["diff"]:+.2f}',
-                f'within {TOLERANCE:g}': '' if e['within'] is None else ('yes' if e['within'] else 'no'),
+                f'within {TOLERANCE:g}': _within_text(e),
                 'command': '<br>'.join(f'{prefix}`{c}`' for c in e['commands']),
             }
         )
@@ -397,16 +427,16 @@ def render(items: Sequence[Mapping], others: Sequence[Mapping] = ()) -> str:
         'current. The suite format and the metrics:',
         '[docs/benchmarks.md](../benchmarks.md#paper-numbers-and-the-scoreboard).',
         '',
-        f'{len(items)} paper numbers from {len(suites)} suite{"s" if len(suites) != 1 else ""}: {len(done)} with a '
-        f'result, {len(within)} of them within {TOLERANCE:g} points of the paper; {len(not_run)} not run yet.',
+        _headline(len(items), len(suites), len(errors), len(done), len(within), len(not_run)),
         '',
         'All values are test accuracy in %. metric: mean, the mean over clients; weighted, the mean weighted by',
         "each client's examples (train + val + test); worst 10%, the mean of the ceil(0.1 N) worst of N clients;",
         'top 10% by samples, the sample-weighted mean of the ceil(0.1 N) clients with the most examples. ours:',
         'mean over seeds ± std over seeds (n - 1) of that metric; seeds: runs complete / seeds of the suite;',
-        f'diff: ours - paper; within {TOLERANCE:g}: |diff| <= {TOLERANCE:g}. command: the recorded invocations that',
-        "cover the row's partition and algorithm (`commands.txt`), each once, or, for a row not run yet, the command",
-        'to run.',
+        f'diff: ours - paper; within {TOLERANCE:g}: |diff| <= {TOLERANCE:g}, or "paper error" and why, for a number',
+        "the suite's `[paper_errors]` marks as the paper's own mistake (left out of the counts above). command: the",
+        "recorded invocations that cover the row's partition and algorithm (`commands.txt`), each once, or, for a row",
+        'not run yet, the command to run.',
         '',
         reports.markdown_table(rows, columns) if rows else '(no suite has a [paper] table)',
     ]
