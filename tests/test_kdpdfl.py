@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from processes import kdpdfl
+from processes import kdpdfl, kdpdfl_exchange
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl import settings as settings_lib
@@ -32,7 +32,7 @@ def test_output_distances_eq3():
     rng = np.random.default_rng(1)
     own, theirs = rng.random((6, 4)), rng.random((3, 6, 4))
     want = ((theirs - own) ** 2).sum(-1).mean(-1)
-    got = kdpdfl.output_distances(tf.constant(own), tf.constant(theirs)).numpy()
+    got = kdpdfl_exchange.output_distances(tf.constant(own), tf.constant(theirs)).numpy()
     np.testing.assert_allclose(got, want)
 
 
@@ -53,7 +53,7 @@ def test_connectivity_update_eq2(mu1, mu2):
     row = np.array([0.2, 0.0, 0.2, 0.2, 0.2, 0.2], np.float32)  # client 1 is the star: w_ii = 0
     ids, present = np.array([0, 4, 5, -1], np.int32), np.array([1, 1, 1, 0], np.float32)
     d = np.array([0.05, 0.4, 0.9, 0.0], np.float32)
-    got = kdpdfl.connectivity_update(
+    got = kdpdfl_exchange.connectivity_update(
         tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=mu1, mu2=mu2
     ).numpy()
     np.testing.assert_allclose(got, _numpy_connectivity(row, ids, present, d, mu1, mu2), atol=1e-6)
@@ -63,13 +63,13 @@ def test_connectivity_update_eq2(mu1, mu2):
 
 
 def test_confidence_and_mix():
-    assert float(kdpdfl.confidence(30, 4, 100.0)) == pytest.approx(0.2)  # min(0.3, 1/5)
-    assert float(kdpdfl.confidence(10, 4, 100.0)) == pytest.approx(0.1)
+    assert float(kdpdfl_exchange.confidence(30, 4, 100.0)) == pytest.approx(0.2)  # min(0.3, 1/5)
+    assert float(kdpdfl_exchange.confidence(10, 4, 100.0)) == pytest.approx(0.1)
     own = [tf.constant([1.0, 1.0])]
     theirs = [tf.constant([[3.0, 3.0], [7.0, 7.0], [100.0, 100.0]])]
-    mixed = kdpdfl.star_mix(own, theirs, tf.constant([1.0, 3.0, 0.0]), 0.25)[0].numpy()
+    mixed = kdpdfl_exchange.star_mix(own, theirs, tf.constant([1.0, 3.0, 0.0]), 0.25)[0].numpy()
     np.testing.assert_allclose(mixed, 0.25 * 1 + 0.75 * (0.25 * 3 + 0.75 * 7))
-    alone = kdpdfl.star_mix(own, theirs, tf.constant([0.0, 0.0, 0.0]), 0.25)[0].numpy()
+    alone = kdpdfl_exchange.star_mix(own, theirs, tf.constant([0.0, 0.0, 0.0]), 0.25)[0].numpy()
     np.testing.assert_allclose(alone, [1.0, 1.0])  # nobody trusted: keep the own model
 
 
