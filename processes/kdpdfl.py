@@ -17,11 +17,14 @@ neighbours are CLIENTS:
    shared hidden layer), and the distances
    d_W(i, j) = (1/n_i) sum_x sum_l (p_il(x) - p_jl(x))^2 (Eq. 3);
 3. it updates its private connectivity row (Eq. 2):
-   grad h_i = mu_1 d_W,i + mu_2 grad g_i(w_i), eta = 1 / ||grad h_i||,
+   grad h_i = mu_1 d_W,i + mu_2 grad g_i(w_i), eta = 1 / ||grad h_i||
+   (`kd_step='norm'`) or 1 / |grad h_ij| per entry ('elementwise'),
    w_ij <- max(0, w_ij - eta grad h_ij) for its neighbours j;
 4. its new model is c_i theta_i + (1 - c_i) sum_j (w_ij / sum_k w_ik)
    theta_j, with the confidence c_i = min(|X_i| / c_base, 1 / (|N_i| + 1))
-   (Eq. 4);
+   (Eq. 4), over this exchange's models (`kd_mix='exchange'`) or over the
+   latest model it has received from every client, its footprints, kept in
+   its own state ('footprints');
 5. in the next slot the star sends its new model to those neighbours
    (Algorithm 1, lines 14-17), which adopt it (`broadcast='adopt'`) or ignore
    it (`'keep'`).
@@ -57,6 +60,7 @@ from tff_pfl.models import adapters, stacked
 
 MODES = ('kdpdfl', 'fedavg', 'local')
 BROADCASTS = ('adopt', 'keep')
+MIXES = ('exchange', 'footprints')  # what the star mixes (`KDPDFLSettings.kd_mix`)
 
 _setting = settings_lib.setting
 
@@ -135,6 +139,14 @@ class KDPDFLSettings(StarExchangeSettings):
     kd_distance_layer: int = _setting(
         -1, 'The MidGetter layer: -1 compares softmax outputs, L >= 1 the raw outputs of the first L layers.'
     )
+    kd_step: str = _setting(
+        'norm',
+        'eta of Eq. 2: norm (1 over the L2 norm of grad h_i: a unit-length step) or elementwise (w_ij moves by 1).',
+    )
+    kd_mix: str = _setting(
+        'exchange',
+        "What the star mixes: exchange (this exchange's models) or footprints (every client's latest model it holds).",
+    )
 
     def _checks(self):
         return super()._checks() + [
@@ -146,6 +158,11 @@ class KDPDFLSettings(StarExchangeSettings):
                 self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
                 f'kd_distance_layer must be -1 (the output) or >= 1, got {self.kd_distance_layer}',
             ),
+            (
+                self.kd_step in exchange.STEPS,
+                f'kd_step must be one of {", ".join(exchange.STEPS)}, got {self.kd_step!r}',
+            ),
+            (self.kd_mix in MIXES, f'kd_mix must be one of {", ".join(MIXES)}, got {self.kd_mix!r}'),
         ]
 
 
@@ -325,8 +342,9 @@ def build_kdpdfl_process(
     adopt = exchanging and settings.kd_broadcast == 'adopt'
     num_clients = spec.num_clients
     weights_type = model_weights.weights_type(model_fn)
+    footprints = mode == 'kdpdfl' and settings.kd_mix == 'footprints'
     if mode == 'kdpdfl':
-        mu1, mu2, c_base = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base
+        mu1, mu2, c_base, step = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base, settings.kd_step
         distance_batch, distance_layer = settings.kd_distance_batch, settings.kd_distance_layer
         with tf.Graph().as_default():
             model = model_fn()
@@ -350,8 +368,12 @@ def build_kdpdfl_process(
         index = client_data.client_index(client_id)
         initial = model_weights.initial_weights(model_fn, seed)  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
+        kept = {}
+        if footprints:  # the latest model received from each client (none yet): M models per client
+            kept['footprints'] = [tf.zeros([num_clients] + list(w.shape), w.dtype) for w in initial]
+            kept['footprints_held'] = tf.zeros([num_clients])
         return building_blocks.participation_state(
-            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0)
+            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0), **kept
         )
 
     @tff.tensorflow.computation(np.str_)
@@ -393,7 +415,11 @@ def build_kdpdfl_process(
         return tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
 
     def weigh_neighbours(star, own, theirs, neighbour_ids, present, num_neighbours, exchange_num):
-        """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4)."""
+        """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4, step 5).
+
+        Returns the new model, row, confidence, mean distance and the star's
+        new footprints (`{}` unless `kd_mix='footprints'`).
+        """
         train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
         order = local_training.epoch_permutations(
             local_training.client_seed(seed, exchange_num, star['client_id'], salt=7), 1, train.num_examples
@@ -402,10 +428,18 @@ def build_kdpdfl_process(
         own_out = outputs([w[tf.newaxis] for w in own], x)[0]
         distances = exchange.output_distances(own_out, outputs(theirs, x)) * present
         c = exchange.confidence(train.num_examples, num_neighbours, c_base)
-        row = exchange.connectivity_update(star['connectivity'], neighbour_ids, present, distances, mu1=mu1, mu2=mu2)
-        weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+        row = exchange.connectivity_update(
+            star['connectivity'], neighbour_ids, present, distances, mu1=mu1, mu2=mu2, step=step
+        )
         mean_distance = tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0)
-        return exchange.star_mix(own, theirs, weights, c), row, c, mean_distance
+        if not footprints:  # this exchange's models only
+            weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+            return exchange.star_mix(own, theirs, weights, c), row, c, mean_distance, {}
+        kept, held = exchange.keep_footprints(
+            list(star['footprints']), star['footprints_held'], theirs, neighbour_ids, present
+        )
+        mixed = exchange.star_mix(own, kept, row * held, c)  # w_ii = 0 and the star holds no footprint of itself
+        return mixed, row, c, mean_distance, dict(footprints=kept, footprints_held=held)
 
     @tff.tensorflow.computation(
         server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,))
@@ -418,11 +452,14 @@ def build_kdpdfl_process(
         num_neighbours = tf.reduce_sum(present)
         row = star['connectivity']
         metrics = collections.OrderedDict(num_neighbours=num_neighbours)
+        kept = {}
         if mode == 'kdpdfl':
-            mixed, row, c, mean_distance = weigh_neighbours(
+            mixed, row, c, mean_distance, kept = weigh_neighbours(
                 star, own, theirs, neighbour_ids, present, num_neighbours, server_state['exchange_num']
             )
             metrics['mean_distance'] = mean_distance
+            if footprints:  # the clients whose latest model the star holds
+                metrics['num_footprints'] = tf.reduce_sum(kept['footprints_held'])
         elif mode == 'fedavg':  # decentralized FedAvg: the plain mean of the star's and the received models
             c = 1.0 / (num_neighbours + 1.0)
             mixed = exchange.star_mix(own, theirs, present, c)
@@ -431,7 +468,7 @@ def build_kdpdfl_process(
             mixed = own
         metrics['confidence'] = c  # the star's own share in its new model
         new_star = building_blocks.participated(
-            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c
+            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c, **kept
         )
         new_state = collections.OrderedDict(
             star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1

@@ -1,4 +1,4 @@
-"""KD-PDFL's star-node arithmetic (Eqs. 2-4), as plain TF functions.
+"""KD-PDFL's star-node arithmetic (Eqs. 2-4, §IV step 5), as plain TF functions.
 
 E. Jeong, M. Kountouris, "Personalized Decentralized Federated Learning with
 Knowledge Distillation" (ICC 2023). `processes.kdpdfl` builds the exchange
@@ -6,6 +6,9 @@ from these; each is tested against numpy in tests/test_kdpdfl.py.
 """
 
 import tensorflow as tf
+
+# Readings of Eq. 2's step eta = 1./|grad h_i| (`KDPDFLSettings.kd_step`).
+STEPS = ('norm', 'elementwise')
 
 
 def output_distances(own: tf.Tensor, neighbours: tf.Tensor) -> tf.Tensor:
@@ -36,14 +39,17 @@ def collaboration_gradient(row: tf.Tensor) -> tf.Tensor:
     return -(1.0 - tf.reduce_sum(row)) * tf.ones_like(row)
 
 
-def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2):
+def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2, step):
     """Eq. 2 on the star's row w_i, for its neighbours only.
 
-    grad h_ij = mu_1 d_W(i, j) + mu_2 grad g_ij; eta = 1 / ||grad h_i|| (the
-    norm over the neighbours' entries); w_ij <- max(0, w_ij - eta grad h_ij).
-    Entries of clients that are not neighbours this time are left alone
-    (their distances are unknown). A zero gradient leaves the row unchanged
-    (mu_1 = mu_2 = 0 keeps W at its initial value).
+    grad h_ij = mu_1 d_W(i, j) + mu_2 grad g_ij and w_ij <- max(0, w_ij -
+    eta grad h_ij), with eta by `step`: 'norm', eta = 1 / ||grad h_i|| (the
+    Euclidean norm over the neighbours' entries: a unit-length step);
+    'elementwise', eta_ij = 1 / |grad h_ij|, i.e. w_ij <- max(0, w_ij -
+    sign(grad h_ij)). Entries of clients that are not neighbours this time
+    are left alone (their distances are unknown), and so is an entry whose
+    gradient is zero ('norm': the whole row when the gradient is zero, so
+    mu_1 = mu_2 = 0 keeps W at its initial value under either step).
 
     Args:
       row: `[M]` the star's connectivity vector (w_ii = 0).
@@ -52,16 +58,25 @@ def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2):
       distances: `[K]` d_W(i, j) per slot.
       mu1: weight of the distances.
       mu2: weight of the collaboration regulariser.
+      step: 'norm' or 'elementwise' (`STEPS`).
 
     Returns:
       The new `[M]` row.
+
+    Raises:
+      ValueError: a step not in `STEPS`.
     """
+    if step not in STEPS:
+        raise ValueError(f'step must be one of {", ".join(STEPS)}, got {step!r}')
     ids = tf.where(present > 0, neighbour_ids, 0)
     current = tf.gather(row, ids)
     grad = (mu1 * distances + mu2 * tf.gather(collaboration_gradient(row), ids)) * present
-    norm = tf.norm(grad)
-    step = tf.where(norm > 0, grad / tf.maximum(norm, 1e-12), tf.zeros_like(grad))
-    updated = tf.maximum(0.0, current - step)
+    if step == 'norm':
+        norm = tf.norm(grad)
+        change = tf.where(norm > 0, grad / tf.maximum(norm, 1e-12), tf.zeros_like(grad))
+    else:  # grad / |grad| entry by entry: its sign, 0 where the gradient is 0
+        change = tf.sign(grad)
+    updated = tf.maximum(0.0, current - change)
     delta = (updated - current) * present
     return row + tf.math.unsorted_segment_sum(delta, ids, tf.shape(row)[0])
 
@@ -85,7 +100,8 @@ def star_mix(own, neighbour_models, weights, own_share):
 
     Args:
       own: the star's weights (list of tensors).
-      neighbour_models: the same list with a leading slot dimension K.
+      neighbour_models: the same list with a leading dimension (the slots of
+        an exchange, or the M footprints).
       weights: `[K]` non-negative mixing weights (0 for empty slots).
       own_share: c, the star's own share.
 
@@ -100,3 +116,29 @@ def star_mix(own, neighbour_models, weights, own_share):
         average = tf.tensordot(normalised, theirs, axes=1)
         mixed.append(share * mine + (1.0 - share) * average)
     return mixed
+
+
+def keep_footprints(footprints, held, slot_models, neighbour_ids, present):
+    """§IV step 5's footprints: this exchange's received models overwrite their clients' entries.
+
+    Args:
+      footprints: the star's latest model of every client, a list of `[M,
+        ...]` tensors.
+      held: `[M]` 1.0 where the star holds a footprint of that client.
+      slot_models: this exchange's received models, a list of `[K, ...]`
+        tensors.
+      neighbour_ids: `[K]` int32 client indices (any value where not present).
+      present: `[K]` 1.0 for a filled slot, else 0.0.
+
+    Returns:
+      `(footprints, held)` after this exchange; the other entries unchanged.
+    """
+    num_clients = tf.shape(held)[0]
+    ids = tf.where(present > 0, neighbour_ids, 0)
+    received = tf.math.unsorted_segment_sum(present, ids, num_clients)  # 0/1: invited indices are distinct
+    kept = []
+    for old, new in zip(footprints, slot_models):
+        shape = [-1] + [1] * (len(new.shape) - 1)
+        arrived = tf.math.unsorted_segment_sum(new * tf.reshape(present, shape), ids, num_clients)
+        kept.append(tf.where(tf.reshape(received, shape) > 0, arrived, old))
+    return kept, tf.maximum(held, received)
