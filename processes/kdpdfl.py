@@ -17,17 +17,21 @@ neighbours are CLIENTS:
    shared hidden layer), and the distances
    d_W(i, j) = (1/n_i) sum_x sum_l (p_il(x) - p_jl(x))^2 (Eq. 3);
 3. it updates its private connectivity row (Eq. 2):
-   grad h_i = mu_1 d_W,i + mu_2 grad g_i(w_i), eta = 1 / ||grad h_i||,
+   grad h_i = mu_1 d_W,i + mu_2 grad g_i(w_i), eta = 1 / ||grad h_i||
+   (`kd_step='norm'`) or 1 / |grad h_ij| per entry ('elementwise'),
    w_ij <- max(0, w_ij - eta grad h_ij) for its neighbours j;
 4. its new model is c_i theta_i + (1 - c_i) sum_j (w_ij / sum_k w_ik)
    theta_j, with the confidence c_i = min(|X_i| / c_base, 1 / (|N_i| + 1))
-   (Eq. 4);
+   (Eq. 4), over this exchange's models (`kd_mix='exchange'`) or over the
+   latest model it has received from every client, its footprints, kept in
+   its own state ('footprints');
 5. in the next slot the star sends its new model to those neighbours
    (Algorithm 1, lines 14-17), which adopt it (`broadcast='adopt'`) or ignore
    it (`'keep'`).
 
 In every other slot each client trains locally (`local_work`). Only the
-star's own data are read by the star's computation; no data move.
+star's own data are read by the star's computation; no data move. The
+arithmetic of steps 2-4 is in `processes.kdpdfl_exchange`.
 
 Modes: 'kdpdfl' (the above), 'fedavg' (decentralized FedAvg: the star takes
 the plain mean of its own and the received models, W is not used), 'local'
@@ -47,6 +51,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
+from processes import kdpdfl_exchange as exchange
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import building_blocks, local_training, model_weights, template
@@ -55,6 +60,7 @@ from tff_pfl.models import adapters, stacked
 
 MODES = ('kdpdfl', 'fedavg', 'local')
 BROADCASTS = ('adopt', 'keep')
+MIXES = ('exchange', 'footprints')  # what the star mixes (`KDPDFLSettings.kd_mix`)
 
 _setting = settings_lib.setting
 
@@ -133,6 +139,14 @@ class KDPDFLSettings(StarExchangeSettings):
     kd_distance_layer: int = _setting(
         -1, 'The MidGetter layer: -1 compares softmax outputs, L >= 1 the raw outputs of the first L layers.'
     )
+    kd_step: str = _setting(
+        'norm',
+        'eta of Eq. 2: norm (1 over the L2 norm of grad h_i: a unit-length step) or elementwise (w_ij moves by 1).',
+    )
+    kd_mix: str = _setting(
+        'exchange',
+        "What the star mixes: exchange (this exchange's models) or footprints (every client's latest model it holds).",
+    )
 
     def _checks(self):
         return super()._checks() + [
@@ -144,6 +158,11 @@ class KDPDFLSettings(StarExchangeSettings):
                 self.kd_distance_layer == -1 or self.kd_distance_layer >= 1,
                 f'kd_distance_layer must be -1 (the output) or >= 1, got {self.kd_distance_layer}',
             ),
+            (
+                self.kd_step in exchange.STEPS,
+                f'kd_step must be one of {", ".join(exchange.STEPS)}, got {self.kd_step!r}',
+            ),
+            (self.kd_mix in MIXES, f'kd_mix must be one of {", ".join(MIXES)}, got {self.kd_mix!r}'),
         ]
 
 
@@ -241,100 +260,6 @@ def draw_neighbours(
     return sorted(int(j) for j in peers[reachable])
 
 
-def output_distances(own: tf.Tensor, neighbours: tf.Tensor) -> tf.Tensor:
-    """Eq. 3: (1/n) sum_x sum_l (p_i(x)_l - p_j(x)_l)^2 per neighbour.
-
-    Args:
-      own: `[n, L]` the star's outputs on its batch.
-      neighbours: `[K, n, L]` each neighbour model's outputs on the same batch.
-
-    Returns:
-      `[K]` distances.
-    """
-    return tf.reduce_mean(tf.reduce_sum(tf.square(neighbours - own[tf.newaxis]), axis=-1), axis=-1)
-
-
-def collaboration_gradient(row: tf.Tensor) -> tf.Tensor:
-    """grad g_i for g_i(w_i) = 1/2 (1 - sum_j w_ij)^2: -(1 - sum_j w_ij) for every j.
-
-    g is 0 when the client's collaboration weights sum to 1 and 1/2 when
-    they are all zero, i.e. when it would train only locally.
-
-    Args:
-      row: `[M]` the star's connectivity vector w_i.
-
-    Returns:
-      `[M]`, the gradient (the same value in every entry).
-    """
-    return -(1.0 - tf.reduce_sum(row)) * tf.ones_like(row)
-
-
-def connectivity_update(row, neighbour_ids, present, distances, *, mu1, mu2):
-    """Eq. 2 on the star's row w_i, for its neighbours only.
-
-    grad h_ij = mu_1 d_W(i, j) + mu_2 grad g_ij; eta = 1 / ||grad h_i|| (the
-    norm over the neighbours' entries); w_ij <- max(0, w_ij - eta grad h_ij).
-    Entries of clients that are not neighbours this time are left alone
-    (their distances are unknown). A zero gradient leaves the row unchanged
-    (mu_1 = mu_2 = 0 keeps W at its initial value).
-
-    Args:
-      row: `[M]` the star's connectivity vector (w_ii = 0).
-      neighbour_ids: `[K]` int32 client indices (any value where not present).
-      present: `[K]` 1.0 for a filled slot, else 0.0.
-      distances: `[K]` d_W(i, j) per slot.
-      mu1: weight of the distances.
-      mu2: weight of the collaboration regulariser.
-
-    Returns:
-      The new `[M]` row.
-    """
-    ids = tf.where(present > 0, neighbour_ids, 0)
-    current = tf.gather(row, ids)
-    grad = (mu1 * distances + mu2 * tf.gather(collaboration_gradient(row), ids)) * present
-    norm = tf.norm(grad)
-    step = tf.where(norm > 0, grad / tf.maximum(norm, 1e-12), tf.zeros_like(grad))
-    updated = tf.maximum(0.0, current - step)
-    delta = (updated - current) * present
-    return row + tf.math.unsorted_segment_sum(delta, ids, tf.shape(row)[0])
-
-
-def confidence(num_train, num_neighbours, c_base):
-    """Eq. 4: c_i = min(|X_i| / c_base, 1 / (|N_i| + 1)).
-
-    Args:
-      num_train: |X_i|, the star's number of training examples.
-      num_neighbours: |N_i|, the number of neighbours that sent a model.
-      c_base: the example count at which |X_i| / c_base reaches 1.
-
-    Returns:
-      c_i, a float32 scalar.
-    """
-    return tf.minimum(tf.cast(num_train, tf.float32) / c_base, 1.0 / (tf.cast(num_neighbours, tf.float32) + 1.0))
-
-
-def star_mix(own, neighbour_models, weights, own_share):
-    """c theta_i + (1 - c) sum_k (w_k / sum w) theta_k, per weight tensor.
-
-    Args:
-      own: the star's weights (list of tensors).
-      neighbour_models: the same list with a leading slot dimension K.
-      weights: `[K]` non-negative mixing weights (0 for empty slots).
-      own_share: c, the star's own share.
-
-    Returns:
-      The mixed weights; the star's own if every weight is zero.
-    """
-    total = tf.reduce_sum(weights)
-    normalised = weights / tf.maximum(total, 1e-12)
-    share = tf.where(total > 0, own_share, 1.0)
-    mixed = []
-    for mine, theirs in zip(own, neighbour_models):
-        average = tf.tensordot(normalised, theirs, axes=1)
-        mixed.append(share * mine + (1.0 - share) * average)
-    return mixed
-
-
 def build_kdpdfl_process(
     spec: client_data.ClientDataSpec,
     model_fn,
@@ -417,8 +342,9 @@ def build_kdpdfl_process(
     adopt = exchanging and settings.kd_broadcast == 'adopt'
     num_clients = spec.num_clients
     weights_type = model_weights.weights_type(model_fn)
+    footprints = mode == 'kdpdfl' and settings.kd_mix == 'footprints'
     if mode == 'kdpdfl':
-        mu1, mu2, c_base = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base
+        mu1, mu2, c_base, step = settings.kd_mu1, settings.kd_mu2, settings.kd_c_base, settings.kd_step
         distance_batch, distance_layer = settings.kd_distance_batch, settings.kd_distance_layer
         with tf.Graph().as_default():
             model = model_fn()
@@ -442,8 +368,12 @@ def build_kdpdfl_process(
         index = client_data.client_index(client_id)
         initial = model_weights.initial_weights(model_fn, seed)  # every client starts from the same model
         row = tf.where(tf.equal(tf.range(num_clients), index), 0.0, 1.0 / num_clients)  # w_ii = 0, w_ij = 1/M
+        kept = {}
+        if footprints:  # the latest model received from each client (none yet): M models per client
+            kept['footprints'] = [tf.zeros([num_clients] + list(w.shape), w.dtype) for w in initial]
+            kept['footprints_held'] = tf.zeros([num_clients])
         return building_blocks.participation_state(
-            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0)
+            client_id, client_index=index, model=initial, connectivity=row, confidence=tf.constant(0.0), **kept
         )
 
     @tff.tensorflow.computation(np.str_)
@@ -485,19 +415,31 @@ def build_kdpdfl_process(
         return tf.reshape(out, tf.concat([tf.shape(out)[:2], [-1]], axis=0))
 
     def weigh_neighbours(star, own, theirs, neighbour_ids, present, num_neighbours, exchange_num):
-        """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4)."""
+        """KD-PDFL's star: distances on its own batch (Eq. 3), its row of W (Eq. 2), the mix (Eq. 4, step 5).
+
+        Returns the new model, row, confidence, mean distance and the star's
+        new footprints (`{}` unless `kd_mix='footprints'`).
+        """
         train = client_data.read_split(spec, star['client_id'], 'train')  # the star's own data only
         order = local_training.epoch_permutations(
             local_training.client_seed(seed, exchange_num, star['client_id'], salt=7), 1, train.num_examples
         )[0]
         x, _ = train.gather(order[:distance_batch])
         own_out = outputs([w[tf.newaxis] for w in own], x)[0]
-        distances = output_distances(own_out, outputs(theirs, x)) * present
-        c = confidence(train.num_examples, num_neighbours, c_base)
-        row = connectivity_update(star['connectivity'], neighbour_ids, present, distances, mu1=mu1, mu2=mu2)
-        weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+        distances = exchange.output_distances(own_out, outputs(theirs, x)) * present
+        c = exchange.confidence(train.num_examples, num_neighbours, c_base)
+        row = exchange.connectivity_update(
+            star['connectivity'], neighbour_ids, present, distances, mu1=mu1, mu2=mu2, step=step
+        )
         mean_distance = tf.reduce_sum(distances) / tf.maximum(num_neighbours, 1.0)
-        return star_mix(own, theirs, weights, c), row, c, mean_distance
+        if not footprints:  # this exchange's models only
+            weights = tf.gather(row, tf.where(present > 0, neighbour_ids, 0)) * present
+            return exchange.star_mix(own, theirs, weights, c), row, c, mean_distance, {}
+        kept, held = exchange.keep_footprints(
+            list(star['footprints']), star['footprints_held'], theirs, neighbour_ids, present
+        )
+        mixed = exchange.star_mix(own, kept, row * held, c)  # w_ii = 0 and the star holds no footprint of itself
+        return mixed, row, c, mean_distance, dict(footprints=kept, footprints_held=held)
 
     @tff.tensorflow.computation(
         server_state_type.member, slot_models_type, tff.TensorType(np.float32, (max_neighbours,))
@@ -510,20 +452,23 @@ def build_kdpdfl_process(
         num_neighbours = tf.reduce_sum(present)
         row = star['connectivity']
         metrics = collections.OrderedDict(num_neighbours=num_neighbours)
+        kept = {}
         if mode == 'kdpdfl':
-            mixed, row, c, mean_distance = weigh_neighbours(
+            mixed, row, c, mean_distance, kept = weigh_neighbours(
                 star, own, theirs, neighbour_ids, present, num_neighbours, server_state['exchange_num']
             )
             metrics['mean_distance'] = mean_distance
+            if footprints:  # the clients whose latest model the star holds
+                metrics['num_footprints'] = tf.reduce_sum(kept['footprints_held'])
         elif mode == 'fedavg':  # decentralized FedAvg: the plain mean of the star's and the received models
             c = 1.0 / (num_neighbours + 1.0)
-            mixed = star_mix(own, theirs, present, c)
+            mixed = exchange.star_mix(own, theirs, present, c)
         else:  # local learning: an exchange changes nothing
             c = tf.constant(1.0)
             mixed = own
         metrics['confidence'] = c  # the star's own share in its new model
         new_star = building_blocks.participated(
-            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c
+            star, server_state['exchange_num'], model=mixed, connectivity=row, confidence=c, **kept
         )
         new_state = collections.OrderedDict(
             star=new_star, neighbours=neighbour_ids, exchange_num=server_state['exchange_num'] + 1

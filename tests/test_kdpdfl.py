@@ -1,4 +1,4 @@
-"""KD-PDFL: the star's exchange against numpy, neighbour draws, the driver, the settings of each mode."""
+"""KD-PDFL: the star's exchange against numpy (each reading of step and mix), neighbour draws, the driver, settings."""
 
 import collections
 import dataclasses
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from processes import kdpdfl
+from processes import kdpdfl, kdpdfl_exchange
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl import settings as settings_lib
@@ -32,44 +32,81 @@ def test_output_distances_eq3():
     rng = np.random.default_rng(1)
     own, theirs = rng.random((6, 4)), rng.random((3, 6, 4))
     want = ((theirs - own) ** 2).sum(-1).mean(-1)
-    got = kdpdfl.output_distances(tf.constant(own), tf.constant(theirs)).numpy()
+    got = kdpdfl_exchange.output_distances(tf.constant(own), tf.constant(theirs)).numpy()
     np.testing.assert_allclose(got, want)
 
 
-def _numpy_connectivity(row, ids, present, d, mu1, mu2):
+def _numpy_connectivity(row, ids, present, d, mu1, mu2, step='norm'):
     row = row.copy()
     grad = np.array([(mu1 * d[k] - mu2 * (1 - row.sum())) if present[k] else 0.0 for k in range(len(ids))])
-    norm = np.linalg.norm(grad)
-    if norm == 0:
-        return row
+    if step == 'norm':
+        norm = np.linalg.norm(grad)
+        if norm == 0:
+            return row
+        eta = np.full(len(ids), 1 / norm)
+    else:  # eta_ij = 1 / |grad h_ij|; an entry with zero gradient does not move
+        eta = np.array([1 / abs(g) if g else 0.0 for g in grad])
     for k, j in enumerate(ids):
         if present[k]:
-            row[j] = max(0.0, row[j] - grad[k] / norm)
+            row[j] = max(0.0, row[j] - eta[k] * grad[k])
     return row
 
 
+@pytest.mark.parametrize('step', kdpdfl_exchange.STEPS)
 @pytest.mark.parametrize('mu1,mu2', [(1.0, 1.0), (5.0, 0.1), (0.0, 2.0), (0.0, 0.0)])
-def test_connectivity_update_eq2(mu1, mu2):
+def test_connectivity_update_eq2(mu1, mu2, step):
     row = np.array([0.2, 0.0, 0.2, 0.2, 0.2, 0.2], np.float32)  # client 1 is the star: w_ii = 0
     ids, present = np.array([0, 4, 5, -1], np.int32), np.array([1, 1, 1, 0], np.float32)
     d = np.array([0.05, 0.4, 0.9, 0.0], np.float32)
-    got = kdpdfl.connectivity_update(
-        tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=mu1, mu2=mu2
+    got = kdpdfl_exchange.connectivity_update(
+        tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=mu1, mu2=mu2, step=step
     ).numpy()
-    np.testing.assert_allclose(got, _numpy_connectivity(row, ids, present, d, mu1, mu2), atol=1e-6)
+    np.testing.assert_allclose(got, _numpy_connectivity(row, ids, present, d, mu1, mu2, step), atol=1e-6)
     assert got[1] == 0 and got[2] == row[2] and got[3] == row[3]  # the star and non-neighbours untouched
     if mu1 == mu2 == 0:
         np.testing.assert_array_equal(got, row)
 
 
+def test_the_elementwise_step_moves_each_weight_by_one():
+    """eta_ij = 1/|grad h_ij|: w_ij <- max(0, w_ij - sign(grad h_ij)); a zero gradient leaves w_ij alone."""
+    row = np.array([0.25, 0.0, 0.125, 0.125, 0.25], np.float32)  # client 1 is the star; sum 0.75: grad g = -0.25
+    ids, present = np.array([0, 2, 3, 4], np.int32), np.ones(4, np.float32)
+    d = np.array([0.5, 1.0, 0.25, 0.0], np.float32)  # mu1 = mu2 = 1: grad h = d - 0.25 = [0.25, 0.75, 0, -0.25]
+    got = kdpdfl_exchange.connectivity_update(
+        tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=1.0, mu2=1.0, step='elementwise'
+    ).numpy()
+    np.testing.assert_array_equal(got, [0.0, 0.0, 0.0, 0.125, 1.25])  # down 1 (floored), -, unchanged, up 1
+    unit = kdpdfl_exchange.connectivity_update(
+        tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=1.0, mu2=1.0, step='norm'
+    ).numpy()
+    grad = d - 0.25
+    np.testing.assert_allclose(unit[ids], np.maximum(0.0, row[ids] - grad / np.linalg.norm(grad)), atol=1e-6)
+    with pytest.raises(ValueError, match=r"^step must be one of norm, elementwise, got 'unit'$"):
+        kdpdfl_exchange.connectivity_update(
+            tf.constant(row), tf.constant(ids), tf.constant(present), tf.constant(d), mu1=1.0, mu2=1.0, step='unit'
+        )
+
+
+def test_footprints_overwrite_only_this_exchanges_senders():
+    old = [np.arange(5 * 2, dtype=np.float32).reshape(5, 2)]
+    held = np.array([1, 0, 0, 1, 0], np.float32)
+    slots = [np.array([[10.0, 11.0], [12.0, 13.0], [0.0, 0.0]], np.float32)]  # slot 3 empty
+    ids, present = np.array([3, 4, -1], np.int32), np.array([1, 1, 0], np.float32)
+    kept, now_held = kdpdfl_exchange.keep_footprints(
+        [tf.constant(old[0])], tf.constant(held), [tf.constant(slots[0])], tf.constant(ids), tf.constant(present)
+    )
+    np.testing.assert_array_equal(kept[0], [[0, 1], [2, 3], [4, 5], [10, 11], [12, 13]])
+    np.testing.assert_array_equal(now_held, [1, 0, 0, 1, 1])
+
+
 def test_confidence_and_mix():
-    assert float(kdpdfl.confidence(30, 4, 100.0)) == pytest.approx(0.2)  # min(0.3, 1/5)
-    assert float(kdpdfl.confidence(10, 4, 100.0)) == pytest.approx(0.1)
+    assert float(kdpdfl_exchange.confidence(30, 4, 100.0)) == pytest.approx(0.2)  # min(0.3, 1/5)
+    assert float(kdpdfl_exchange.confidence(10, 4, 100.0)) == pytest.approx(0.1)
     own = [tf.constant([1.0, 1.0])]
     theirs = [tf.constant([[3.0, 3.0], [7.0, 7.0], [100.0, 100.0]])]
-    mixed = kdpdfl.star_mix(own, theirs, tf.constant([1.0, 3.0, 0.0]), 0.25)[0].numpy()
+    mixed = kdpdfl_exchange.star_mix(own, theirs, tf.constant([1.0, 3.0, 0.0]), 0.25)[0].numpy()
     np.testing.assert_allclose(mixed, 0.25 * 1 + 0.75 * (0.25 * 3 + 0.75 * 7))
-    alone = kdpdfl.star_mix(own, theirs, tf.constant([0.0, 0.0, 0.0]), 0.25)[0].numpy()
+    alone = kdpdfl_exchange.star_mix(own, theirs, tf.constant([0.0, 0.0, 0.0]), 0.25)[0].numpy()
     np.testing.assert_allclose(alone, [1.0, 1.0])  # nobody trusted: keep the own model
 
 
@@ -94,11 +131,42 @@ def _settings(mode, **changes):
     return kdpdfl.MODE_SETTINGS[mode](**{**SLOT, **changes})
 
 
-@pytest.mark.parametrize('mode', ['kdpdfl', 'fedavg'])
-def test_exchange_against_numpy(problem, tff_runtime, mode):
+def _numpy_star(spec, states, star, neighbours, *, mu1, mu2, step, c_base=100.0, footprints=None):
+    """One KD-PDFL exchange at the star in numpy; the distance batch covers its whole training split.
+
+    `footprints`: None for kd_mix='exchange', else the star's {client index: model}, updated in place.
+    Returns the star's new row, new model, confidence and distances.
+    """
+    x, _ = client_data.read_split_numpy(spec, spec.client_ids[star], 'train')
+    own = [np.asarray(w, np.float64) for w in states[star]['model']]
+    theirs = {j: [np.asarray(w, np.float64) for w in states[j]['model']] for j in neighbours}
+    p_own = _softmax(_numpy_logits(own, x))
+    d = np.array([((_softmax(_numpy_logits(theirs[j], x)) - p_own) ** 2).sum(-1).mean() for j in neighbours])
+    c = min(len(x) / c_base, 1 / (len(neighbours) + 1))
+    row = np.asarray(states[star]['connectivity'], np.float64)
+    row = _numpy_connectivity(row, neighbours, [1] * len(neighbours), d, mu1, mu2, step)
+    if footprints is not None:  # this exchange's models overwrite their footprints; the star mixes all it holds
+        footprints.update(theirs)
+        theirs = footprints
+    w = {j: row[j] for j in theirs}
+    total = sum(w.values())
+    if total == 0:
+        return row, own, c, d
+    mix = [sum(w[j] / total * theirs[j][k] for j in theirs) for k in range(len(own))]
+    return row, [c * o + (1 - c) * m for o, m in zip(own, mix)], c, d
+
+
+@pytest.mark.parametrize(
+    'mode,changes',
+    [('kdpdfl', {}), ('kdpdfl', dict(kd_step='elementwise')), ('fedavg', {})],
+    ids=['kdpdfl', 'kdpdfl-elementwise', 'fedavg'],
+)
+def test_exchange_against_numpy(problem, tff_runtime, mode, changes):
     spec, model_fn = problem
     if mode == 'kdpdfl':
-        settings = _settings(mode, kd_max_neighbours=3, kd_mu1=2.0, kd_mu2=0.5, kd_c_base=100.0, kd_distance_batch=1000)
+        settings = _settings(
+            mode, kd_max_neighbours=3, kd_mu1=2.0, kd_mu2=0.5, kd_c_base=100.0, kd_distance_batch=1000, **changes
+        )
     else:
         settings = _settings(mode, kd_max_neighbours=3)
     proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
@@ -113,22 +181,17 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
     output = proc.next(server_state, [states[j] for j in neighbours])
     new_star = output.state['star']
 
-    x, _ = client_data.read_split_numpy(spec, ids[star], 'train')  # distance_batch covers all of it
-    own = [np.asarray(w, np.float64) for w in states[star]['model']]
-    theirs = [[np.asarray(w, np.float64) for w in states[j]['model']] for j in neighbours]
-    row = np.asarray(states[star]['connectivity'], np.float64)
     if mode == 'kdpdfl':
-        p_own = _softmax(_numpy_logits(own, x))
-        d = np.array([((_softmax(_numpy_logits(t, x)) - p_own) ** 2).sum(-1).mean() for t in theirs])
+        row, want, c, d = _numpy_star(spec, states, star, neighbours, mu1=2.0, mu2=0.5, step=settings.kd_step)
         np.testing.assert_allclose(output.metrics['mean_distance'], d.mean(), rtol=1e-4)
-        c = min(23 / 100.0, 1 / 3)
-        row = _numpy_connectivity(row, neighbours, [1, 1], d, 2.0, 0.5)
-        w = row[neighbours] / row[neighbours].sum()
-        want = [c * o + (1 - c) * (w[0] * t0 + w[1] * t1) for o, t0, t1 in zip(own, *theirs)]
+        assert c == min(23 / 100.0, 1 / 3)
     else:  # no distances, no W: the plain mean, the star's own share 1 / (|N| + 1)
         assert 'mean_distance' not in output.metrics
         c = 1 / 3
-        want = [(o + t0 + t1) / 3 for o, t0, t1 in zip(own, *theirs)]
+        row = np.asarray(states[star]['connectivity'])
+        own, t0, t1 = ([np.asarray(w, np.float64) for w in states[j]['model']] for j in (star, *neighbours))
+        want = [(o + a + b) / 3 for o, a, b in zip(own, t0, t1)]
+    assert 'footprints' not in new_star and 'num_footprints' not in output.metrics  # kd_mix='exchange'
     np.testing.assert_allclose(new_star['connectivity'], row, atol=1e-5)
     for got, expected in zip(new_star['model'], want):
         np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -139,15 +202,65 @@ def test_exchange_against_numpy(problem, tff_runtime, mode):
             np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
-def test_only_models_of_invited_neighbours_reach_the_star(problem):
+@pytest.mark.parametrize('step', kdpdfl_exchange.STEPS)
+def test_footprint_exchanges_against_numpy(problem, tff_runtime, step):
+    """kd_mix='footprints': the star mixes every client's latest model it has received, from any exchange."""
     spec, model_fn = problem
-    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, _settings('kdpdfl', kd_max_neighbours=3))
+    settings = _settings(
+        'kdpdfl', kd_max_neighbours=3, kd_mu1=2.0, kd_mu2=0.5, kd_distance_batch=1000, kd_mix='footprints', kd_step=step
+    )
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, settings)
+    num_clients = len(spec.client_ids)
+    states = [proc.initial_client_state(c) for c in spec.client_ids]
+    assert np.asarray(states[0]['footprints'][0]).shape == (num_clients, 4, 3)  # logistic: kernel [4, 3]
+    states, _ = proc.local_work(states, [4] * num_clients, np.int32(0))
+    footprints = {i: {} for i in range(num_clients)}  # the numpy stars' footprints
+    # Star 2 meets 0 and 3, later 1 alone (mixing 0's and 3's footprints of the first exchange), then 3 again.
+    schedule = [(2, [0, 3]), (0, [2]), (2, [1]), (2, [3])]
+    for exchange_num, (star, neighbours) in enumerate(schedule):
+        invitation = np.full(3, -1, np.int32)
+        invitation[: len(neighbours)] = neighbours
+        server_state = collections.OrderedDict(
+            star=states[star], neighbours=invitation, exchange_num=np.int32(exchange_num)
+        )
+        output = proc.next(server_state, [states[j] for j in neighbours])
+        row, want, c, _ = _numpy_star(
+            spec, states, star, neighbours, mu1=2.0, mu2=0.5, step=step, footprints=footprints[star]
+        )
+        new_star = output.state['star']
+        np.testing.assert_allclose(new_star['connectivity'], row, atol=1e-5)
+        for got, expected in zip(new_star['model'], want):
+            np.testing.assert_allclose(got, expected, atol=1e-5)
+        assert float(new_star['confidence']) == pytest.approx(c)
+        held = sorted(footprints[star])
+        np.testing.assert_array_equal(new_star['footprints_held'], [float(j in held) for j in range(num_clients)])
+        assert float(output.metrics['num_footprints']) == len(held)
+        for j in range(num_clients):
+            for got, kept in zip(new_star['footprints'], footprints[star].get(j, [0.0, 0.0])):
+                np.testing.assert_allclose(np.asarray(got)[j], np.broadcast_to(kept, np.shape(got)[1:]), atol=1e-6)
+        if exchange_num == 2:  # the footprints of 0 and 3 are older than their models now
+            assert not np.allclose(footprints[2][0][0], states[0]['model'][0])
+        for j, s in zip(neighbours, output.client_states):  # a neighbour's own footprints do not change
+            np.testing.assert_array_equal(s['footprints_held'], states[j]['footprints_held'])
+        states[star] = new_star
+        for j, s in zip(neighbours, output.client_states):
+            states[j] = s
+        states, _ = proc.local_work(states, [1] * num_clients, np.int32(exchange_num + 1))
+    assert float(states[0]['footprints_held'][2]) == 1.0 and footprints[0].keys() == {2}
+
+
+@pytest.mark.parametrize('mix', kdpdfl.MIXES)
+def test_only_models_of_invited_neighbours_reach_the_star(problem, mix):
+    """With kd_mix='footprints' too: the footprints stay in the star's own state; neighbours upload their model."""
+    spec, model_fn = problem
+    proc = kdpdfl.build_kdpdfl_process(spec, model_fn, _settings('kdpdfl', kd_max_neighbours=3, kd_mix=mix))
     moved = audit.clients_to_server_values(proc.next)
     assert {uri for uri, _ in moved} == {'federated_sum'}
     shapes = {str(t.member) for _, t in moved}
     # The slot structure: one model per slot (logistic: kernel [4, 3], bias [3]) and the slot mask.
     assert any('float32[3,4,3]' in s and 'float32[3,3]' in s for s in shapes), shapes
     assert 'float32[3]' in ' '.join(shapes)
+    assert not any('float32[4,4,3]' in s for s in shapes), shapes  # no [M, ...] footprints (M = 4)
 
 
 def _process(spec, model_fn, mode, **changes):
@@ -200,6 +313,28 @@ def test_a_slot_of_local_work_is_exactly_local_steps_sgd_steps(problem, tff_runt
         np.testing.assert_array_equal(before, after)  # no slot, no training
     for before, after in zip(states[2]['model'], trained[2]['model']):
         assert not np.allclose(before, after)
+
+
+def test_the_driver_runs_both_readings(problem, tff_runtime):
+    from tff_pfl.program import decentralized
+
+    spec, model_fn = problem
+    settings = _settings(
+        'kdpdfl', kd_max_neighbours=2, kd_mean_neighbours=2.0, exchange_interval=3, kd_step='elementwise'
+    )
+    settings = dataclasses.replace(settings, kd_mix='footprints')
+    result = decentralized.run(
+        kdpdfl.build_kdpdfl_process(spec, model_fn, settings),
+        spec.client_ids,
+        intervals=4,
+        seed=0,
+        log=lambda line: None,
+        **settings.loop_arguments(),
+    )
+    assert 0 <= result.summary['personalized_model']['mean'] <= 1
+    held = [r['exchange_num_footprints'] for r in result.rounds if 'exchange_num_footprints' in r]
+    assert held and all(1 <= n <= 3 for n in held)
+    assert sum(float(np.sum(s['footprints_held'])) for s in result.client_states.values()) >= len(held)
 
 
 def test_the_driver_reports_local_steps_per_slot(problem, tff_runtime):
@@ -319,7 +454,7 @@ def test_the_loop_takes_from_each_mode_only_what_it_has():
 def test_each_mode_has_exactly_the_settings_it_uses():
     names = {mode: set(cls.field_names()) for mode, cls in kdpdfl.MODE_SETTINGS.items()}
     plus = set(kdpdfl.ServerlessFedAvgPlusSettings.field_names())
-    weight_update = {'kd_mu1', 'kd_mu2', 'kd_c_base', 'kd_distance_batch', 'kd_distance_layer'}
+    weight_update = {'kd_mu1', 'kd_mu2', 'kd_c_base', 'kd_distance_batch', 'kd_distance_layer', 'kd_step', 'kd_mix'}
     exchange = {'kd_mean_neighbours', 'kd_max_neighbours', 'kd_broadcast'}
     local_work = {'batch_size', 'client_learning_rate', 'local_epochs', 'local_steps', 'exchange_interval'}
     assert names['local'] == local_work
@@ -346,6 +481,8 @@ def test_each_mode_has_exactly_the_settings_it_uses():
         (kdpdfl.KDPDFLSettings, dict(kd_c_base=0.0), 'kd_c_base must be > 0'),
         (kdpdfl.KDPDFLSettings, dict(kd_distance_batch=0), 'kd_distance_batch must be >= 1'),
         (kdpdfl.KDPDFLSettings, dict(kd_distance_layer=0), 'kd_distance_layer must be -1'),
+        (kdpdfl.KDPDFLSettings, dict(kd_step='unit'), "^kd_step must be one of norm, elementwise, got 'unit'$"),
+        (kdpdfl.KDPDFLSettings, dict(kd_mix='all'), "^kd_mix must be one of exchange, footprints, got 'all'$"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(cls, changes, message):
