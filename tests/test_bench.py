@@ -1057,3 +1057,20 @@ def test_minutes_of_a_run_recorded_before_sittings_were_summed_are_flagged():
     assert row['minutes_last_sitting_only'] is True
     text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
     assert '| 15.00 * |' in text and '\\* Counts only the last sitting' in text
+
+
+def test_the_selected_round_is_the_best_on_validation_and_reads_test_only_there():
+    curve = [{'round': 5, 'accuracy': 0.9}, {'round': 10, 'accuracy': 0.5}, {'round': 15, 'accuracy': 0.7}]
+    val = [{'round': 5, 'accuracy': 0.6}, {'round': 10, 'accuracy': 0.8}, {'round': 15, 'accuracy': 0.8}]
+    # Validation peaks (tied) at rounds 10 and 15: the earliest, whatever test says (its best is round 5).
+    assert bench_run.selected_round(curve, val) == {'round': 10, 'val_accuracy': 0.8, 'test_accuracy': 0.5}
+    assert bench_run.selected_round(curve, []) is None
+    rows = [
+        {'round': 5, 'test_global_model_accuracy_mean': 0.9, 'val_global_model_accuracy_mean': 0.6},
+        {'round': 6},
+        {'round': 10, 'test_global_model_accuracy_mean': 0.5, 'val_global_model_accuracy_mean': 0.8},
+    ]
+    assert bench_run.model_curve(rows, 'global_model', False, split='val') == [
+        {'round': 5, 'accuracy': 0.6},
+        {'round': 10, 'accuracy': 0.8},
+    ]

@@ -385,19 +385,21 @@ def communication_totals(
     return result
 
 
-def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool) -> list[dict]:
-    """Per-round mean test accuracy of `model` on the rounds where it was evaluated.
+def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool, split: str = 'test') -> list[dict]:
+    """Per-round mean accuracy of `model` on the rounds where it was evaluated.
 
     Args:
       rounds: the run's metrics rows.
       model: e.g. 'global_model'.
       final_only: the model is made by a final `personalize` stage, so only
         the last round's value is that model.
+      split: 'test', or 'val' for a run with a validation curve
+        (`eval_validation`; empty without one).
 
     Returns:
       `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction.
     """
-    key = f'test_{model}_accuracy_mean'
+    key = f'{split}_{model}_accuracy_mean'
     points = [
         {'round': int(row['round']), 'accuracy': float(row[key])}
         for row in rounds
@@ -428,11 +430,32 @@ def rounds_to_target(curve: Sequence[Mapping], target: float | None) -> int | No
     return None
 
 
+def selected_round(curve: Sequence[Mapping], val_curve: Sequence[Mapping]) -> dict | None:
+    """The evaluated round with the best validation mean, and the test accuracy there.
+
+    Args:
+      curve: the test curve (`model_curve`).
+      val_curve: the validation curve of the same rounds (`model_curve(..., split='val')`).
+
+    Returns:
+      `{'round', 'val_accuracy', 'test_accuracy'}` of the round with the
+      highest validation mean (ties: the earliest); None without a
+      validation curve. The test numbers are read only at that round.
+    """
+    if not val_curve:
+        return None
+    best = max(val_curve, key=lambda p: (p['accuracy'], -p['round']))
+    test = {p['round']: p['accuracy'] for p in curve}
+    return {'round': best['round'], 'val_accuracy': best['accuracy'], 'test_accuracy': test.get(best['round'])}
+
+
 def _bench_result(suite, run, config, result, seconds, communication, partition_text) -> dict:
     model = run.algorithm.model
     num_clients = len(result.clients)
     final_only = communication['has_personalize'] and model != 'global_model'
     curve = model_curve(result.rounds, model, final_only)
+    val_curve = model_curve(result.rounds, model, final_only, split='val')
+    best_test = max(curve, key=lambda p: (p['accuracy'], -p['round'])) if curve else None
     return collections.OrderedDict(
         suite=suite.name,
         partition=run.partition.name,
@@ -458,6 +481,13 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         ],
         final_only=final_only,
         curve=curve,
+        # With eval_validation: the validation curve, and the test accuracy at its best round.
+        val_curve=val_curve,
+        selected=selected_round(curve, val_curve),
+        # The best round on test (a leaderboard's measure): optimistic, labelled so wherever shown.
+        best_test_round=None
+        if best_test is None
+        else {'round': best_test['round'], 'test_accuracy': best_test['accuracy']},
         # User-level DP: the privacy spent by the end of the run (None without DP).
         dp_epsilon=result.rounds[-1].get('dp_epsilon'),
         dp_delta=config.privacy.delta_for(num_clients) if config.privacy.dp_noise_multiplier is not None else None,
