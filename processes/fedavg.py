@@ -128,6 +128,8 @@ def build_fedavg_process(
         metrics=metrics,
     )
     finetune_epochs = settings.finetune_epochs if isinstance(settings, FedAvgFTSettings) else 0
+    if finetune_epochs:
+        client_data.require_validation(spec, "FedAvg + fine-tuning's choice of epochs")
     local_config = settings.training_config()
     loss_fn = local_training.loss_from(loss, spec)
     weights_type = model_weights.weights_type(model_fn)

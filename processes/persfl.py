@@ -174,6 +174,7 @@ def build_persfl_process(
     if not isinstance(settings, PersFLSettings):
         raise TypeError(f'build_persfl_process takes PersFLSettings, got {type(settings).__name__}')
     settings.validate()
+    client_data.require_validation(spec, "PersFL's teacher selection and distillation grid")
     building_blocks.refuse_unused(
         'build_persfl_process',
         dict(

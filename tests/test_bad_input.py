@@ -55,6 +55,20 @@ CASES = [
         dict(num_clients=60, split_fractions=(0.8, 0.19, 0.01)),
         'client_00000: client has no validation examples',
     ),
+    (
+        'PersFL without validation splits',
+        {},
+        dict(algorithm='persfl', split_fractions=(0.9, 0.0, 0.1)),
+        "persfl cannot run on this data and model: PersFL's teacher selection and distillation grid reads each "
+        "client's validation split, and client_00000, client_00001, client_00002 and 1 more have none",
+    ),
+    (
+        'a validation curve without validation splits',
+        {},
+        dict(eval_validation=True, split_fractions=(0.9, 0.0, 0.1)),
+        'eval_validation scores the validation splits: give split_fractions a validation fraction',
+    ),
+    ('a negative validation fraction', {}, dict(split_fractions=(0.9, -0.1, 0.2)), 'validation >= 0'),
     ('sampling rate 0', {}, dict(client_fraction=0.0), 'client_fraction must be in (0, 1]'),
     ('sampling rate above 1', {}, dict(client_fraction=1.5), 'client_fraction must be in (0, 1]'),
     ('negative learning rate', {}, dict(client_learning_rate=-0.1), 'client_learning_rate'),

@@ -316,3 +316,12 @@ def test_kdpdfl_dirichlet_splits_follow_one_distribution():
             assert 1 <= np.unique(big[split]).size <= 4
     every = np.concatenate([np.concatenate(list(c.values())) for c in parts])
     assert np.unique(every).size == every.size
+
+
+def test_split_client_without_a_validation_fraction_keeps_no_validation_split():
+    labels = np.repeat(np.arange(2), 5)
+    splits = partition.split_client(np.arange(10), labels, (0.9, 0.0, 0.1), seed=3)
+    assert [splits[k].size for k in ('train', 'val', 'test')] == [9, 0, 1]
+    assert sorted(np.concatenate(list(splits.values())).tolist()) == list(range(10))
+    with pytest.raises(partition.PartitionError, match='validation >= 0'):
+        partition.split_client(np.arange(10), labels, (0.9, -0.1, 0.2))

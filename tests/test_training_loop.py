@@ -215,3 +215,23 @@ def test_eval_validation_gives_the_serverless_loop_its_validation_curve(tiny_npz
     assert len(rows) == 4 and all(0 <= float(r['personalized_model_val_accuracy']) <= 1 for r in rows)
     with open(out / 'metrics.csv') as f:
         assert 'val_personalized_model_accuracy_mean' in next(csv.reader(f))
+
+
+def test_a_run_without_validation_splits_trains_and_scores_its_test_splits(tiny_npz, tmp_path, tff_runtime):
+    """split_fractions with a validation fraction of 0: no client keeps validation examples, and FedAvg runs."""
+    from tff_pfl.program import experiment, run_config
+
+    config = run_config.make_config(
+        output_dir=str(tmp_path / 'run'),
+        algorithm='fedavg',
+        dataset=f'npz:{tiny_npz}',
+        partition='ds1',
+        classes_per_client=2,
+        num_clients=4,
+        rounds=2,
+        split_fractions=(0.9, 0.0, 0.1),
+    ).validate()
+    result = experiment.run_experiment(config, log=lambda line: None)
+    spec = client_data.load_client_data_spec(str(tmp_path / 'run' / 'client_data'))
+    assert set(spec.split_sizes['val']) == {0} and min(spec.split_sizes['test']) > 0
+    assert 0 <= result.summary['global_model']['mean'] <= 1

@@ -227,6 +227,27 @@ def _example_bytes(spec: ClientDataSpec, part: str) -> int:
     return int(np.prod(spec.label_shape, dtype=np.int64)) * 4
 
 
+def require_validation(spec: ClientDataSpec, who: str) -> None:
+    """Refuses a partition in which some client has no validation examples.
+
+    Args:
+      spec: the partition on disk.
+      who: what reads the validation split, for the message (e.g. 'persfl's
+        teacher selection').
+
+    Raises:
+      ValueError: one line naming `who`, the clients without validation
+        examples (the first few) and the fix.
+    """
+    empty = [c for c, n in zip(spec.client_ids, spec.split_sizes['val']) if n == 0]
+    if empty:
+        shown = ', '.join(empty[:3]) + (f' and {len(empty) - 3} more' if len(empty) > 3 else '')
+        raise ValueError(
+            f"{who} reads each client's validation split, and {shown} have none; "
+            'give split_fractions a positive validation fraction'
+        )
+
+
 def check_client_data(spec: ClientDataSpec) -> None:
     """Checks that a sharded partition's index and shards are whole and agree with the manifest.
 

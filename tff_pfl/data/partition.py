@@ -312,8 +312,8 @@ def split_client(
     Args:
       indices: The client's example indices into the pool.
       labels: Integer labels of the whole pool.
-      fractions: Train, validation and test fractions: three positive numbers
-        summing to 1.
+      fractions: Train, validation and test fractions summing to 1: train
+        and test positive, validation positive or 0 (no validation split).
       seed: Random seed.
 
     Returns:
@@ -322,11 +322,13 @@ def split_client(
 
     Raises:
       PartitionError: If `fractions` is invalid, `indices` is empty or a
-        split ends up empty.
+        split of positive fraction ends up empty.
     """
     fractions = np.asarray(fractions, dtype=np.float64)
-    if fractions.shape != (3,) or fractions.min() <= 0:
-        raise PartitionError(f'split fractions must be 3 positive numbers, got {fractions.tolist()}')
+    if fractions.shape != (3,) or fractions[0] <= 0 or fractions[1] < 0 or fractions[2] <= 0:
+        raise PartitionError(
+            f'split fractions must be 3 numbers, train and test positive, validation >= 0, got {fractions.tolist()}'
+        )
     if abs(fractions.sum() - 1.0) > 1e-6:
         raise PartitionError(f'split fractions must sum to 1, got {fractions.sum():.6g}')
     indices = np.asarray(indices, dtype=np.int64)
@@ -344,7 +346,7 @@ def split_client(
     splits = {}
     for s, (key, description) in enumerate(zip(_SPLIT_NAMES, _SPLIT_DESCRIPTIONS)):
         splits[key] = np.sort(ordered[cuts[s] : cuts[s + 1]])
-        if splits[key].size == 0:
+        if splits[key].size == 0 and fractions[s] > 0:
             raise PartitionError(f'client has no {description} examples; give it more data or change --split_fractions')
     return splits
 

@@ -275,16 +275,24 @@ class DataConfig(settings_lib.Settings):
     download: bool = _setting(False, 'Let TFDS (tfds:) or TFF (tff:) download the dataset.')
     partition: PartitionSettings = _setting(NaturalPartition(), ' | '.join(PARTITIONS) + ' (docs/data.md).')
     num_clients: int = _setting(30, 'Number of clients.')
-    split_fractions: tuple[float, ...] = _setting((0.6, 0.2, 0.2), 'Train, validation, test fractions of each client.')
+    split_fractions: tuple[float, ...] = _setting(
+        (0.6, 0.2, 0.2),
+        'Train, validation, test fractions of each client; a validation fraction of 0 keeps no validation split '
+        '(refused by the algorithms and settings that read one).',
+    )
 
     def _checks(self):
+        fractions = self.split_fractions
         return super()._checks() + [
             (self.num_clients >= 1, f'num_clients must be >= 1, got {self.num_clients}'),
             (
-                len(self.split_fractions) == 3
-                and all(f > 0 for f in self.split_fractions)
-                and abs(sum(self.split_fractions) - 1.0) < 1e-6,
-                f'split_fractions must be three positive numbers summing to 1, got {list(self.split_fractions)}',
+                len(fractions) == 3
+                and fractions[0] > 0
+                and fractions[1] >= 0
+                and fractions[2] > 0
+                and abs(sum(fractions) - 1.0) < 1e-6,
+                'split_fractions must be three numbers summing to 1, train and test positive, validation >= 0, '
+                f'got {list(fractions)}',
             ),
         ]
 

@@ -118,6 +118,8 @@ def prepare_run(config: run_config.ExperimentConfig, out: str, log: Callable[[st
     try:
         prepared, spec = write_client_data(config, staging, out)
         process = build_process(config, spec)
+        if config.evaluation.eval_validation:
+            check_validation(spec)
         if os.path.exists(out):
             shutil.rmtree(out)
         os.rename(staging, out)
@@ -183,6 +185,23 @@ def data_line(config: run_config.ExperimentConfig, prepared, spec) -> str:
         f'train/val/test examples {sum(spec.split_sizes["train"])}/{sum(spec.split_sizes["val"])}/'
         f'{sum(spec.split_sizes["test"])}' + (f' ({prepared.note})' if prepared.note else '')
     )
+
+
+def check_validation(spec) -> None:
+    """Refuses `eval_validation` on a partition where some client has no validation examples.
+
+    Args:
+      spec: the run's `client_data.ClientDataSpec`.
+
+    Raises:
+      run_config.ConfigError: one line naming the clients.
+    """
+    from tff_pfl.data import client_data
+
+    try:
+        client_data.require_validation(spec, 'eval_validation')
+    except ValueError as e:
+        raise run_config.ConfigError(str(e)) from None
 
 
 def build_process(config: run_config.ExperimentConfig, spec):

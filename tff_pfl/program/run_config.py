@@ -506,6 +506,10 @@ class ExperimentConfig(settings_lib.Settings):
         )
         if problem:
             raise ConfigError(problem)
+        if self.evaluation.eval_validation and self.data.split_fractions[1] == 0:
+            raise ConfigError(
+                'eval_validation scores the validation splits: give split_fractions a validation fraction'
+            )
         self._check_privacy(entry)
         workers = self.runtime.workers
         if len(workers) > 1:
