@@ -342,3 +342,35 @@ def test_the_default_alpha_is_sigma_over_the_rounds_capacity(rows):
     np.testing.assert_allclose(xi.numpy()[np.ix_(real, real)], 0.25 + 0.25 * np.eye(3), atol=1e-5)
     far = fedamp.FedAMPSettings(fedamp_sigma=1e-3).attention_fn(4)(tf.constant(w, tf.float32), tf.constant(ids))
     np.testing.assert_allclose(far.numpy()[np.ix_(real, real)], np.eye(3), atol=1e-6)  # far apart: each keeps its own
+
+
+def test_a_sampled_run_writes_the_attention_matrix_and_each_clients_rounds(tiny_npz, tmp_path):
+    """Through the training binary's code, half the clients a round: the attention heatmap and CSV (row i: client
+    i's last cloud model), and clients.csv's rounds taken part."""
+    import csv
+
+    from tff_pfl.program import experiment, run_config
+
+    config = run_config.make_config(
+        output_dir=str(tmp_path / 'run'),
+        algorithm='fedamp',
+        dataset=f'npz:{tiny_npz}',
+        partition='iid',
+        num_clients=4,
+        client_fraction=0.5,
+        rounds=2,
+        eval_every=0,
+        model='logistic',
+        local_steps=2,
+    ).validate()
+    result = experiment.run_experiment(config, log=lambda line: None)
+    attention = np.asarray(result.state['attention'])
+    assert attention.shape == (4, 4)
+    np.testing.assert_allclose(attention.sum(axis=1), 1.0, atol=1e-6)  # every row a mix (or the identity)
+    assert (tmp_path / 'run' / 'attention.png').exists()
+    with open(tmp_path / 'run' / 'attention.csv') as f:
+        assert [row['client_id'] for row in csv.DictReader(f)] == [f'client_{i:05d}' for i in range(4)]
+    with open(tmp_path / 'run' / 'clients.csv') as f:
+        taken = [int(row['rounds_taken_part']) for row in csv.DictReader(f)]
+    assert sum(taken) == 2 * 2 and len(taken) == 4
+    assert [r['num_clients'] for r in result.rounds] == [2, 2]
