@@ -19,6 +19,7 @@ import processes
 from processes import (
     apfl,
     ditto,
+    fedamp,
     fedavg,
     feddf,
     fedper,
@@ -102,6 +103,10 @@ def _builders():
             lambda spec, fn, **kw: feddf.build_feddf_process(
                 spec, feddf.FedDFSettings(**LOCAL, **PUBLIC, architectures=('logistic',)), **kw
             ),
+            {c, lo, m},
+        ),
+        'build_fedamp_process': (
+            lambda spec, fn, **kw: fedamp.build_fedamp_process(spec, fn, fedamp.FedAMPSettings(**LOCAL), **kw),
             {c, lo, m},
         ),
         'build_kdpdfl_process': (

@@ -11,6 +11,7 @@ new module and its name in the import and `_MODULES` here (docs/architecture.md,
 from processes import (
     apfl,
     ditto,
+    fedamp,
     fedavg,
     feddf,
     fedper,
@@ -31,6 +32,7 @@ from tff_pfl.computations import privacy
 _MODULES = (
     apfl,
     ditto,
+    fedamp,
     fedavg,
     feddf,
     fedper,
