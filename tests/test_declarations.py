@@ -18,7 +18,11 @@ def _process_modules():
 
 
 # Modules of processes/ that declare no algorithm: parts an algorithm family shares.
-SHARED_PARTS = {'ktpfl_rounds': {'ktpfl', 'ktpfl_homo', 'fedamp'}, 'ktpfl_coefficients': {'ktpfl', 'ktpfl_homo'}}
+SHARED_PARTS = {
+    'ktpfl_rounds': {'ktpfl', 'ktpfl_homo', 'fedamp'},
+    'ktpfl_coefficients': {'ktpfl', 'ktpfl_homo'},
+    'kdpdfl_exchange': {'kdpdfl'},
+}
 
 
 def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithms():
