@@ -28,9 +28,7 @@ import numpy as np
 from tff_pfl import metrics as metrics_lib
 from tff_pfl import reports
 from tff_pfl.computations import heterogeneous
-
-# `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
-from tff_pfl_bench import bench_layout, bench_suite
+from tff_pfl_bench import bench_layout, bench_suite, tuning
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'
@@ -248,7 +246,8 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     the std over seeds (n - 1) of the statistic before it, `per_client`
     client i's accuracy averaged over seeds, `communication_by_seed` the
     (seed, bytes down, bytes up) per client per round of each record when
-    the records disagree (made by different versions of the code), else None.
+    the records disagree (made by different versions of the code), else None;
+    `tuning.SUMMARY_COLUMNS` are `tuning.selection_columns`'s (blank without validation curves).
 
     Args:
       suite: the suite.
@@ -298,6 +297,7 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     weighted_mean_std_over_seeds=None if weighted is None else _stdev(weighted),
                     top_10_by_samples=None if top is None else statistics.fmean(top),
                     top_10_by_samples_std_over_seeds=None if top is None else _stdev(top),
+                    **tuning.selection_columns(mine),
                     rounds=mine[0]['rounds'],
                     rounds_to_target=_mean(reached),
                     rounds_to_target_reached=f'{len(reached)}/{len(targeted)}' if targeted else None,
@@ -836,21 +836,8 @@ def render_report(
             entry[f'paper {label}'] = _paper_number(paper_value)
             entry[f'diff {label}'] = '' if paper_value is None or ours is None else f'{ours - paper_value:+.2f}'
         comparison.append(entry)
-    columns = [
-        'algorithm',
-        'partition',
-        'model',
-        'runs',
-        'ours',
-        'ours std',
-        'weighted',
-        'worst 10%',
-        'top 10%',
-        'paper',
-        'paper std',
-        'diff',
-        'diff std',
-    ]
+    columns = ['algorithm', 'partition', 'model', 'runs', 'ours', 'ours std', 'weighted', 'worst 10%', 'top 10%']
+    columns += ['paper', 'paper std', 'diff', 'diff std']
     for metric in targeted:
         if metric != 'mean':
             label = METRICS[metric][2]
@@ -859,6 +846,7 @@ def render_report(
         columns.append('epsilon')
         lines += ['epsilon: user-level DP spent by the end of the run (docs/privacy.md); "no DP" without it.', '']
     lines += [reports.markdown_table(comparison, columns), '', *_architecture_lines(arch_rows)]
+    lines += tuning.selection_lines(rows)
     target = (
         'no target_accuracy set'
         if suite.target_accuracy is None

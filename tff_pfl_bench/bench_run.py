@@ -48,8 +48,6 @@ import tensorflow_federated as tff
 
 from tff_pfl import reports
 from tff_pfl.computations import audit
-
-# Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 from tff_pfl.program import experiment
 from tff_pfl.program import run_config as run_config_lib
 from tff_pfl_bench import bench_layout, bench_peers, bench_report, bench_suite
@@ -393,11 +391,12 @@ def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool, split: 
       model: e.g. 'global_model'.
       final_only: the model is made by a final `personalize` stage, so only
         the last round's value is that model.
-      split: 'test', or 'val' for a run with a validation curve
-        (`eval_validation`; empty without one).
+      split: 'test' (`test_<model>_accuracy_mean`) or 'val'
+        (`val_<model>_accuracy_mean`, in the rows of runs with `eval_validation`).
 
     Returns:
-      `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction.
+      `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction; empty
+      when the rows do not have the split's key.
     """
     key = f'{split}_{model}_accuracy_mean'
     points = [
@@ -439,14 +438,36 @@ def selected_round(curve: Sequence[Mapping], val_curve: Sequence[Mapping]) -> di
 
     Returns:
       `{'round', 'val_accuracy', 'test_accuracy'}` of the round with the
-      highest validation mean (ties: the earliest); None without a
+      highest finite validation mean (ties: the earliest); None without a
       validation curve. The test numbers are read only at that round.
     """
-    if not val_curve:
+    best = _best_point(val_curve)
+    if best is None:
         return None
-    best = max(val_curve, key=lambda p: (p['accuracy'], -p['round']))
     test = {p['round']: p['accuracy'] for p in curve}
     return {'round': best['round'], 'val_accuracy': best['accuracy'], 'test_accuracy': test.get(best['round'])}
+
+
+def best_test_round(curve: Sequence[Mapping]) -> dict | None:
+    """The evaluated round with the highest mean test accuracy (a leaderboard's measure; optimistic).
+
+    Args:
+      curve: the test curve (`model_curve`), in round order.
+
+    Returns:
+      `{'round', 'test_accuracy'}` (ties: the earliest), or None without a curve.
+    """
+    best = _best_point(curve)
+    return None if best is None else {'round': best['round'], 'test_accuracy': best['accuracy']}
+
+
+def _best_point(points: Sequence[Mapping]) -> Mapping | None:
+    """The point of highest finite accuracy, the earliest on ties; None if none (a NaN is never the best)."""
+    best = None
+    for point in points:
+        if math.isfinite(point['accuracy']) and (best is None or point['accuracy'] > best['accuracy']):
+            best = point
+    return best
 
 
 def _bench_result(suite, run, config, result, seconds, communication, partition_text) -> dict:
@@ -455,7 +476,6 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
     final_only = communication['has_personalize'] and model != 'global_model'
     curve = model_curve(result.rounds, model, final_only)
     val_curve = model_curve(result.rounds, model, final_only, split='val')
-    best_test = max(curve, key=lambda p: (p['accuracy'], -p['round'])) if curve else None
     return collections.OrderedDict(
         suite=suite.name,
         partition=run.partition.name,
@@ -485,9 +505,7 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         val_curve=val_curve,
         selected=selected_round(curve, val_curve),
         # The best round on test (a leaderboard's measure): optimistic, labelled so wherever shown.
-        best_test_round=None
-        if best_test is None
-        else {'round': best_test['round'], 'test_accuracy': best_test['accuracy']},
+        best_test_round=best_test_round(curve),
         # User-level DP: the privacy spent by the end of the run (None without DP).
         dp_epsilon=result.rounds[-1].get('dp_epsilon'),
         dp_delta=config.privacy.delta_for(num_clients) if config.privacy.dp_noise_multiplier is not None else None,
