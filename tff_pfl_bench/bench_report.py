@@ -7,6 +7,7 @@ directory (`bench_run`) and writes, next to them (`write_report`):
     <output_dir>/summary.csv           one row per partition and algorithm
     <output_dir>/report.md             the tables and plots below
     <output_dir>/curves_<p>.png, clients_<p>.png, std_<p>.png
+    <output_dir>/tuning.csv, tuning.json   a suite with [tuning]: its trials and choices (`tuning`)
 
 A record may be a converted one (`CONVERTED_FROM`, written by
 benchmarks/convert_results.py from an older results directory that kept only
@@ -474,9 +475,8 @@ def write_report(
             reports.write_csv(os.path.join(output_dir, bench_layout.ARCHITECTURES_FILE), arch_rows)
         plots = _write_plots(suite, output_dir, records, rows) + _write_architecture_plots(suite, output_dir, arch_rows)
         commands = (bench_layout.file_text(os.path.join(output_dir, bench_layout.COMMANDS_FILE)) or '').splitlines()
-        text = render_report(
-            suite, output_dir, records, rows, plots, commands, published=published, arch_rows=arch_rows
-        )
+        sections = dict(arch_rows=arch_rows, trial_rows=tuning.write_files(suite, output_dir))  # with tuning.csv, .json
+        text = render_report(suite, output_dir, records, rows, plots, commands, published=published, **sections)
         reports.write_text_atomic(os.path.join(output_dir, 'report.md'), text)
     log(f'report: {os.path.join(output_dir, "report.md")} ({len(records)} of {len(suite.runs())} runs complete)')
     return rows
@@ -745,6 +745,7 @@ def render_report(
     *,
     published: bool = False,
     arch_rows: Sequence[Mapping] = (),
+    trial_rows: Sequence[Mapping] = (),
 ) -> str:
     """The markdown report of a suite's complete runs.
 
@@ -759,6 +760,7 @@ def render_report(
         directory it was rebuilt in means nothing: its reproduce line names the
         default output directory, `runs/bench/<suite name>`.
       arch_rows: `architecture_rows(...)` (empty: no such section).
+      trial_rows: `tuning.tuning_rows(...)`, for the "Tuning" section of a suite with `[tuning]`.
 
     Returns:
       The report's text.
@@ -846,7 +848,7 @@ def render_report(
         columns.append('epsilon')
         lines += ['epsilon: user-level DP spent by the end of the run (docs/privacy.md); "no DP" without it.', '']
     lines += [reports.markdown_table(comparison, columns), '', *_architecture_lines(arch_rows)]
-    lines += tuning.selection_lines(rows)
+    lines += [*tuning.selection_lines(rows), *tuning.tuning_lines(suite, trial_rows)]
     target = (
         'no target_accuracy set'
         if suite.target_accuracy is None
