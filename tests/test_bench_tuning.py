@@ -367,6 +367,11 @@ def test_trials_are_the_product_of_the_tune_lists_over_the_run_configuration():
             '[algorithms.tune]\nclient_learning_rate = [0.1, 0.2]\n',
             '"TFF FedRecon".tune: tff_fed_recon is TFF\'s own process, scored on test only',
         ),
+        (  # peers score no validation split: a suite with [tuning] cannot hold them
+            TUNED + '[[algorithms]]\nname = "TFF FedRecon"\nalgorithm = "tff_fed_recon"\nmodel = "personalized_model"\n'
+            'untuned = "TFF\'s own"\n',
+            'algorithms "TFF FedRecon" on partitions "natural": eval_validation does not apply to tff_fed_recon',
+        ),
     ],
 )
 def test_tuning_errors_are_one_line_naming_file_and_key(text, message):

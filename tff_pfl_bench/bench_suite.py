@@ -660,7 +660,7 @@ def _tune_entry(entry: Mapping, registry: str, where: str, tuning: Tuning | None
     if not table:
         fail(key_where, 'names no setting')
     if bench_peers.is_peer(registry):
-        fail(key_where, f"{registry} is TFF's own process, scored on test only (no validation curve); mark it untuned")
+        fail(key_where, f"{registry} is TFF's own process, scored on test only: it cannot be tuned on validation")
     own = set(setting_names(registry)) | set(run_config.ExperimentConfig.common_fields())
     tune = []
     for key, values in table.items():
