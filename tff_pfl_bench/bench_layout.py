@@ -17,6 +17,11 @@ RECORDS_DIR = 'records'
 # What `bench_run.publish_results` copies besides the records (and the report's plots).
 ARCHITECTURES_FILE = 'architectures.csv'  # heterogeneous suites only: accuracy by client architecture
 PUBLISHED_FILES = ('report.md', 'results.csv', 'summary.csv', ARCHITECTURES_FILE, SUITE_FILE, COMMANDS_FILE)
+# ... and, for a suite with [tuning], every trial's validation scores and each tuned algorithm's choice (`tuning`).
+TUNING_CSV = 'tuning.csv'
+TUNING_JSON = 'tuning.json'
+TUNING_FILES = (TUNING_CSV, TUNING_JSON)
+TRIALS_DIR = 'trials'  # a tuned algorithm's trials: runs/<partition>/<algorithm>/trials/<slug>/, and their records
 
 
 @contextlib.contextmanager
@@ -64,3 +69,18 @@ def record_path(results_dir: str, run: bench_suite.Run) -> str:
       Where the run's record is kept.
     """
     return os.path.join(results_dir, RECORDS_DIR, run.partition.slug, run.algorithm.slug, f'seed{run.seed}.json')
+
+
+def trial_record_path(results_dir: str, trial) -> str:
+    """`<results_dir>/records/<partition>/<algorithm>/trials/<trial slug>.json`.
+
+    Args:
+      results_dir: the suite's results directory.
+      trial: a `tuning.Trial`.
+
+    Returns:
+      Where the trial's record is kept.
+    """
+    return os.path.join(
+        results_dir, RECORDS_DIR, trial.partition.slug, trial.algorithm.slug, TRIALS_DIR, f'{trial.slug}.json'
+    )

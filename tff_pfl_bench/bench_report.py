@@ -7,6 +7,7 @@ directory (`bench_run`) and writes, next to them (`write_report`):
     <output_dir>/summary.csv           one row per partition and algorithm
     <output_dir>/report.md             the tables and plots below
     <output_dir>/curves_<p>.png, clients_<p>.png, std_<p>.png
+    <output_dir>/tuning.csv, tuning.json   a suite with [tuning]: its trials and choices (`tuning`)
 
 A record may be a converted one (`CONVERTED_FROM`, written by
 benchmarks/convert_results.py from an older results directory that kept only
@@ -28,9 +29,7 @@ import numpy as np
 from tff_pfl import metrics as metrics_lib
 from tff_pfl import reports
 from tff_pfl.computations import heterogeneous
-
-# `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
-from tff_pfl_bench import bench_layout, bench_suite
+from tff_pfl_bench import bench_layout, bench_suite, tuning
 
 # `aggregate`'s row key: a record of the row's minutes counts only the last of several sittings.
 _LAST_SITTING = 'minutes_last_sitting_only'
@@ -248,7 +247,8 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
     the std over seeds (n - 1) of the statistic before it, `per_client`
     client i's accuracy averaged over seeds, `communication_by_seed` the
     (seed, bytes down, bytes up) per client per round of each record when
-    the records disagree (made by different versions of the code), else None.
+    the records disagree (made by different versions of the code), else None;
+    `tuning.SUMMARY_COLUMNS` are `tuning.selection_columns`'s (blank without validation curves).
 
     Args:
       suite: the suite.
@@ -298,6 +298,7 @@ def aggregate(suite: bench_suite.Suite, records: Sequence[Mapping]) -> list[dict
                     weighted_mean_std_over_seeds=None if weighted is None else _stdev(weighted),
                     top_10_by_samples=None if top is None else statistics.fmean(top),
                     top_10_by_samples_std_over_seeds=None if top is None else _stdev(top),
+                    **tuning.selection_columns(mine),
                     rounds=mine[0]['rounds'],
                     rounds_to_target=_mean(reached),
                     rounds_to_target_reached=f'{len(reached)}/{len(targeted)}' if targeted else None,
@@ -474,9 +475,8 @@ def write_report(
             reports.write_csv(os.path.join(output_dir, bench_layout.ARCHITECTURES_FILE), arch_rows)
         plots = _write_plots(suite, output_dir, records, rows) + _write_architecture_plots(suite, output_dir, arch_rows)
         commands = (bench_layout.file_text(os.path.join(output_dir, bench_layout.COMMANDS_FILE)) or '').splitlines()
-        text = render_report(
-            suite, output_dir, records, rows, plots, commands, published=published, arch_rows=arch_rows
-        )
+        sections = dict(arch_rows=arch_rows, trial_rows=tuning.write_files(suite, output_dir))  # with tuning.csv, .json
+        text = render_report(suite, output_dir, records, rows, plots, commands, published=published, **sections)
         reports.write_text_atomic(os.path.join(output_dir, 'report.md'), text)
     log(f'report: {os.path.join(output_dir, "report.md")} ({len(records)} of {len(suite.runs())} runs complete)')
     return rows
@@ -745,6 +745,7 @@ def render_report(
     *,
     published: bool = False,
     arch_rows: Sequence[Mapping] = (),
+    trial_rows: Sequence[Mapping] = (),
 ) -> str:
     """The markdown report of a suite's complete runs.
 
@@ -759,6 +760,7 @@ def render_report(
         directory it was rebuilt in means nothing: its reproduce line names the
         default output directory, `runs/bench/<suite name>`.
       arch_rows: `architecture_rows(...)` (empty: no such section).
+      trial_rows: `tuning.tuning_rows(...)`, for the "Tuning" section of a suite with `[tuning]`.
 
     Returns:
       The report's text.
@@ -836,21 +838,8 @@ def render_report(
             entry[f'paper {label}'] = _paper_number(paper_value)
             entry[f'diff {label}'] = '' if paper_value is None or ours is None else f'{ours - paper_value:+.2f}'
         comparison.append(entry)
-    columns = [
-        'algorithm',
-        'partition',
-        'model',
-        'runs',
-        'ours',
-        'ours std',
-        'weighted',
-        'worst 10%',
-        'top 10%',
-        'paper',
-        'paper std',
-        'diff',
-        'diff std',
-    ]
+    columns = ['algorithm', 'partition', 'model', 'runs', 'ours', 'ours std', 'weighted', 'worst 10%', 'top 10%']
+    columns += ['paper', 'paper std', 'diff', 'diff std']
     for metric in targeted:
         if metric != 'mean':
             label = METRICS[metric][2]
@@ -859,6 +848,7 @@ def render_report(
         columns.append('epsilon')
         lines += ['epsilon: user-level DP spent by the end of the run (docs/privacy.md); "no DP" without it.', '']
     lines += [reports.markdown_table(comparison, columns), '', *_architecture_lines(arch_rows)]
+    lines += [*tuning.selection_lines(rows), *tuning.tuning_lines(suite, trial_rows)]
     target = (
         'no target_accuracy set'
         if suite.target_accuracy is None

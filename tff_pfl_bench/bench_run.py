@@ -30,11 +30,23 @@ record per complete run,
 complete runs of a new output directory, so a suite run over several
 machines or sittings adds its missing runs to what is committed;
 `publish_results` writes the report and every complete run's record back.
+
+A suite with `[tuning]` (`tuning`) also has trials: on each partition, a
+tuned algorithm's trials run first, on the tuning seed, each a run in
+`<output_dir>/runs/<partition>/<algorithm>/trials/<trial slug>/`, recorded
+at `<results_dir>/records/<partition>/<algorithm>/trials/<trial slug>.json`
+(`restore_trials`, `publish_results`) and resumed like runs. Once all of an
+algorithm's trials on a partition are complete, its runs use the setting
+chosen on validation (`tuning.choice`); its run on the tuning seed is the
+chosen trial, whose record is copied, not rerun. Until then its runs wait
+(one line says so): `--seeds` without the tuning seed runs them only once
+the trials are complete.
 """
 
 import collections
 import dataclasses
 import fcntl
+import functools
 import json
 import math
 import os
@@ -48,11 +60,9 @@ import tensorflow_federated as tff
 
 from tff_pfl import reports
 from tff_pfl.computations import audit
-
-# Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 from tff_pfl.program import experiment
 from tff_pfl.program import run_config as run_config_lib
-from tff_pfl_bench import bench_layout, bench_peers, bench_report, bench_suite
+from tff_pfl_bench import bench_layout, bench_peers, bench_report, bench_suite, tuning
 
 # Rounds between a run's checkpoints: an interrupted sitting loses at most this many rounds of its run.
 CHECKPOINT_EVERY = 5
@@ -203,6 +213,30 @@ def restore_results(suite: bench_suite.Suite, output_dir: str, results_dir: str)
     return restored
 
 
+def restore_trials(suite: bench_suite.Suite, output_dir: str, results_dir: str) -> int:
+    """Takes the trial records kept in `results_dir` as complete trials of `output_dir` (`restore_results`'s rule).
+
+    Args:
+      suite: the suite (`check_results_dir` accepted `results_dir`).
+      output_dir: the benchmark's output directory, prepared.
+      results_dir: the results directory (need not exist).
+
+    Returns:
+      How many trials were restored (0 without `[tuning]`).
+    """
+    restored = 0
+    with bench_layout.locked(os.path.join(output_dir, '.lock')):
+        for trial in tuning.trials(suite):
+            source, directory = bench_layout.trial_record_path(results_dir, trial), trial.directory(output_dir)
+            if os.path.exists(source) and not os.path.exists(directory):
+                os.makedirs(directory)
+                reports.write_text_atomic(
+                    os.path.join(directory, bench_layout.RESULT_FILE), bench_layout.file_text(source)
+                )
+                restored += 1
+    return restored
+
+
 def publish_results(
     suite: bench_suite.Suite, output_dir: str, results_dir: str, *, log: Callable[[str], None] = print
 ) -> int:
@@ -223,22 +257,29 @@ def publish_results(
     """
     os.makedirs(results_dir, exist_ok=True)
     with bench_layout.locked(os.path.join(output_dir, '.lock')):
-        names = list(bench_layout.PUBLISHED_FILES)
+        names = [*bench_layout.PUBLISHED_FILES, *bench_layout.TUNING_FILES]
         names += sorted(n for n in os.listdir(output_dir) if n.endswith('.png'))
         for name in names:
             path = os.path.join(output_dir, name)
             if os.path.exists(path):
                 shutil.copyfile(path, os.path.join(results_dir, name))
-        count = 0
+        count = trial_count = 0
         for run in suite.runs():
-            source = os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE)
-            target = bench_layout.record_path(results_dir, run)
-            if os.path.exists(source):
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                reports.write_text_atomic(target, bench_layout.file_text(source))
-            count += os.path.exists(target)
-    log(f'results: {results_dir} ({count} of {len(suite.runs())} run records)')
+            count += _copy_record(run.directory(output_dir), bench_layout.record_path(results_dir, run))
+        for trial in tuning.trials(suite):
+            trial_count += _copy_record(trial.directory(output_dir), bench_layout.trial_record_path(results_dir, trial))
+    trials = f', {trial_count} of {len(tuning.trials(suite))} trial records' if suite.tuning is not None else ''
+    log(f'results: {results_dir} ({count} of {len(suite.runs())} run records{trials})')
     return count
+
+
+def _copy_record(directory: str, target: str) -> bool:
+    """Copies a complete run's (or trial's) record to `target`; whether `target` exists then."""
+    source = os.path.join(directory, bench_layout.RESULT_FILE)
+    if os.path.exists(source):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        reports.write_text_atomic(target, bench_layout.file_text(source))
+    return os.path.exists(target)
 
 
 def _check_data(suite: bench_suite.Suite, runs: Sequence[bench_suite.Run]) -> None:
@@ -292,8 +333,8 @@ class _RunLog:
 def _reference_partition(
     suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run
 ) -> tuple[str | None, str | None]:
-    """`partition.csv` of the first complete run of the same (partition, seed)."""
-    for other in suite.runs():
+    """`partition.csv` of the first complete run (or trial) of the same (partition, seed)."""
+    for other in [*suite.runs(), *tuning.trials(suite)]:
         if other.partition is run.partition and other.seed == run.seed and other != run:
             text = bench_layout.file_text(os.path.join(other.directory(output_dir), bench_layout.RESULT_FILE))
             # The record keeps the run's partition.csv (restored runs have only it); a converted record
@@ -393,11 +434,12 @@ def model_curve(rounds: Sequence[Mapping], model: str, final_only: bool, split: 
       model: e.g. 'global_model'.
       final_only: the model is made by a final `personalize` stage, so only
         the last round's value is that model.
-      split: 'test', or 'val' for a run with a validation curve
-        (`eval_validation`; empty without one).
+      split: 'test' (`test_<model>_accuracy_mean`) or 'val'
+        (`val_<model>_accuracy_mean`, in the rows of runs with `eval_validation`).
 
     Returns:
-      `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction.
+      `[{'round': r, 'accuracy': a}, ...]`, accuracy as a fraction; empty
+      when the rows do not have the split's key.
     """
     key = f'{split}_{model}_accuracy_mean'
     points = [
@@ -439,14 +481,36 @@ def selected_round(curve: Sequence[Mapping], val_curve: Sequence[Mapping]) -> di
 
     Returns:
       `{'round', 'val_accuracy', 'test_accuracy'}` of the round with the
-      highest validation mean (ties: the earliest); None without a
+      highest finite validation mean (ties: the earliest); None without a
       validation curve. The test numbers are read only at that round.
     """
-    if not val_curve:
+    best = _best_point(val_curve)
+    if best is None:
         return None
-    best = max(val_curve, key=lambda p: (p['accuracy'], -p['round']))
     test = {p['round']: p['accuracy'] for p in curve}
     return {'round': best['round'], 'val_accuracy': best['accuracy'], 'test_accuracy': test.get(best['round'])}
+
+
+def best_test_round(curve: Sequence[Mapping]) -> dict | None:
+    """The evaluated round with the highest mean test accuracy (a leaderboard's measure; optimistic).
+
+    Args:
+      curve: the test curve (`model_curve`), in round order.
+
+    Returns:
+      `{'round', 'test_accuracy'}` (ties: the earliest), or None without a curve.
+    """
+    best = _best_point(curve)
+    return None if best is None else {'round': best['round'], 'test_accuracy': best['accuracy']}
+
+
+def _best_point(points: Sequence[Mapping]) -> Mapping | None:
+    """The point of highest finite accuracy, the earliest on ties; None if none (a NaN is never the best)."""
+    best = None
+    for point in points:
+        if math.isfinite(point['accuracy']) and (best is None or point['accuracy'] > best['accuracy']):
+            best = point
+    return best
 
 
 def _bench_result(suite, run, config, result, seconds, communication, partition_text) -> dict:
@@ -455,7 +519,6 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
     final_only = communication['has_personalize'] and model != 'global_model'
     curve = model_curve(result.rounds, model, final_only)
     val_curve = model_curve(result.rounds, model, final_only, split='val')
-    best_test = max(curve, key=lambda p: (p['accuracy'], -p['round'])) if curve else None
     return collections.OrderedDict(
         suite=suite.name,
         partition=run.partition.name,
@@ -485,9 +548,7 @@ def _bench_result(suite, run, config, result, seconds, communication, partition_
         val_curve=val_curve,
         selected=selected_round(curve, val_curve),
         # The best round on test (a leaderboard's measure): optimistic, labelled so wherever shown.
-        best_test_round=None
-        if best_test is None
-        else {'round': best_test['round'], 'test_accuracy': best_test['accuracy']},
+        best_test_round=best_test_round(curve),
         # User-level DP: the privacy spent by the end of the run (None without DP).
         dp_epsilon=result.rounds[-1].get('dp_epsilon'),
         dp_delta=config.privacy.delta_for(num_clients) if config.privacy.dp_noise_multiplier is not None else None,
@@ -563,60 +624,184 @@ def run_suite(
         restored = restore_results(suite, output_dir, results_dir)
         if restored:
             log(f'{suite.name}: {restored} complete runs restored from {results_dir}')
+        restored = restore_trials(suite, output_dir, results_dir)
+        if restored:
+            log(f'{suite.name}: {restored} complete tuning trials restored from {results_dir}')
         os.makedirs(results_dir, exist_ok=True)  # the records written below need their suite.toml beside them
         if _stored_suite(results_dir) != suite.text:
             reports.write_text_atomic(os.path.join(results_dir, bench_layout.SUITE_FILE), suite.text)
-    todo = [
-        run for run in runs if not os.path.exists(os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE))
-    ]
+    trials = tuning.select_trials(suite, seeds=seeds, algorithms=algorithms, partitions=partitions)
+    todo = [run for run in runs if not _complete(run, output_dir)]
+    todo_trials = [trial for trial in trials if not _complete(trial, output_dir)]
     if report_only:
         log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} complete, none run (--report_only)')
-        todo = []
+        todo, todo_trials = [], []
     else:
         log(f'{suite.name}: {len(runs)} runs selected, {len(runs) - len(todo)} already complete, {len(todo)} to run')
-    spent, done = 0.0, 0
-    for i, run in enumerate(todo, start=1):
-        directory = run.directory(output_dir)
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-        with open(os.path.join(os.path.dirname(directory), f'.seed{run.seed}.lock'), 'a') as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log(f'run {i}/{len(todo)} {run.label}: another process is running it, skipped')
-                continue
-            if os.path.exists(os.path.join(directory, bench_layout.RESULT_FILE)):  # finished elsewhere meanwhile
-                continue
-            config = run_config(suite, output_dir, run, checkpoint_every)
-            resume_from = experiment.resumable_round(config) if os.path.exists(directory) else None
-            if resume_from is not None:
-                log(f'run {i}/{len(todo)} {run.label}: incomplete, continuing from its round-{resume_from} checkpoint')
-            elif os.path.exists(directory):
-                log(f'run {i}/{len(todo)} {run.label}: incomplete, redoing it')
-                shutil.rmtree(directory)
-            started = time.monotonic()
-            record = _run_one(suite, output_dir, run, config, resume_from=resume_from)
-            seconds = time.monotonic() - started
-            if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
-                target = bench_layout.record_path(results_dir, run)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                reports.write_text_atomic(
-                    target, bench_layout.file_text(os.path.join(directory, bench_layout.RESULT_FILE))
-                )
-            spent, done = spent + seconds, done + 1
-            eta = spent / done * (len(todo) - i)
-            accuracy = record['summary'][run.algorithm.model]['mean']
+        if suite.tuning is not None:
             log(
-                f'run {i}/{len(todo)} {run.label}: {seconds:.1f}s  test_acc[{run.algorithm.model}] '
-                f'{accuracy:.4f}  ETA {_format_seconds(eta)}'
+                f'{suite.name}: {len(trials)} tuning trials selected, {len(trials) - len(todo_trials)} already '
+                f'complete, {len(todo_trials)} to run'
             )
+    progress = _Progress(len(todo) + len(todo_trials))
+    train = functools.partial(
+        _train, suite, output_dir, results_dir=results_dir, checkpoint_every=checkpoint_every, log=log
+    )
+    for partition in suite.partitions:  # a partition's trials first: its tuned algorithms' runs need their choice
+        for i, trial in enumerate(todo_trials, start=1):
+            if trial.partition is partition:
+                train(trial, f'trial {i}/{len(todo_trials)}', progress)
+        mine = [(i, run) for i, run in enumerate(todo, start=1) if run.partition is partition]
+        chosen = _choices(suite, output_dir, partition, [run for _, run in mine], log)
+        for i, run in mine:
+            where = f'run {i}/{len(todo)}'
+            if not run.algorithm.tune:
+                train(run, where, progress)
+            elif chosen[run.algorithm.name] is None:  # its trials are not complete: said once, above
+                progress.skip()
+            elif run.seed == suite.tuning.seed:
+                _reuse_trial(output_dir, run, chosen[run.algorithm.name], results_dir, where, log)
+                progress.skip()
+            else:
+                train(run, where, progress, chosen=chosen[run.algorithm.name])
     rows = bench_report.write_report(suite, output_dir, published=results_dir is not None, log=log)
     if results_dir is not None:
         publish_results(suite, output_dir, results_dir, log=log)
     return rows
 
 
+def _complete(run, output_dir: str) -> bool:
+    """Whether a run (or trial) of `output_dir` has its record."""
+    return os.path.exists(os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE))
+
+
+class _Progress:
+    """The time spent training and the runs left, for the ETA of each progress line."""
+
+    def __init__(self, total: int):
+        self._left, self._spent, self._done = total, 0.0, 0
+
+    def skip(self) -> None:
+        """A run or trial that trained nothing (skipped, waiting or reused)."""
+        self._left -= 1
+
+    def trained(self, seconds: float) -> str:
+        """Counts a trained run or trial; returns the ETA of the rest as `h:mm:ss`."""
+        self._left, self._spent, self._done = self._left - 1, self._spent + seconds, self._done + 1
+        return _format_seconds(self._spent / self._done * self._left)
+
+
+def _choices(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    partition: bench_suite.PartitionEntry,
+    runs: Sequence[bench_suite.Run],
+    log: Callable[[str], None],
+) -> dict:
+    """Each tuned algorithm of `runs` -> its `tuning.Choice` on `partition`, or None (one line says it waits)."""
+    chosen = {}
+    for algorithm in suite.algorithms:
+        waiting = [run.seed for run in runs if run.algorithm is algorithm]
+        if not algorithm.tune or not waiting:
+            continue
+        chosen[algorithm.name] = tuning.choice(suite, output_dir, partition, algorithm)
+        if chosen[algorithm.name] is None:
+            mine = [t for t in tuning.trials(suite) if t.partition is partition and t.algorithm is algorithm]
+            complete = sum(_complete(t, output_dir) for t in mine)
+            log(
+                f'{partition.name}/{algorithm.name}: seeds {", ".join(str(s) for s in waiting)} not run: its tuning '
+                f'trials on seed {suite.tuning.seed} must run first ({complete} of {len(mine)} complete)'
+            )
+    return chosen
+
+
+def _train(
+    suite: bench_suite.Suite,
+    output_dir: str,
+    run,
+    where: str,
+    progress: _Progress,
+    *,
+    results_dir: str | None,
+    checkpoint_every: int,
+    log: Callable[[str], None],
+    chosen: tuning.Choice | None = None,
+) -> None:
+    """Trains one run or trial that is not complete (`run_suite`), under its lock; writes its record."""
+    directory = run.directory(output_dir)
+    is_trial = isinstance(run, tuning.Trial)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    with open(os.path.join(os.path.dirname(directory), f'.{os.path.basename(directory)}.lock'), 'a') as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f'{where} {run.label}: another process is running it, skipped')
+            progress.skip()
+            return
+        if _complete(run, output_dir):  # finished elsewhere meanwhile
+            progress.skip()
+            return
+        config = run_config(suite, output_dir, run, checkpoint_every, chosen=chosen)
+        resume_from = experiment.resumable_round(config) if os.path.exists(directory) else None
+        if resume_from is not None:
+            log(f'{where} {run.label}: incomplete, continuing from its round-{resume_from} checkpoint')
+        elif os.path.exists(directory):
+            log(f'{where} {run.label}: incomplete, redoing it')
+            shutil.rmtree(directory)
+        if is_trial:
+            extra = {'tuning_trial': {'trial': run.slug, 'index': run.index, 'settings': run.settings}}
+        elif chosen is not None:
+            extra = {'tuning_choice': _choice_entry(chosen, reused=False)}
+        else:
+            extra = {}
+        started = time.monotonic()
+        record = _run_one(suite, output_dir, run, config, resume_from=resume_from, extra=extra)
+        seconds = time.monotonic() - started
+        if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
+            target = (bench_layout.trial_record_path if is_trial else bench_layout.record_path)(results_dir, run)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            reports.write_text_atomic(target, bench_layout.file_text(os.path.join(directory, bench_layout.RESULT_FILE)))
+        eta = progress.trained(seconds)
+        model = run.algorithm.model
+        if is_trial:  # a trial shows its validation score: no test number of a trial is shown before the choice
+            score = tuning.validation_score(tuning.validation_view(record), suite.tuning.select)
+            shown = f'val_acc[{model}] ' + ('none' if score is None else f'{score:.4f}')
+        else:
+            shown = f'test_acc[{model}] {record["summary"][model]["mean"]:.4f}'
+        log(f'{where} {run.label}: {seconds:.1f}s  {shown}  ETA {eta}')
+
+
+def _choice_entry(chosen: tuning.Choice, *, reused: bool) -> dict:
+    """A tuned algorithm's run record's `tuning_choice`: the chosen trial, its settings, whether it is its record."""
+    return {'trial': chosen.trial.slug, 'settings': chosen.trial.settings, 'reused_trial_record': reused}
+
+
+def _reuse_trial(
+    output_dir: str,
+    run: bench_suite.Run,
+    chosen: tuning.Choice,
+    results_dir: str | None,
+    where: str,
+    log: Callable[[str], None],
+) -> None:
+    """The tuning seed's run of a tuned algorithm: the chosen trial's record, copied (the same configuration)."""
+    source = os.path.join(chosen.trial.directory(output_dir), bench_layout.RESULT_FILE)
+    record = json.loads(bench_layout.file_text(source))
+    record['tuning_choice'] = _choice_entry(chosen, reused=True)
+    text = json.dumps(record, indent=1) + '\n'
+    os.makedirs(run.directory(output_dir), exist_ok=True)
+    reports.write_text_atomic(os.path.join(run.directory(output_dir), bench_layout.RESULT_FILE), text)
+    if results_dir is not None:
+        reports.write_text_atomic(bench_layout.record_path(results_dir, run), text)
+    log(f'{where} {run.label}: the chosen trial {chosen.trial.slug}, its record reused (not rerun)')
+
+
 def run_config(
-    suite: bench_suite.Suite, output_dir: str, run: bench_suite.Run, checkpoint_every: int
+    suite: bench_suite.Suite,
+    output_dir: str,
+    run: bench_suite.Run,
+    checkpoint_every: int,
+    chosen: tuning.Choice | None = None,
 ) -> run_config_lib.ExperimentConfig:
     """The run's configuration in `output_dir`, writing a checkpoint every `checkpoint_every` rounds.
 
@@ -626,13 +811,18 @@ def run_config(
     Args:
       suite: the suite.
       output_dir: the benchmark's output directory.
-      run: one of the suite's runs.
+      run: one of the suite's runs, or a `tuning.Trial` (its settings apply).
       checkpoint_every: rounds between the run's checkpoints (0: none).
+      chosen: a tuned algorithm's choice (`tuning.choice`): its settings apply.
 
     Returns:
       The `run_config_lib.ExperimentConfig` of the run in its own directory.
     """
-    config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir))
+    if isinstance(run, tuning.Trial):
+        tuned = run.settings
+    else:
+        tuned = None if chosen is None else chosen.trial.settings
+    config = suite.config(run.partition, run.algorithm, run.seed, run.directory(output_dir), tuned=tuned)
     return config.replace(checkpoint_every=checkpoint_every)
 
 
@@ -643,6 +833,7 @@ def _run_one(
     config: run_config_lib.ExperimentConfig,
     *,
     resume_from: int | None = None,
+    extra: Mapping | None = None,
 ) -> dict:
     directory = run.directory(output_dir)
     reference = _reference_partition(suite, output_dir, run)
@@ -666,6 +857,7 @@ def _run_one(
     record['continued'] = resume_from is not None
     record['continued_from_round'] = resume_from
     record['seconds_this_sitting'] = sitting
+    record.update(extra or {})  # a trial's `tuning_trial`, a tuned algorithm's run's `tuning_choice`
     reports.write_text_atomic(os.path.join(directory, bench_layout.RESULT_FILE), json.dumps(record, indent=1) + '\n')
     # The record holds what the run found; its checkpoints only served an interruption.
     shutil.rmtree(os.path.join(directory, 'checkpoints'), ignore_errors=True)

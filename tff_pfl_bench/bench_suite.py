@@ -36,6 +36,13 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     source = "PersFL, Table 3, MNIST"  # numbers come from (the scoreboard)
     [paper_errors]                     # optional: [paper] cells that are the
     "FedPer" = { ds2 = "..." }         # paper's own errors -> the reason
+    [tuning]                           # optional: one tuning budget for all
+    seed = 0                           # trials run on this seed (one of seeds)
+    trials = 4                         # every tuned algorithm's trial count
+    select = "last"                    # "last" | "selected" (validation round)
+    [algorithms.tune]                  # in [[algorithms]], with [tuning]: the
+    client_learning_rate = [0.01, 0.05]   # product of these lists are the
+    ditto_lambda = [0.1, 1.0]          # trials; or `untuned = "reason"`
 
 A `[paper]` cell is `[mean, std]` (the across-client mean and the
 across-client std), a number (the across-client mean), or a table naming the
@@ -61,9 +68,22 @@ and the key.
 An algorithm entry may also name one of TFF's own processes (`bench_peers`,
 e.g. `tff_fed_recon`): its configuration is that of the registered algorithm
 holding its settings, and a setting it does not take is an error too.
+
+The tuning protocol (`[tuning]`, docs/benchmarks.md "Tuning protocol"): every
+algorithm of such a suite has either a `tune` table, whose lists' cartesian
+product (keys in file order, the last varying fastest) has exactly
+`[tuning] trials` combinations, or an `untuned = "reason"` string. A trial
+(`tuning.Trial`) is one combination on one partition, run on the tuning seed;
+its configuration is the run's updated by the trial's values (`Suite.config`'s
+`tuned`), validated at load time like every run's. A `tune` key must be a
+setting the algorithm has and must not change the client data; the suite
+must set `eval_validation = true` (`VALIDATION_SETTING`), since the choice
+reads validation accuracy only (`tuning`).
 """
 
 import dataclasses
+import itertools
+import math
 import os
 import re
 import tomllib
@@ -72,7 +92,7 @@ from collections.abc import Mapping, Sequence
 
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms as algorithms_lib
-from tff_pfl.program import experiment, run_config
+from tff_pfl.program import config_parts, experiment, run_config
 from tff_pfl_bench import bench_peers
 
 MODELS = ('global_model', 'personalized_model')
@@ -88,15 +108,25 @@ _SUITE_KEYS = (
     'paper',
     'paper_source',
     'paper_errors',
+    'tuning',
 )
 # What a `[paper]` number can be: the across-client mean, the sample-weighted
 # mean, the mean of the worst 10% of clients, and the sample-weighted mean of
 # the 10% of clients with the most examples (`bench_report.METRICS`).
 PAPER_METRICS = ('mean', 'weighted', 'worst10', 'top10')
 _DEFAULTS_EXTRA = ('seeds', 'target_accuracy', 'headline_model')
-_ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides')
+_ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides', 'tune', 'untuned')
 # What decides a run's client data besides `data.partition.params()` and the seed.
 _DATA_FIELDS = ('dataset', 'data_dir', 'num_clients', 'split_fractions')
+# Settings a `tune` table may not name: they change the client data (`_data_key`).
+_DATA_SETTINGS = (*_DATA_FIELDS, 'partition', 'public_examples', *config_parts.PARTITION_SETTINGS)
+_TUNING_KEYS = ('seed', 'trials', 'select')
+# How a trial is scored (`tuning.validation_score`): the across-client mean validation accuracy at the
+# last round, or at the round where it was highest (the record's `selected`).
+TUNING_SELECT = ('last', 'selected')
+# The run setting that makes every evaluated round score each client's validation split
+# (`val_<model>_accuracy_mean`); a suite with `[tuning]` must set it true.
+VALIDATION_SETTING = 'eval_validation'
 
 
 # Keys of a suite that do not change its runs: results written under a suite
@@ -160,6 +190,9 @@ class AlgorithmEntry:
       model: which evaluated model is the row's result.
       overrides: ExperimentConfig fields for every partition.
       partition_overrides: partition label -> ExperimentConfig fields.
+      tune: `((setting, (value, ...)), ...)`, the `tune` table in file order
+        (empty: not tuned).
+      untuned: why the algorithm is not tuned, in a suite with `[tuning]`; else None.
     """
 
     name: str
@@ -168,6 +201,40 @@ class AlgorithmEntry:
     model: str
     overrides: Mapping
     partition_overrides: Mapping
+    tune: tuple = ()
+    untuned: str | None = None
+
+    def combinations(self) -> list[tuple]:
+        """The trials' values: the cartesian product of the `tune` lists, keys in file order.
+
+        Returns:
+          `((setting, value), ...)` per trial, the last key varying fastest;
+          empty when the algorithm is not tuned.
+        """
+        return _combinations(self.tune)
+
+
+def _combinations(tune: Sequence[tuple]) -> list[tuple]:
+    """`((setting, value), ...)` per element of the product of `tune`'s lists, the last key varying fastest."""
+    if not tune:
+        return []
+    keys = [key for key, _ in tune]
+    return [tuple(zip(keys, values)) for values in itertools.product(*(values for _, values in tune))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The `[tuning]` table: one budget for every tuned algorithm of the suite.
+
+    Attributes:
+      seed: the seed the trials run on (one of the suite's).
+      trials: every tuned algorithm's number of trials.
+      select: how a trial is scored on validation (`TUNING_SELECT`).
+    """
+
+    seed: int
+    trials: int
+    select: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +262,25 @@ class Run:
         return os.path.join(output_dir, 'runs', self.partition.slug, self.algorithm.slug, f'seed{self.seed}')
 
 
+def trial_slug(values: Sequence[tuple]) -> str:
+    """A trial's directory name from its `((setting, value), ...)`.
+
+    Args:
+      values: the trial's settings, in the `tune` table's order.
+
+    Returns:
+      `setting-value` pairs joined by `-`, as `slug` makes labels (a tuple
+      value's items joined by `-`, booleans lower-cased).
+    """
+
+    def text(value):
+        if isinstance(value, tuple):
+            return '-'.join(text(v) for v in value)
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return slug('-'.join(f'{key}-{text(value)}' for key, value in values))
+
+
 @dataclasses.dataclass(frozen=True)
 class Suite:
     """A validated benchmark suite.
@@ -214,6 +300,7 @@ class Suite:
       paper_source: where the `[paper]` numbers come from, or ''.
       paper_errors: algorithm label -> partition label -> why that `[paper]`
         cell is the paper's own error (a reason, one line).
+      tuning: the `[tuning]` table, or None (no algorithm is tuned).
     """
 
     name: str
@@ -228,9 +315,15 @@ class Suite:
     paper: Mapping
     paper_source: str = ''
     paper_errors: Mapping = dataclasses.field(default_factory=dict)
+    tuning: Tuning | None = None
 
     def config(
-        self, partition: PartitionEntry, algorithm: AlgorithmEntry, seed: int, output_dir: str = ''
+        self,
+        partition: PartitionEntry,
+        algorithm: AlgorithmEntry,
+        seed: int,
+        output_dir: str = '',
+        tuned: Mapping | None = None,
     ) -> run_config.ExperimentConfig:
         """The run's configuration (not validated; `load_suite` did that).
 
@@ -239,10 +332,12 @@ class Suite:
           algorithm: the algorithm entry.
           seed: the run's seed.
           output_dir: the run's directory.
+          tuned: a trial's settings (`tuning.Trial.settings`), or the chosen ones of
+            a tuned algorithm's run; None: none.
 
         Returns:
           defaults < partition entry < algorithm overrides < the algorithm's
-          overrides for this partition, as an `ExperimentConfig`.
+          overrides for this partition < `tuned`, as an `ExperimentConfig`.
         """
         # `[defaults]` and partition entries are shared by algorithms with
         # different settings: each run takes those that are common or its
@@ -254,6 +349,7 @@ class Suite:
         values.update((k, v) for k, v in partition.fields.items() if k in common or k in own)
         values.update(algorithm.overrides)
         values.update(algorithm.partition_overrides.get(partition.name, {}))
+        values.update(tuned or {})
         values.update(output_dir=output_dir, algorithm=algorithm.algorithm, seed=seed)
         if bench_peers.is_peer(algorithm.algorithm):  # TFF's own process: the configuration of its settings' algorithm
             config = run_config.ExperimentConfig.from_dict(bench_peers.config_values(algorithm.algorithm, values))
@@ -403,6 +499,7 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
     config_defaults = _config_fields(
         {k: v for k, v in defaults.items() if k not in _DEFAULTS_EXTRA}, 'defaults', fail, _RESERVED
     )
+    tuning = _tuning_table(raw, seeds, fail)
 
     partitions = []
     raw_partitions = raw.get('partitions')
@@ -453,7 +550,8 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
             if partition_name not in partition_names:
                 fail(key, f'unknown partition; the suite has {", ".join(partition_names)}')
             per_partition[partition_name] = _config_fields(_table(values, key, fail), key, fail, _RESERVED)
-        entries.append(AlgorithmEntry(label, slug(label), registry, model, overrides, per_partition))
+        tune, untuned = _tune_entry(entry, registry, where, tuning, fail)
+        entries.append(AlgorithmEntry(label, slug(label), registry, model, overrides, per_partition, tune, untuned))
     _unique_labels(entries, 'algorithms', fail)
     algorithm_names = [a.name for a in entries]
 
@@ -504,13 +602,93 @@ def parse_suite(text: str, path: str = '<suite>') -> Suite:
         paper=paper,
         paper_source=paper_source.strip(),
         paper_errors=paper_errors,
+        tuning=tuning,
     )
     used = set(run_config.ExperimentConfig.common_fields()).union(*(setting_names(a.algorithm) for a in entries))
     for key in config_defaults:
         if key not in used:
             fail(f'defaults.{key}', "is a setting of none of the suite's algorithms")
+    if tuning is not None and config_defaults.get(VALIDATION_SETTING) is not True:
+        fail(
+            f'defaults.{VALIDATION_SETTING}',
+            "must be true in a suite with [tuning]: the choice reads each trial's validation accuracy",
+        )
     _validate_configs(suite, fail)
     return suite
+
+
+def _tuning_table(raw: Mapping, seeds: Sequence[int], fail) -> Tuning | None:
+    """The `[tuning]` table, checked; None without one."""
+    if 'tuning' not in raw:
+        return None
+    table = _table(raw['tuning'], 'tuning', fail)
+    _unknown_keys(table, _TUNING_KEYS, 'tuning', fail)
+    seed = table.get('seed')
+    if seed not in seeds or isinstance(seed, bool):
+        fail('tuning.seed', f'required, one of the seeds {list(seeds)} (the trials run on it), got {seed!r}')
+    trials = table.get('trials')
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
+        fail('tuning.trials', f"required, a positive integer (every tuned algorithm's trial count), got {trials!r}")
+    select = table.get('select')
+    if select not in TUNING_SELECT:
+        fail('tuning.select', f'required, one of {", ".join(repr(s) for s in TUNING_SELECT)}, got {select!r}')
+    return Tuning(seed, trials, select)
+
+
+def _tune_entry(entry: Mapping, registry: str, where: str, tuning: Tuning | None, fail) -> tuple[tuple, str | None]:
+    """An algorithm entry's `tune` table (`AlgorithmEntry.tune`) and `untuned` reason, checked."""
+    if tuning is None:
+        for key in ('tune', 'untuned'):
+            if key in entry:
+                fail(f'{where}.{key}', 'given without a [tuning] table')
+        return (), None
+    if 'tune' in entry and 'untuned' in entry:
+        fail(where, 'has both tune and untuned; give one')
+    if 'untuned' in entry:
+        reason = entry['untuned']
+        if not isinstance(reason, str) or not reason.strip():
+            fail(f'{where}.untuned', 'must be a non-empty string: why the algorithm is not tuned (shown in the report)')
+        return (), reason.strip()
+    if 'tune' not in entry:
+        fail(
+            where,
+            f'needs a tune table of [tuning] trials = {tuning.trials} combinations, or untuned = "reason": '
+            'every algorithm gets the same tuning budget',
+        )
+    key_where = f'{where}.tune'
+    table = _table(entry['tune'], key_where, fail)
+    if not table:
+        fail(key_where, 'names no setting')
+    if bench_peers.is_peer(registry):
+        fail(key_where, f"{registry} is TFF's own process, scored on test only: it cannot be tuned on validation")
+    own = set(setting_names(registry)) | set(run_config.ExperimentConfig.common_fields())
+    tune = []
+    for key, values in table.items():
+        if key in _RESERVED:
+            fail(f'{key_where}.{key}', 'set by the harness, not allowed here')
+        if key == VALIDATION_SETTING:
+            fail(f'{key_where}.{key}', "is the tuning protocol's own setting (true), not a knob to tune")
+        if key in _DATA_SETTINGS:
+            fail(f'{key_where}.{key}', 'changes the client data; every trial of a partition trains on the same clients')
+        if not isinstance(values, list) or not values:
+            fail(f'{key_where}.{key}', f'must be a non-empty list of values, got {values!r}')
+        coerced = [_config_fields({key: value}, key_where, fail, _RESERVED)[key] for value in values]
+        if key not in own:
+            fail(f'{key_where}.{key}', f'{key} does not apply to {registry}')
+        if len(set(coerced)) != len(coerced):
+            fail(f'{key_where}.{key}', f'repeated value in {values}')
+        tune.append((key, tuple(coerced)))
+    count = math.prod(len(values) for _, values in tune)
+    if count != tuning.trials:
+        sizes = ' x '.join(str(len(values)) for _, values in tune)
+        fail(
+            key_where,
+            f'{count} trials ({sizes}), but [tuning] trials = {tuning.trials}: every algorithm gets the same budget',
+        )
+    slugs = [trial_slug(values) for values in _combinations(tune)]
+    if len(set(slugs)) != len(slugs):
+        fail(key_where, 'two trials name the same directory; give values that differ in letters or digits')
+    return tuple(tune), None
 
 
 def known_algorithms() -> list[str]:
@@ -537,7 +715,7 @@ def setting_names(name: str) -> list[str]:
 
 
 def _validate_configs(suite: Suite, fail) -> None:
-    """Every run's configuration validates; a partition's client data are shared."""
+    """Every run's and trial's configuration validates; a partition's client data are shared."""
     for partition in suite.partitions:
         reference = None
         for algorithm in suite.algorithms:
@@ -547,6 +725,8 @@ def _validate_configs(suite: Suite, fail) -> None:
             except run_config.ConfigError as e:
                 fail(where, str(e))
             data = _data_key(config)
+            if suite.tuning is not None:
+                _validate_trials(suite, partition, algorithm, config, fail)
             if reference is None:
                 reference = (algorithm.name, data)
                 continue
@@ -557,6 +737,33 @@ def _validate_configs(suite: Suite, fail) -> None:
                         f'changes the client data ({field} {value!r}, but {reference[1][field]!r} for '
                         f'"{reference[0]}"); every algorithm of a partition must train on the same partition',
                     )
+
+
+def _validation_on(config: run_config.ExperimentConfig) -> bool:
+    """Whether the run scores its clients' validation splits (`VALIDATION_SETTING`)."""
+    return config.flat_value(VALIDATION_SETTING) is True
+
+
+def _validate_trials(suite: Suite, partition: PartitionEntry, algorithm: AlgorithmEntry, config, fail) -> None:
+    """In a suite with `[tuning]`: the run scores validation; each trial validates on the run's client data."""
+    if not _validation_on(config):
+        fail(f'algorithms "{algorithm.name}" on partitions "{partition.name}"', _VALIDATION_OFF)
+    data = _data_key(config)
+    for values in algorithm.combinations():
+        trial = ', '.join(f'{key}={value}' for key, value in values)
+        where = f'algorithms "{algorithm.name}" trial {trial} on partitions "{partition.name}"'
+        try:
+            trial_config = suite.config(partition, algorithm, suite.tuning.seed, 'x', tuned=dict(values)).validate()
+        except run_config.ConfigError as e:
+            fail(where, str(e))
+        if not _validation_on(trial_config):
+            fail(where, _VALIDATION_OFF)
+        changed = [field for field, value in _data_key(trial_config).items() if value != data[field]]
+        if changed:
+            fail(where, f'changes the client data ({changed[0]}); every trial trains on the same clients')
+
+
+_VALIDATION_OFF = f'{VALIDATION_SETTING} must be true in a suite with [tuning] (the choice reads validation accuracy)'
 
 
 def _paper_cell(value, key, fail) -> dict:
