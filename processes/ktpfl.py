@@ -328,9 +328,9 @@ def build_ktpfl_process(
       server state `<coefficients, round_num>`, client state `<client_id,
       num_participations, last_round, client_index, architecture, params>`
       (with 'every_epoch', also `target=float32[P, C]`, the client's next
-      target, and `last_distill_kl`). `next` takes the states of this round's clients, every client (the
-      paper's Algorithm 1) or a sample of them (its Table 2; see the module
-      docstring), in any order. With a sample, 'released' is not defined
+      target, and `last_distill_kl`). `next` takes the states of this
+      round's clients, every client (the paper's Algorithm 1) or a sample of
+      them (its Table 2; see the module docstring), in any order. With a sample, 'released' is not defined
       (its softmax renormalises rows over every client) and the round fails
       at its assertion; the program refuses it before training.
 
