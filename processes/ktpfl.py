@@ -17,6 +17,13 @@ state (packed, see `computations.heterogeneous`). One round:
 5. the server updates c by gradient descent on Eq. 4's objective (Eq. 7):
    lambda * sum_n (D_n / D) KL(sum_m c[n, m] s_m || s_n) + rho ||c - 1/N||^2.
 
+That is `kt_distill_schedule='after_training'`. With 'every_epoch' (Algorithm
+1's lines 11-16 read literally) step 1 runs the R distillation passes after
+each of the E epochs, towards the target the client received at the end of
+its previous round (none in its first round); the server updates c first and
+mixes the targets with the new c, and each client keeps its row in its state
+for its next round (docs/algorithms/ktpfl.md, "Distillation schedule").
+
 Indexing: row n of c is client n's mixing vector (the paper's c_mn, the
 contribution of client m to client n, is c[n, m] here).
 
@@ -91,8 +98,9 @@ class KTpFLSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
     client_learning_rate: float = _setting(0.01, ktpfl_rounds.LOCAL_HELP['client_learning_rate'])
     local_epochs: int = _setting(20, ktpfl_rounds.LOCAL_HELP['local_epochs'])
     kt_distill_epochs: int = _setting(
-        1, "R, each client's distillation passes over the round's public batch (Eq. 6; 0: no distillation)."
+        1, "R, each client's distillation passes over the public batch of its target (Eq. 6; 0: no distillation)."
     )
+    kt_distill_schedule: str = _setting('after_training', ktpfl_rounds.SCHEDULE_HELP)
     kt_coefficient_learning_rate: float = _setting(0.01, ktpfl_coefficients.COEFFICIENT_LR_HELP)
     kt_rho: float = _setting(0.6, ktpfl_coefficients.RHO_HELP)
     kt_imitation: float = _setting(1.0, ktpfl_coefficients.IMITATION_HELP)
@@ -114,6 +122,7 @@ class KTpFLSettings(settings_lib.LocalTraining, heterogeneous.PublicKnowledge):
                 ),
                 (self.kt_top_k >= 1, f'kt_top_k must be >= 1, got {self.kt_top_k}'),
             ]
+            + ktpfl_rounds.schedule_checks(self)
             + ktpfl_coefficients.coefficient_checks(self)
         )
 
@@ -292,7 +301,9 @@ def build_ktpfl_process(
         the distillation batch size and eta_2, eta_3, rho, lambda, and how c
         is set (`kt_c_update`: 'paper' (Eq. 7), 'released' (the authors'
         code), or a baseline: 'fedmd' (uniform c, never updated),
-        'similarity' (Sim-pFL), 'topk' (TopK-pFL, with `kt_top_k`)).
+        'similarity' (Sim-pFL), 'topk' (TopK-pFL, with `kt_top_k`)), and
+        when clients distil (`kt_distill_schedule`: 'after_training', or
+        'every_epoch', the R passes after each of the E epochs).
       dp: local DP of the soft predictions (fixed clip; `ktpfl_rounds.local_output`);
         None: none.
       client_optimizer: the clients' local optimizer, a
@@ -315,10 +326,11 @@ def build_ktpfl_process(
       A `template.PersonalizedProcess` declaring each client's architecture
       (`architectures`) and the bytes it exchanges (`communication`);
       server state `<coefficients, round_num>`, client state `<client_id,
-      num_participations, last_round, client_index, architecture, params>`.
-      `next` takes the states of this round's clients, every client (the
-      paper's Algorithm 1) or a sample of them (its Table 2; see the module
-      docstring), in any order. With a sample, 'released' is not defined
+      num_participations, last_round, client_index, architecture, params>`
+      (with 'every_epoch', also `target=float32[P, C]`, the client's next
+      target, and `last_distill_kl`). `next` takes the states of this
+      round's clients, every client (the paper's Algorithm 1) or a sample of
+      them (its Table 2; see the module docstring), in any order. With a sample, 'released' is not defined
       (its softmax renormalises rows over every client) and the round fails
       at its assertion; the program refuses it before training.
 
@@ -355,15 +367,22 @@ def build_ktpfl_process(
     # What the server receives: row k is client ids[k]'s predictions (`ktpfl_rounds._gather`).
     rows_type = ktpfl_rounds.gathered_rows_type(tff.TensorType(np.float32, (public_batch, num_classes)), capacity)
 
+    every_epoch = settings.kt_distill_schedule == 'every_epoch'
+
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
         index = client_data.client_index(client_id)
         architecture = tf.gather(tf.constant(arch_ids, tf.int32), index)
+        # every_epoch: the client's target [P, C], kept between its rounds, and its last round's mean distillation KL.
+        kept = (
+            dict(target=tf.zeros([public_batch, num_classes]), last_distill_kl=tf.constant(0.0)) if every_epoch else {}
+        )
         return building_blocks.participation_state(
             client_id,
             client_index=index,
             architecture=architecture,
             params=tf.gather(archs.initial_packed(seed), architecture),
+            **kept,
         )
 
     client_state_type = initial_client_state.type_signature.result
@@ -374,10 +393,62 @@ def build_ktpfl_process(
     def soft(model, x):
         return tf.nn.softmax(model(x, training=False) / temperature, axis=-1)
 
+    def distil(model, x, target, passes, distill_seed):
+        # Eq. 6: `passes` passes of KL distillation towards the client's target on the public inputs x.
+        return distillation.distill_towards(
+            model,
+            x,
+            target,
+            temperature=temperature,
+            epochs=passes,
+            batch_size=settings.public_distill_batch_size,
+            learning_rate=settings.public_distill_learning_rate,
+            seed=distill_seed,
+        )
+
+    def train_and_distil_every_epoch(round_num, state, private, x_public):
+        # kt_distill_schedule=every_epoch: R passes after each epoch, towards the target kept in the state
+        # (mixed in the client's last round, on that round's public batch); none before the first target.
+        x_target = public_batch_of(tf.maximum(state['last_round'], 0))
+        passes = tf.where(state['num_participations'] > 0, settings.kt_distill_epochs, 0)
+        distill_seed = local_training.client_seed(seed, round_num, state['client_id'], salt=2)
+
+        def work(model):
+            def after_epoch(epoch):
+                offset = tf.stack([tf.cast(epoch, tf.int64), tf.constant(0, tf.int64)])
+                return distil(model, x_target, state['target'], passes, distill_seed + offset)
+
+            stats, kl_sum = local_training.train_with(
+                model,
+                private,
+                training,
+                seed=local_training.client_seed(seed, round_num, state['client_id']),
+                optimizer=client_optimizer,
+                loss_fn=loss_fn,
+                after_epoch=after_epoch,
+            )
+            with tf.control_dependencies([*stats, kl_sum]):
+                return (
+                    archs.pack(model.trainable_weights),
+                    soft(model, x_public),
+                    tuple(stats),
+                    kl_sum / training.epochs,  # each epoch's value is the mean KL of its R passes
+                )
+
+        params, predictions, stats, mean_kl = archs.dispatch(state['architecture'], state['params'], work)
+        return params, predictions, local_training.Stats(*stats), mean_kl
+
     @tff.tensorflow.computation(np.int32, client_state_type)
     def local_stage(round_num, state):
         private = client_data.read_split(spec, state['client_id'], 'train')
         x_public = public_batch_of(round_num)
+        if every_epoch:
+            params, predictions, stats, mean_kl = train_and_distil_every_epoch(round_num, state, private, x_public)
+            output = ktpfl_rounds.local_output(
+                state, num_clients, params, stats, private.num_examples, dp=dp, predictions=predictions
+            )
+            output['client_state']['last_distill_kl'] = mean_kl
+            return output
         params, predictions, stats = heterogeneous.train_packed(
             archs,
             state['architecture'],
@@ -393,27 +464,32 @@ def build_ktpfl_process(
             state, num_clients, params, stats, private.num_examples, dp=dp, predictions=predictions
         )
 
-    @tff.tensorflow.computation(predictions_type, np.int32, client_state_type)
     def distill_stage(targets, round_num, state):
         x_public = public_batch_of(round_num)
         target = targets[state['client_index']]
 
         def work(model):
-            distill_loss = distillation.distill_towards(
+            distill_loss = distil(
                 model,
                 x_public,
                 target,
-                temperature=temperature,
-                epochs=settings.kt_distill_epochs,
-                batch_size=settings.public_distill_batch_size,
-                learning_rate=settings.public_distill_learning_rate,
-                seed=local_training.client_seed(seed, round_num, state['client_id'], salt=2),
+                settings.kt_distill_epochs,
+                local_training.client_seed(seed, round_num, state['client_id'], salt=2),
             )
             with tf.control_dependencies([distill_loss]):
                 return archs.pack(model.trainable_weights), tf.identity(distill_loss)
 
         params, distill_loss = archs.dispatch(state['architecture'], state['params'], work)
         return building_blocks.participated(state, round_num, params=params), distill_loss
+
+    def keep_target(targets, round_num, state):
+        # every_epoch: the client keeps its row for its next round; the metric is this round's distillation.
+        target = targets[state['client_index']]
+        return building_blocks.participated(state, round_num, target=target), state['last_distill_kl']
+
+    second_stage = tff.tensorflow.computation(
+        keep_target if every_epoch else distill_stage, predictions_type, np.int32, client_state_type
+    )
 
     server_init = ktpfl_rounds.build_server_init(num_clients)
     server_state_type = server_init.type_signature.result
@@ -473,12 +549,13 @@ def build_ktpfl_process(
         local_stage=local_stage,
         upload='predictions',
         mix=targets_for,
-        second_stage=distill_stage,
+        second_stage=second_stage,
         update_coefficients=update_coefficients,
         metric='distill_kl',
         evaluate_client=heterogeneous.build_personalized_evaluation(
             spec, archs, client_state_type, metrics=local_training.metrics_from(metrics, spec)
         ),
+        schedule=settings.kt_distill_schedule,
     )
     return ktpfl_rounds.process_from_stages(
         stages,

@@ -6,7 +6,11 @@ uploads its parameters, the server sends client n the mix u_n = sum_m c[n, m]
 w_m, the client takes a transfer step towards u_n (`parameter_distance`,
 L_dis), and the server updates c on Eq. 11's objective. The round and local
 DP (`processes.ktpfl_rounds`) and the coefficient matrix
-(`processes.ktpfl_coefficients`) are the family's.
+(`processes.ktpfl_coefficients`) are the family's. With
+`kt_distill_schedule='every_epoch'` (Algorithm 2's lines 11-15 read
+literally) the client takes the R transfer steps after each of its E epochs,
+towards the u_n it received at the end of its previous round (none in its
+first round), as `processes.ktpfl` distils.
 
 Settings: `KTpFLHomoSettings`; defaults from the paper's Appendix B.2
 (docs/algorithms/ktpfl.md, "Settings").
@@ -54,6 +58,7 @@ class KTpFLHomoSettings(settings_lib.LocalTraining):
     kt_transfer_learning_rate: float = _setting(
         0.01, 'eta_2, the step size of the transfer towards u_n (Eq. 10; 1 with R = 1: adopt u_n).'
     )
+    kt_distill_schedule: str = _setting('after_training', ktpfl_rounds.SCHEDULE_HELP)
     kt_coefficient_learning_rate: float = _setting(0.005, ktpfl_coefficients.COEFFICIENT_LR_HELP)
     kt_rho: float = _setting(0.6, ktpfl_coefficients.RHO_HELP)
     kt_imitation: float = _setting(1.0, ktpfl_coefficients.IMITATION_HELP)
@@ -68,6 +73,7 @@ class KTpFLHomoSettings(settings_lib.LocalTraining):
                     f'kt_transfer_learning_rate must be >= 0, got {self.kt_transfer_learning_rate}',
                 ),
             ]
+            + ktpfl_rounds.schedule_checks(self)
             + ktpfl_coefficients.coefficient_checks(self)
         )
 
@@ -204,8 +210,10 @@ def build_ktpfl_homogeneous_process(
       settings: the `KTpFLHomoSettings`: local training (Eq. 9: E epochs or
         exactly `local_steps` SGD steps, batch size, eta_1), R
         (`kt_transfer_steps`), eta_2 (`kt_transfer_learning_rate`; 1 with
-        R = 1: the client adopts u_n), eta_3 (0 keeps c at 1/N), rho and
-        lambda.
+        R = 1: the client adopts u_n), eta_3 (0 keeps c at 1/N), rho,
+        lambda, and when clients transfer (`kt_distill_schedule`:
+        'after_training', or 'every_epoch', the R steps after each of the E
+        epochs).
       dp: local DP of the uploaded parameters (fixed clip;
         `ktpfl_rounds.local_output`); None: none.
       client_optimizer: the clients' local optimizer, a
@@ -229,7 +237,8 @@ def build_ktpfl_homogeneous_process(
       A `template.PersonalizedProcess` declaring the bytes it exchanges
       (`communication`); server state `<coefficients, round_num>`, client
       state `<client_id, num_participations, last_round, client_index,
-      params=float32[D]>`. `next` takes every client's state or a sample's
+      params=float32[D]>` (with 'every_epoch', also `target=float32[D]`,
+      the client's next u_n). `next` takes every client's state or a sample's
       (the paper's Table 2): only the sampled clients' u_n are formed and
       only their block of c is updated (see the module docstring).
 
@@ -263,16 +272,65 @@ def build_ktpfl_homogeneous_process(
     rows_type = ktpfl_rounds.gathered_rows_type(tff.TensorType(np.float32, (num_params,)), capacity)
     sizes_type = tff.TensorType(np.float32, (num_clients,))
 
+    every_epoch = settings.kt_distill_schedule == 'every_epoch'
+
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
         index = client_data.client_index(client_id)
-        return building_blocks.participation_state(client_id, client_index=index, params=archs.initial_packed(seed)[0])
+        # every_epoch: the client's u_n, [D], kept between its rounds.
+        kept = dict(target=tf.zeros([num_params])) if every_epoch else {}
+        return building_blocks.participation_state(
+            client_id, client_index=index, params=archs.initial_packed(seed)[0], **kept
+        )
 
     client_state_type = initial_client_state.type_signature.result
+
+    def transfer(params, target):
+        for _ in range(transfer_steps):  # Eq. 10: gradient steps on 1/2 ||u_n - w_n||^2
+            params = params - transfer_learning_rate * (params - target)
+        return params
+
+    def train_and_transfer_every_epoch(round_num, state, private):
+        # kt_distill_schedule=every_epoch: R transfer steps after each epoch, towards the u_n kept in the state
+        # (mixed in the client's last round); none before the first.
+        has_target = state['num_participations'] > 0
+
+        def work(model):
+            targets = archs.unpack(0, state['target'])
+
+            def after_epoch(epoch):
+                del epoch
+
+                def steps():
+                    moved = [v.assign(transfer(v.read_value(), t)) for v, t in zip(model.trainable_variables, targets)]
+                    with tf.control_dependencies(moved):
+                        return tf.constant(0.0)
+
+                return tf.cond(has_target, steps, lambda: tf.constant(0.0))
+
+            stats, _ = local_training.train_with(
+                model,
+                private,
+                training,
+                seed=local_training.client_seed(seed, round_num, state['client_id']),
+                optimizer=client_optimizer,
+                loss_fn=loss_fn,
+                after_epoch=after_epoch,
+            )
+            with tf.control_dependencies(list(stats)):
+                return archs.pack(model.trainable_weights), tuple(stats)
+
+        params, stats = archs.dispatch(tf.constant(0), state['params'], work)
+        return params, local_training.Stats(*stats)
 
     @tff.tensorflow.computation(np.int32, client_state_type)
     def local_stage(round_num, state):
         private = client_data.read_split(spec, state['client_id'], 'train')
+        if every_epoch:
+            params, stats = train_and_transfer_every_epoch(round_num, state, private)
+            return ktpfl_rounds.local_output(
+                state, num_clients, params, stats, private.num_examples, dp=dp, params=params
+            )
         params, _, stats = heterogeneous.train_packed(
             archs,
             tf.constant(0),
@@ -285,14 +343,22 @@ def build_ktpfl_homogeneous_process(
         )
         return ktpfl_rounds.local_output(state, num_clients, params, stats, private.num_examples, dp=dp, params=params)
 
-    @tff.tensorflow.computation(rows_type, np.int32, client_state_type)
     def transfer_stage(personalized, round_num, state):
         target = ktpfl_rounds.own_row(personalized, state['client_index'])
-        params = state['params']
-        for _ in range(transfer_steps):  # Eq. 10: gradient steps on 1/2 ||u_n - w_n||^2
-            params = params - transfer_learning_rate * (params - target)
+        params = transfer(state['params'], target)
         distance = parameter_distance(params, target)
         return building_blocks.participated(state, round_num, params=params), distance
+
+    def keep_target(personalized, round_num, state):
+        # every_epoch: the client keeps its u_n for its next round; the metric is the distance to the u_n it
+        # transferred towards this round, after its last transfer (0 before any).
+        target = ktpfl_rounds.own_row(personalized, state['client_index'])
+        distance = tf.where(state['num_participations'] > 0, parameter_distance(state['params'], state['target']), 0.0)
+        return building_blocks.participated(state, round_num, target=target), distance
+
+    second_stage = tff.tensorflow.computation(
+        keep_target if every_epoch else transfer_stage, rows_type, np.int32, client_state_type
+    )
 
     server_init = ktpfl_rounds.build_server_init(num_clients)
     server_state_type = server_init.type_signature.result
@@ -324,12 +390,13 @@ def build_ktpfl_homogeneous_process(
         local_stage=local_stage,
         upload='params',
         mix=personalized_models,
-        second_stage=transfer_stage,
+        second_stage=second_stage,
         update_coefficients=update_coefficients,
         metric='transfer_distance',
         evaluate_client=heterogeneous.build_personalized_evaluation(
             spec, archs, client_state_type, metrics=local_training.metrics_from(metrics, spec)
         ),
+        schedule=settings.kt_distill_schedule,
     )
     return ktpfl_rounds.process_from_stages(
         stages,

@@ -44,6 +44,36 @@ _setting = settings_lib.setting
 LOCAL_HELP = {f.name: settings_lib.help_of(f) for f in dataclasses.fields(settings_lib.LocalTraining)}
 
 
+# When a client distils (ktpfl) or transfers (ktpfl_homo); one field of both variants' settings.
+SCHEDULES = ('after_training', 'every_epoch')
+
+
+SCHEDULE_HELP = (
+    'When each client distils (transfers, ktpfl_homo): after_training (R passes after its E epochs, towards this '
+    "round's mix) or every_epoch (R passes after each epoch, towards the mix of its previous round: Algorithm 1/2 "
+    'read literally).'
+)
+
+
+def schedule_checks(settings) -> list[tuple[bool, str]]:
+    """The checks of `kt_distill_schedule`, shared by both variants' settings.
+
+    Args:
+      settings: settings with `kt_distill_schedule` and `local_steps`.
+
+    Returns:
+      `(ok, one-line problem)` pairs, as `Settings._checks` returns them.
+    """
+    schedule = settings.kt_distill_schedule
+    return [
+        (schedule in SCHEDULES, f'kt_distill_schedule must be one of {", ".join(SCHEDULES)}, got {schedule!r}'),
+        (
+            schedule != 'every_epoch' or settings.local_steps == 0,
+            'kt_distill_schedule=every_epoch distils after each local epoch: give local_epochs, not local_steps',
+        ),
+    ]
+
+
 def presence(ids: tf.Tensor, num_clients: int) -> tf.Tensor:
     """`[N]`: 1 for the clients in `ids` and 0 for the others (-1 in `ids`: an empty row, ignored).
 
@@ -213,6 +243,11 @@ class Stages(typing.NamedTuple):
     server updates c's block of present clients (`update_coefficients`) and
     reports the clients' mean of the second stage's scalar as `metric`.
 
+    With `schedule='every_epoch'` the server mixes with the c it has just
+    updated, and `second_stage` keeps the client's row for its next round's
+    `local_stage`, which distils after every epoch (the device form's second
+    phase is then `targets`, not `distill`).
+
     Attributes:
       server_init: no-arg computation, the server state `<coefficients,
         round_num>`.
@@ -230,6 +265,7 @@ class Stages(typing.NamedTuple):
         server_state`.
       metric: the name under which the scalar's client mean is reported.
       evaluate_client: `client_state -> metrics`.
+      schedule: `kt_distill_schedule`, one of `SCHEDULES`.
     """
 
     server_init: tff.Computation
@@ -241,6 +277,12 @@ class Stages(typing.NamedTuple):
     update_coefficients: tff.Computation
     metric: str
     evaluate_client: tff.Computation
+    schedule: str = 'after_training'
+
+    @property
+    def mixes_updated_coefficients(self) -> bool:
+        """Whether the mix is made with the c updated this round (for the next round's distillation)."""
+        return self.schedule == 'every_epoch'
 
 
 def round_capacity(max_clients_per_round: int | None, num_clients: int) -> int:
@@ -420,7 +462,7 @@ def process_from_stages(stages: Stages, capacity: int, **declared) -> template.P
     Returns:
       The `template.PersonalizedProcess`.
     """
-    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
+    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric = stages[:8]
     initialize = building_blocks.server_initialize(server_init)
     server_state_type = initialize.type_signature.result
     client_states_type = tff.FederatedType(initial_client_state.type_signature.result, tff.CLIENTS)
@@ -430,9 +472,10 @@ def process_from_stages(stages: Stages, capacity: int, **declared) -> template.P
         round_num = tff.federated_broadcast(state.round_num)
         local = tff.federated_map(local_stage, (round_num, client_states))
         uploads, sizes, present = _uploads_sizes_presence(local, upload, capacity)
-        mixed = tff.federated_broadcast(tff.federated_map(mix, (state, uploads, present)))
-        second = tff.federated_map(second_stage, (mixed, round_num, local.client_state))
         new_state = tff.federated_map(update_coefficients, (state, uploads, sizes, present))
+        mixed_with = new_state if stages.mixes_updated_coefficients else state
+        mixed = tff.federated_broadcast(tff.federated_map(mix, (mixed_with, uploads, present)))
+        second = tff.federated_map(second_stage, (mixed, round_num, local.client_state))
         metrics = building_blocks.aggregate_training_metrics(local.metric_sums)
         means = _client_mean(metric, second[1])
         return template.RoundOutput(new_state, second[0], building_blocks.with_server_metrics(metrics, means))
@@ -473,7 +516,10 @@ def _device_process(stages: Stages, capacity: int):
       coefficients and keeps the mixed targets in its state;
     * `distill`: broadcast the targets (the whole matrix; each device takes its
       own row) and the round's number; each device runs `second_stage`; the
-      server keeps the mean of its scalar (`metric`).
+      server keeps the mean of its scalar (`metric`). With
+      `kt_distill_schedule=every_epoch` this phase is `targets`: the targets
+      are mixed with the updated c and each device keeps its row for its next
+      round (`Stages`).
 
     A MapReduceForm returns the state type it takes, so the device form's
     server state is `<coefficients, round_num, targets>` throughout (targets
@@ -496,7 +542,7 @@ def _device_process(stages: Stages, capacity: int):
     Returns:
       The `device_state.build_device_process` of the two phases.
     """
-    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric, _ = stages
+    server_init, initial_client_state, local_stage, upload, mix, second_stage, update_coefficients, metric = stages[:8]
     sizes_type = local_stage.type_signature.result['num_examples']
     present_type = local_stage.type_signature.result['present']
     num_clients = present_type.shape[0]
@@ -526,8 +572,9 @@ def _device_process(stages: Stages, capacity: int):
         ids, values = compact(present, slots, capacity)
         uploads = collections.OrderedDict(ids=ids, values=values)
         updated = update_coefficients(kept, uploads, sizes, present)
+        targets = mix(updated if stages.mixes_updated_coefficients else kept, uploads, present)
         return collections.OrderedDict(
-            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=mix(kept, uploads, present)
+            coefficients=updated['coefficients'], round_num=updated['round_num'], targets=targets
         )
 
     def share_finish(state, outputs):
@@ -555,7 +602,12 @@ def _device_process(stages: Stages, capacity: int):
         initial_client_state,
         phases=[
             device_state.Phase('share', round_of, local_stage, share_finish),
-            device_state.Phase('distill', distill_broadcast, distill_step, distill_finish),
+            device_state.Phase(
+                'targets' if stages.mixes_updated_coefficients else 'distill',
+                distill_broadcast,
+                distill_step,
+                distill_finish,
+            ),
         ],
         evaluate_input=round_of,
         evaluate_client=building_blocks.build_evaluation_at(stages.evaluate_client),

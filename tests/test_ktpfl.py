@@ -204,6 +204,11 @@ def test_rounds_train_distil_and_learn_c(process, tff_runtime):
         (dict(local_steps=-1), 'local_steps must be >= 0'),
         (dict(batch_size=0), 'batch_size must be >= 1'),
         (dict(kt_top_k=2.5), 'kt_top_k must be an integer'),
+        (dict(kt_distill_schedule='sometimes'), 'kt_distill_schedule must be one of after_training, every_epoch'),
+        (
+            dict(kt_distill_schedule='every_epoch', local_steps=3),
+            '^kt_distill_schedule=every_epoch distils after each local epoch: give local_epochs, not local_steps$',
+        ),
     ],
 )
 def test_bad_settings(values, message):
@@ -220,6 +225,8 @@ def test_bad_settings(values, message):
         (dict(kt_coefficient_learning_rate=-1.0), 'kt_coefficient_learning_rate must be >= 0'),
         (dict(kt_imitation=-1.0), 'kt_imitation must be > 0'),
         (dict(local_epochs=0), 'local_epochs must be >= 1'),
+        (dict(kt_distill_schedule='literal'), 'kt_distill_schedule must be one of after_training, every_epoch'),
+        (dict(kt_distill_schedule='every_epoch', local_steps=2), 'kt_distill_schedule=every_epoch distils after each'),
     ],
 )
 def test_bad_homogeneous_settings(values, message):
@@ -239,6 +246,8 @@ def test_paper_defaults():
     assert (homo.batch_size, homo.local_epochs, homo.kt_transfer_steps) == (32, 20, 1)
     assert (homo.client_learning_rate, homo.kt_transfer_learning_rate) == (0.01, 0.01)
     assert homo.kt_coefficient_learning_rate == 0.005
+    # The sequential reading of Algorithms 1 and 2 (docs/algorithms/ktpfl.md, "Distillation schedule").
+    assert kt.kt_distill_schedule == homo.kt_distill_schedule == 'after_training'
 
 
 def test_bad_arguments(process):

@@ -302,6 +302,7 @@ def sgd_steps(
     carry=(),
     max_steps=None,
     batches_per_step: int = 1,
+    after_epoch=None,
 ):
     """Runs a hand-written local update over a client's seeded batch stream.
 
@@ -323,10 +324,21 @@ def sgd_steps(
       carry: a nest of tensors threaded through the steps.
       max_steps: optional cap on the number of steps.
       batches_per_step: batches each step consumes.
+      after_epoch: optional `epoch -> float32 scalar` (TF code), run after the
+        last step of every epoch (`epoch`: int32, from 0) on the variables as
+        the steps left them, before the next epoch's first step (e.g. a
+        distillation between epochs). Needs `batches_per_step` 1 and no
+        `max_steps`, so that every epoch ends.
 
     Returns:
-      `(carry, Stats)`: the final loop values and the stats summed over steps.
+      `(carry, Stats)`: the final loop values and the stats summed over
+      steps; with `after_epoch`, `(carry, Stats, the sum of its values)`.
+
+    Raises:
+      ValueError: `after_epoch` with `max_steps` or `batches_per_step` > 1.
     """
+    if after_epoch is not None and (max_steps is not None or batches_per_step != 1):
+        raise ValueError('after_epoch needs whole epochs: no max_steps, one batch per step')
     flat_carry = tf.nest.flatten(carry)
 
     @tf.function(autograph=False)
@@ -338,27 +350,37 @@ def sgd_steps(
         if max_steps is not None:
             total_steps = tf.minimum(total_steps, tf.cast(max_steps, tf.int32))
 
-        def body(step, loss_sum, num_correct, num_seen, flat_carry):
+        def body(step, loss_sum, num_correct, num_seen, flat_carry, *hook_sum):
             batches = [batch(step * batches_per_step + j) for j in range(batches_per_step)]
             new_carry, stats = step_fn(batches, tf.nest.pack_sequence_as(carry, flat_carry))
+            if after_epoch is not None:  # between epochs: after this step if it ends one
+                with tf.control_dependencies([t for t in tf.nest.flatten((new_carry, stats)) if tf.is_tensor(t)]):
+                    ends_epoch = tf.equal((step + 1) % batches_per_epoch, 0)
+                hook_sum = (
+                    hook_sum[0]
+                    + tf.cond(ends_epoch, lambda: after_epoch(step // batches_per_epoch), lambda: tf.constant(0.0)),
+                )
             return (
                 step + 1,
                 loss_sum + stats.loss_sum,
                 num_correct + stats.num_correct,
                 num_seen + stats.num_examples,
                 tf.nest.flatten(new_carry),
+                *hook_sum,
             )
 
         zero = tf.constant(0.0)
-        steps, loss_sum, num_correct, num_seen, flat_carry = tf.while_loop(
+        steps, loss_sum, num_correct, num_seen, flat_carry, *hook_sum = tf.while_loop(
             lambda step, *_: step < total_steps,
             body,
-            (tf.constant(0), zero, zero, zero, flat_carry),
+            (tf.constant(0), zero, zero, zero, flat_carry) + (() if after_epoch is None else (zero,)),
         )
-        return Stats(loss_sum, num_correct, num_seen, tf.cast(steps, tf.float32)), flat_carry
+        return Stats(loss_sum, num_correct, num_seen, tf.cast(steps, tf.float32)), flat_carry, hook_sum
 
-    stats, flat_carry = loop(data.features, data.labels, seed, flat_carry)
-    return tf.nest.pack_sequence_as(carry, flat_carry), stats
+    stats, flat_carry, hook_sum = loop(data.features, data.labels, seed, flat_carry)
+    if after_epoch is None:
+        return tf.nest.pack_sequence_as(carry, flat_carry), stats
+    return tf.nest.pack_sequence_as(carry, flat_carry), stats, hook_sum[0]
 
 
 def batch_stats(loss: tf.Tensor, logits: tf.Tensor, y: tf.Tensor, n: tf.Tensor) -> Stats:
@@ -409,7 +431,8 @@ def train(
     loss_fn: LossFn = supervised_loss,
     max_steps=None,
     optimizer: tff.learning.optimizers.Optimizer | None = None,
-) -> Stats:
+    after_epoch=None,
+):
     """Mini-batch SGD (or `optimizer`) on whole tensors, in place on `model`'s variables.
 
     Each epoch visits the examples in a fresh permutation drawn from
@@ -429,19 +452,23 @@ def train(
         `next` takes each step instead of plain SGD (`learning_rate` is then
         unused: the optimizer holds its own). Its state starts fresh
         (`initialize`) at every call: one client's local training.
+      after_epoch: optional `epoch -> float32 scalar` run between epochs
+        (`sgd_steps`; not with `max_steps`).
 
     Returns:
       `Stats` summed over every example seen during training (with the
-      weights as they were before each step).
+      weights as they were before each step); with `after_epoch`, `(Stats,
+      the sum of its values)`.
     """
+    hook = {} if after_epoch is None else {'after_epoch': after_epoch}
     if optimizer is None:
 
         def step(batches, carry):
             x, y, n = batches[0]
             return carry, sgd_step(model, x, y, n, learning_rate, loss_fn)
 
-        _, stats = sgd_steps(data, step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps)
-        return stats
+        _, *result = sgd_steps(data, step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps, **hook)
+        return result[0] if after_epoch is None else tuple(result)
 
     variables = model.trainable_variables
     initial_state = optimizer.initialize([tf.TensorSpec(v.shape, v.dtype) for v in variables])
@@ -458,10 +485,17 @@ def train(
         with tf.control_dependencies(assigned):
             return tf.nest.map_structure(tf.identity, state), Stats(*(tf.identity(t) for t in stats[:3]))
 
-    _, stats = sgd_steps(
-        data, optimizer_step, epochs=epochs, batch_size=batch_size, seed=seed, max_steps=max_steps, carry=initial_state
+    _, *result = sgd_steps(
+        data,
+        optimizer_step,
+        epochs=epochs,
+        batch_size=batch_size,
+        seed=seed,
+        max_steps=max_steps,
+        carry=initial_state,
+        **hook,
     )
-    return stats
+    return result[0] if after_epoch is None else tuple(result)
 
 
 def train_with(
@@ -472,7 +506,8 @@ def train_with(
     seed: tf.Tensor,
     loss_fn: LossFn = supervised_loss,
     optimizer: tff.learning.optimizers.Optimizer | None = None,
-) -> Stats:
+    after_epoch=None,
+):
     """`train` with a `TrainingConfig`: its epochs, batch size, learning rate and step cap.
 
     The one place a config becomes a training loop, so that no caller can drop
@@ -486,9 +521,12 @@ def train_with(
       loss_fn: `(model, x_batch, y_batch) -> (mean loss, logits)`.
       optimizer: optional client optimizer, as for `train` (None: SGD at
         `config.learning_rate`).
+      after_epoch: optional, as for `train` (the config must count epochs,
+        not steps).
 
     Returns:
-      The training's `Stats`, as `train` returns them.
+      The training's `Stats` (and the sum of `after_epoch`'s values), as
+      `train` returns them.
     """
     return train(
         model,
@@ -500,6 +538,7 @@ def train_with(
         loss_fn=loss_fn,
         max_steps=config.max_steps,
         optimizer=optimizer,
+        **({} if after_epoch is None else {'after_epoch': after_epoch}),
     )
 
 
