@@ -510,3 +510,41 @@ def test_every_committed_claim_is_run_and_names_its_commands():
             assert all(part['status'] == 'ok' for part in entry['parts']), f'{name}: not run'
             assert entry['commands'], f'{name}: no recorded command in commands.txt'
             assert not entry['stale'], f'{name}: results of an older suite.toml'
+
+
+def test_a_setting_may_take_its_worse_algorithm_from_another_suite_on_the_same_data(tmp_path):
+    """`worse_suite`: the setting changes only `better`; `worse` is the other suite's run, on the same partition."""
+    more = (
+        SUITE.split('[[algorithms]]')[0].replace('name = "fake"', 'name = "more"')
+        + '[[algorithms]]\nname = "FT, changed"\nalgorithm = "fedavg_ft"\nmodel = "personalized_model"\n'
+    )
+    setting = """
+[[claims.settings]]
+name = "FT changed"
+suite = "more"
+better = "FT, changed"
+worse_suite = "fake"
+"""
+    text = CLAIMS.replace('paper_margin = { natural = 1.25 }', 'paper_margin = { natural = 1.25 }' + setting)
+    root = _tree(tmp_path, claims_text=text)
+    (root / 'benchmarks' / 'suites' / 'more.toml').write_text(more)
+    results = root / 'benchmarks' / 'results' / 'more_suite'
+    results.mkdir(parents=True)
+    (results / 'suite.toml').write_text(more)
+    _write_records(results, {('more', 'natural', 'ft-changed'): {s: [0.85, 0.75, 0.65] for s in (0, 1, 2)}})
+    ft_local = claims.evaluate(str(root), claims.load_claims(str(root)))[1]
+    changed = ft_local['comparisons'][1]
+    assert changed['comparison'].suite_of('Local').name == 'fake'
+    # Against fake's Local (seed 0: 0.72, seed 1: 0.7167, seed 2: 0.70 on average) on natural.
+    (natural,) = changed['parts']
+    assert [round(natural['diffs'][s], 4) for s in (0, 1, 2)] == [3.0, 3.3333, 5.0]
+    assert ft_local['verdict'] == 'reproduced under setting "FT changed"'
+    with pytest.raises(claims.ClaimsError, match="'Nobody' is no algorithm label of fake"):
+        claims.parse_claims(
+            text.replace('worse_suite = "fake"', 'worse_suite = "fake"\nworse = "Nobody"'),
+            'c.toml',
+            lambda name: (
+                _suite_of(name)
+                or ((bench_suite.parse_suite(more, 'more.toml'), 'more.toml') if name == 'more' else None)
+            ),
+        )

@@ -43,6 +43,9 @@ Claims file (`parse_claims`; docs/benchmarks.md, "Claims"):
     suite = "kdpdfl_fmnist_readings"     # optional (default: the claim's suite)
     better = "KD-PDFL, one step per slot"   # optional (default: the claim's)
     worse = "FedAvg, one step per slot"
+    worse_suite = "kdpdfl_fmnist"        # optional: `worse` runs in that suite,
+                                         # unchanged by the setting (the same data,
+                                         # seed for seed: checked on partition.csv)
     partitions = { M20 = "M20" }         # optional: claim partition -> this
                                          # suite's label (default: the same labels)
 
@@ -92,7 +95,7 @@ _CLAIM_KEYS = (
     'note',
     'settings',
 )
-_SETTING_KEYS = ('name', 'changes', 'suite', 'better', 'worse', 'partitions')
+_SETTING_KEYS = ('name', 'changes', 'suite', 'better', 'worse', 'worse_suite', 'partitions')
 _ID = re.compile(r'[a-z0-9][a-z0-9-]*')
 
 
@@ -113,6 +116,10 @@ class Comparison:
       worse: an algorithm label of the suite.
       partitions: claim partition label -> the suite's partition label, in
         the claim's order.
+      worse_suite: the suite `worse` runs in when it is another (a setting
+        that changes only `better`: its `worse` is the other suite's run on
+        the same data), else None.
+      worse_suite_path: its file, or ''.
     """
 
     setting: str
@@ -122,6 +129,12 @@ class Comparison:
     better: str
     worse: str
     partitions: Mapping
+    worse_suite: bench_suite.Suite | None = None
+    worse_suite_path: str = ''
+
+    def suite_of(self, label: str) -> bench_suite.Suite:
+        """The suite the algorithm `label` (`better` or `worse`) of this comparison runs in."""
+        return self.worse_suite if label == self.worse and self.worse_suite is not None else self.suite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,8 +329,16 @@ def _parse_setting(setting, where, entry, claim: Comparison, suite_of, known_sui
         suite, suite_path = _suite(setting['suite'], f'{where}.suite', suite_of, known_suites, fail)
     else:
         suite, suite_path = claim.suite, claim.suite_path
-    better, worse = _labels(setting, entry, where, suite, fail)
+    other, other_path = None, ''
+    if 'worse_suite' in setting:
+        other, other_path = _suite(setting['worse_suite'], f'{where}.worse_suite', suite_of, known_suites, fail)
+        (better,) = _labels(setting, entry, where, suite, fail, ('better',))
+        (worse,) = _labels({'worse': setting.get('worse', entry.get('worse'))}, {}, where, other, fail, ('worse',))
+    else:
+        better, worse = _labels(setting, entry, where, suite, fail)
     labels = [p.name for p in suite.partitions]
+    if other is not None:
+        labels = [p for p in labels if p in {q.name for q in other.partitions}]
     mapping = setting.get('partitions')
     if mapping is None:
         for partition in claim.partitions:
@@ -339,22 +360,24 @@ def _parse_setting(setting, where, entry, claim: Comparison, suite_of, known_sui
     ordered = {p: mapping[p] for p in claim.partitions if p in mapping}
     if (suite.name, better, worse, ordered) == (claim.suite.name, claim.better, claim.worse, claim.partitions):
         fail(where, "the claim's own comparison (same suite, algorithms and partitions); a setting changes one")
-    return Comparison(setting['name'], ' '.join(changes.split()), suite, suite_path, better, worse, ordered)
+    return Comparison(
+        setting['name'], ' '.join(changes.split()), suite, suite_path, better, worse, ordered, other, other_path
+    )
 
 
-def _labels(table, claim_entry, where, suite: bench_suite.Suite, fail) -> tuple[str, str]:
+def _labels(table, claim_entry, where, suite: bench_suite.Suite, fail, keys=('better', 'worse')) -> tuple:
     algorithms = [a.name for a in suite.algorithms]
     labels = []
-    for key in ('better', 'worse'):
+    for key in keys:
         label = table.get(key, claim_entry.get(key))
         if not isinstance(label, str) or not label:
             fail(f'{where}.{key}', 'required, an algorithm label of the suite')
         if label not in algorithms:
             fail(f'{where}.{key}', f'{label!r} is no algorithm label of {suite.name}; it has {", ".join(algorithms)}')
         labels.append(label)
-    if labels[0] == labels[1]:
+    if len(labels) == 2 and labels[0] == labels[1]:
         fail(f'{where}.worse', f'{labels[1]!r} is also better: a claim compares two algorithms')
-    return labels[0], labels[1]
+    return tuple(labels)
 
 
 def _suite(name, where, suite_of, known_suites, fail) -> tuple:
@@ -587,20 +610,23 @@ def evaluate(root: str, claims: Sequence[Claim]) -> list[dict]:
         for comparison in (claim.comparison, *claim.settings):
             suite = comparison.suite
             directory = scoreboard.results_dir(root, suite)
-            if suite.name not in records_of:
-                index = {}
-                for record in bench_report.load_records(suite, directory):
-                    run = record['run']
-                    index[(run.partition.name, run.algorithm.name, run.seed)] = record
-                records_of[suite.name] = index
-            index = records_of[suite.name]
+            for one in {
+                suite.name: suite,
+                comparison.suite_of(comparison.worse).name: comparison.suite_of(comparison.worse),
+            }.values():
+                if one.name not in records_of:
+                    index = {}
+                    for record in bench_report.load_records(one, scoreboard.results_dir(root, one)):
+                        run = record['run']
+                        index[(run.partition.name, run.algorithm.name, run.seed)] = record
+                    records_of[one.name] = index
             parts = []
             for partition, label in comparison.partitions.items():
                 where = f'{suite.name}, {label}, "{comparison.better}" against "{comparison.worse}"'
-                runs = {
-                    name: {s: index[(label, name, s)] for s in suite.seeds if (label, name, s) in index}
-                    for name in (comparison.better, comparison.worse)
-                }
+                runs = {}
+                for name in (comparison.better, comparison.worse):
+                    index = records_of[comparison.suite_of(name).name]
+                    runs[name] = {s: index[(label, name, s)] for s in suite.seeds if (label, name, s) in index}
                 part = pair(runs[comparison.better], runs[comparison.worse], claim.measure, where)
                 parts.append(dict(part, partition=partition, suite_partition=label))
             commands = (bench_layout.file_text(os.path.join(directory, bench_layout.COMMANDS_FILE)) or '').splitlines()
@@ -695,6 +721,9 @@ def _suite_link(entry: Mapping) -> str:
         text = f'{suite.name} (`{entry["comparison"].suite_path}`)'
     else:
         text = f'[{suite.name}]({os.path.relpath(entry["report"], os.path.dirname(OUTPUT))})'
+    other = entry['comparison'].worse_suite
+    if other is not None:
+        text += f'; "{entry["comparison"].worse}" from {other.name}'
     return text + (' (results of an older suite.toml)' if entry['stale'] else '')
 
 
