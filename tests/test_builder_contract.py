@@ -360,6 +360,7 @@ FUNCTIONAL = {
     'build_pfedme_process': None,
     'build_selffl_process': None,
     'build_ktpfl_homogeneous_process': None,
+    'build_fedamp_process': None,
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",

@@ -221,8 +221,8 @@ def _error_cases():
         (lambda: partition_registry.build_partition('nope', labels, 2, 0), 'unknown partition .* iid, ds1'),
         (lambda: partition_registry.build_partition('iid', labels, 2, 0, k=3), 'bad parameters'),
         (lambda: partition.split_client(np.arange(2), labels), 'no test examples'),
-        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)), '3 positive numbers'),
-        (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)), '3 positive numbers'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.5)), '3 numbers, train and test positive'),
+        (lambda: partition.split_client(np.arange(9), labels, (0.8, 0.3, -0.1)), '3 numbers, train and test positive'),
         (lambda: partition.split_client(np.arange(9), labels, (0.5, 0.3, 0.3)), 'sum to 1'),
         (lambda: partition.class_histogram([np.arange(40)], labels, 3), 'outside'),
     ]
