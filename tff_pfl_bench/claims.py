@@ -549,8 +549,8 @@ def verdict(claim: Sequence[Mapping], settings: Sequence[tuple[str, Sequence[Map
       such S) when a setting's difference is positive in every seed of every
       partition it covers; else 'not reproduced' (a difference <= 0),
       'not run yet' (nothing to pair) or 'not run yet on P' (some partitions
-      paired, all positive), followed by the settings tested and their mean
-      margins.
+      paired, all positive), followed by the settings tested (any partition
+      paired) and their mean margins, then the settings not run yet.
     """
     own = state(claim)
     if own == 'positive':
@@ -570,10 +570,16 @@ def verdict(claim: Sequence[Mapping], settings: Sequence[tuple[str, Sequence[Map
             head = next(iter(missing))
         else:
             head = '; '.join(f'{status} on {", ".join(parts)}' for status, parts in missing.items())
-    tested = [f'"{name}" ({margins_text(parts)})' for name, parts in settings]
+    tested = [(name, parts) for name, parts in settings if any(part['status'] == 'ok' for part in parts)]
+    untested = [f'"{name}"' for name, parts in settings if (name, parts) not in tested]
+    text = head
     if tested:
-        return f'{head}; settings tested: {"; ".join(tested)}'
-    return f'{head}; no other setting tested' if own == 'negative' else head
+        text += '; settings tested: ' + '; '.join(f'"{name}" ({margins_text(parts)})' for name, parts in tested)
+    elif own == 'negative':
+        text += '; no other setting tested'
+    if untested:
+        text += f'; not run yet: {", ".join(untested)}'
+    return text
 
 
 # ----------------------------------------------------------------------------
