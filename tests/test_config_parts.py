@@ -121,7 +121,10 @@ def test_parts_are_checked_in_one_line_and_by_type():
             {'partition': 'kd_dirichlet', 'kd_split_sizes': (9, 3, 1, 1)},
             'kd_split_sizes must be min_train <= max_train',
         ),
-        ({'split_fractions': (0.5, 0.5)}, 'split_fractions must be three numbers summing to 1, train and test positive'),
+        (
+            {'split_fractions': (0.5, 0.5)},
+            'split_fractions must be three numbers summing to 1, train and test positive',
+        ),
     ):
         with pytest.raises(run_config.ConfigError, match=f'^{message}'):
             run_config.make_config(output_dir='x', **values).validate()
