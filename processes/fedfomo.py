@@ -28,8 +28,9 @@ Every client i keeps its own model theta_i and a validation split. A round:
 A round (`build_fedfomo_process`) is one broadcast and one aggregation: the
 server picks every client's candidates from its state alone (for all N
 clients; the clients of the round take their own row), so nothing it sends
-depends on the round's uploads. The server's state holds N models (the paper's
-store): docs/algorithms/fedfomo.md ("Costs").
+depends on the round's uploads; the device form (`_device_process`) is that
+round with sums in place of the gather. The server's state holds N models
+(the paper's store): docs/algorithms/fedfomo.md ("Costs").
 
 Settings: `FedFomoSettings` (docs/algorithms/fedfomo.md, "Settings").
 """
@@ -44,13 +45,13 @@ import tensorflow_federated as tff
 from processes import ktpfl_rounds
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, heterogeneous, local_training, template
+from tff_pfl.computations import building_blocks, device_state, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
 _setting = settings_lib.setting
 
-AFFINITIES = ('normalized', 'raw')
+AFFINITIES = ('normalized', 'raw', 'signed')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +76,9 @@ class FedFomoSettings(settings_lib.LocalTraining):
     )
     fedfomo_affinity: str = _setting(
         'normalized',
-        "What the server adds to P_ij: 'normalized' (the w_ij client i applied, summing to 1 or all zero) or "
-        "'raw' (w_ij before the normalisation).",
+        "What the server adds to P_ij: 'normalized' (the w_ij client i applied, summing to 1 or all zero), "
+        "'raw' (w_ij before the normalisation) or 'signed' (the gains before the clipping at 0, divided by the "
+        "absolute value of their sum, as the authors' code does: a worse model lowers P_ij).",
     )
 
     def _checks(self):
@@ -106,9 +108,7 @@ class FedFomoSettings(settings_lib.LocalTraining):
         return tf.maximum(decayed, 0.0)
 
 
-def choose_candidates(
-    affinity: tf.Tensor, available: tf.Tensor, *, count: int, epsilon, seed: tf.Tensor
-) -> tf.Tensor:
+def choose_candidates(affinity: tf.Tensor, available: tf.Tensor, *, count: int, epsilon, seed: tf.Tensor) -> tf.Tensor:
     """Every client's M candidates, epsilon-greedily on the affinity matrix P (TF code).
 
     For client i the pool is the clients j != i whose model the server holds.
@@ -167,6 +167,28 @@ def fomo_weights(
     raw = tf.where(counted, tf.maximum(own_loss - candidate_losses, 0.0) / tf.where(counted, distances, 1.0), 0.0)
     total = tf.reduce_sum(raw)
     return raw, tf.where(total > 0, raw / tf.where(total > 0, total, 1.0), 0.0)
+
+
+def signed_gains(own_loss: tf.Tensor, candidate_losses: tf.Tensor, distances: tf.Tensor, valid: tf.Tensor) -> tf.Tensor:
+    """(L_i(theta_i^{t-1}) - L_i(theta_j)) / ||theta_j - theta_i^{t-1}||, not clipped, over |their sum| (TF code).
+
+    What `fedfomo_affinity='signed'` adds to P: the authors' code adds these
+    to its client-to-client weights, so a model worse than the client's own
+    lowers P_ij. A candidate that is not there, or equals theta_i^{t-1}, gets 0.
+
+    Args:
+      own_loss: L_i(theta_i^{t-1}).
+      candidate_losses: L_i(theta_j), `[M]`.
+      distances: ||theta_j - theta_i^{t-1}||_2, `[M]`.
+      valid: bool `[M]`.
+
+    Returns:
+      float32 `[M]` (all zero when their sum is 0).
+    """
+    counted = tf.logical_and(valid, distances > 0)
+    gains = tf.where(counted, (own_loss - candidate_losses) / tf.where(counted, distances, 1.0), 0.0)
+    total = tf.abs(tf.reduce_sum(gains))
+    return tf.where(total > 0, gains / tf.where(total > 0, total, 1.0), 0.0)
 
 
 def fomo_update(own: tf.Tensor, candidates: tf.Tensor, weights: tf.Tensor) -> tf.Tensor:
@@ -324,7 +346,7 @@ def build_fedfomo_process(
     num_clients = spec.num_clients
     capacity = ktpfl_rounds.round_capacity(max_clients_per_round, num_clients)
     count = max(1, min(settings.fedfomo_candidates, num_clients - 1))  # M, at most N - 1 others
-    raw_affinity = settings.fedfomo_affinity == 'raw'
+    affinity_kind = settings.fedfomo_affinity
     archs = heterogeneous.Architectures([model_fn])  # one architecture: packs theta_i into one [D] vector
     num_params = archs.max_size
     model_type = tff.TensorType(np.float32, (num_params,))
@@ -390,7 +412,10 @@ def build_fedfomo_process(
         metric_sums['candidates'] = tf.reduce_sum(tf.cast(valid, tf.float32))
         metric_sums['kept_own_model'] = tf.cast(tf.reduce_all(tf.equal(weights, 0.0)), tf.float32)
         metric_sums['validation_loss'] = losses[0]
-        row = affinity_row(candidates, raw if raw_affinity else weights, num_clients)
+        added = dict(normalized=weights, raw=raw)
+        if affinity_kind == 'signed':
+            added['signed'] = signed_gains(losses[0], losses[1:], distances, valid)
+        row = affinity_row(candidates, added[affinity_kind], num_clients)
         return collections.OrderedDict(
             model=collections.OrderedDict(index=index, value=params),
             affinity=tf.scatter_nd([[index]], row[tf.newaxis], [num_clients, num_clients]),
@@ -436,6 +461,7 @@ def build_fedfomo_process(
         next_fn,
         initial_client_state=initial_client_state,
         evaluate=building_blocks.build_client_states_evaluation(placed_state_type, evaluate_client),
+        device=_device_process(initialize, initial_client_state, offer, client_update, evaluate_client),
         extras={
             'communication': collections.OrderedDict(
                 parameter_bytes_up_per_client=num_params * 4 + count * 4,
@@ -444,6 +470,69 @@ def build_fedfomo_process(
             'server_state_bytes': (num_clients * (num_params + num_clients + 1) + 1) * 4,  # models, P, uploaded, t
         },
         no_global_model="FedFomo's server keeps no model of its own: each client keeps its own theta_i",
+    )
+
+
+def _device_process(initialize, initial_client_state, offer, client_update, evaluate_client):
+    """FedFomo's round with device-held client states: one phase, one broadcast and sums only.
+
+    The server's offer goes to every device as in process; each device
+    sends its theta_i^t in its own row of an `[N, D]` sum and a 1 in its
+    slot of an `[N]` presence sum (TFF 0.87's DistributeAggregateForm
+    conversion fails on the in-process gather's `federated_aggregate`, as
+    for FedAMP), with its row of P's increments; the server stores the
+    present rows. A slot costs N x D on a device and in the sum. The
+    server state is the in-process one, and the rounds equal the
+    in-process rounds (tests/test_fedfomo.py).
+
+    Args:
+      initialize: the in-process `initialize`.
+      initial_client_state: `tf.string -> C`.
+      offer: `S -> B`, the round's broadcast.
+      client_update: `(B, C) -> <model, affinity, metric_sums, client_state>`.
+      evaluate_client: `C -> E`.
+
+    Returns:
+      The `device_state.build_device_process` of the phase.
+    """
+    state_type = initialize.type_signature.result.member
+    num_clients, num_params = state_type['models'].shape
+
+    @tff.tensorflow.computation(offer.type_signature.result, initial_client_state.type_signature.result)
+    def device_update(value, state):
+        out = client_update(value, state)
+        index, params = out['model']['index'], out['model']['value']
+        return collections.OrderedDict(
+            rows=tf.scatter_nd([[index]], params[tf.newaxis], [num_clients, num_params]),
+            present=tf.one_hot(index, num_clients, dtype=tf.int32),
+            affinity=out['affinity'],
+            metric_sums=out['metric_sums'],
+            client_state=out['client_state'],
+        )
+
+    result_type = device_update.type_signature.result
+
+    @tff.tensorflow.computation(state_type, result_type['rows'], result_type['present'], result_type['affinity'])
+    def store(state, rows, present, increments):
+        held = present[:, tf.newaxis] > 0
+        return collections.OrderedDict(
+            models=tf.where(held, rows, state['models']),
+            uploaded=tf.maximum(state['uploaded'], present),
+            affinity=state['affinity'] + increments,
+            round_num=state['round_num'] + 1,
+        )
+
+    def finish(state, outputs):
+        sums = [tff.federated_sum(outputs[name]) for name in ('rows', 'present', 'affinity')]
+        new_state = tff.federated_map(store, (state, *sums))
+        return new_state, building_blocks.aggregate_training_metrics(outputs.metric_sums)
+
+    return device_state.build_device_process(
+        initialize,
+        initial_client_state,
+        phases=[device_state.Phase('next', offer, device_update, finish)],
+        evaluate_input=building_blocks.build_round_number(state_type),
+        evaluate_client=building_blocks.build_evaluation_at(evaluate_client),
     )
 
 
@@ -481,21 +570,14 @@ def _build(settings, spec, model_fn, run):
     )
 
 
-# Why the round has no device form yet (`algorithm.Algorithm.not_one_aggregation`).
-NOT_ONE_AGGREGATION = (
-    "FedFomo's round gathers the clients' models into the server's store with a federated_aggregate, which TFF "
-    "0.87's DistributeAggregateForm conversion refuses, and it has no device form of slot sums yet"
-)
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'fedfomo',
-        'FedFomo (Zhang et al., 2021): each client weighs candidate models by their first-order gain on its validation loss',
+        'FedFomo (Zhang et al., 2021): clients weigh candidate models by their first-order validation gain',
         FedFomoSettings,
         _build,
         client_columns=_client_columns,
         plots=_plots,
-        not_one_aggregation=NOT_ONE_AGGREGATION,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
     ),
 )

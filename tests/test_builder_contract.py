@@ -22,6 +22,7 @@ from processes import (
     fedamp,
     fedavg,
     feddf,
+    fedfomo,
     fedper,
     kdpdfl,
     ktpfl,
@@ -107,6 +108,10 @@ def _builders():
         ),
         'build_fedamp_process': (
             lambda spec, fn, **kw: fedamp.build_fedamp_process(spec, fn, fedamp.FedAMPSettings(**LOCAL), **kw),
+            {c, lo, m},
+        ),
+        'build_fedfomo_process': (
+            lambda spec, fn, **kw: fedfomo.build_fedfomo_process(spec, fn, fedfomo.FedFomoSettings(**LOCAL), **kw),
             {c, lo, m},
         ),
         'build_kdpdfl_process': (
@@ -361,6 +366,7 @@ FUNCTIONAL = {
     'build_selffl_process': None,
     'build_ktpfl_homogeneous_process': None,
     'build_fedamp_process': None,
+    'build_fedfomo_process': None,
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",

@@ -2,6 +2,7 @@
 what crosses to the server, a run through the training binary's code, and the settings."""
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from tests import numpy_reference as ref
 from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import audit
+from tff_pfl.computations import audit, device_state
 
 SEED = 3
 # Local training of the round tests: 2 epochs of batch 8 at learning rate 0.2.
@@ -25,9 +26,7 @@ LOCAL = dict(local_epochs=2, batch_size=8, client_learning_rate=0.2)
 
 def _numpy_weights(own_loss, candidate_losses, distances):
     """w_j = max(0, (L(own) - L(j)) / ||theta_j - own||), 0 for a model equal to own; and normalised by the sum."""
-    raw = np.array(
-        [max(0.0, own_loss - loss) / d if d > 0 else 0.0 for loss, d in zip(candidate_losses, distances)]
-    )
+    raw = np.array([max(0.0, own_loss - loss) / d if d > 0 else 0.0 for loss, d in zip(candidate_losses, distances)])
     total = raw.sum()
     return raw, (raw / total if total > 0 else np.zeros_like(raw))
 
@@ -52,6 +51,19 @@ def test_the_weights_and_the_update_against_numpy():
         tf.constant(own, tf.float32), tf.constant(candidates, tf.float32), tf.constant(weights)
     ).numpy()
     np.testing.assert_allclose(moved, own + sum(w * (c - own) for w, c in zip(want, candidates[:4])), atol=1e-5)
+
+
+def test_signed_gains_against_numpy():
+    """The authors' increments of P: the gains before clipping, over the absolute value of their sum."""
+    losses = np.array([0.4, 1.3, 0.9, 0.7])
+    distances = np.array([2.0, 0.5, 0.0, 1.0])
+    valid = np.array([True, True, True, False])
+    got = fedfomo.signed_gains(
+        tf.constant(1.0), tf.constant(losses, tf.float32), tf.constant(distances, tf.float32), tf.constant(valid)
+    ).numpy()
+    gains = np.array([(1.0 - 0.4) / 2.0, (1.0 - 1.3) / 0.5, 0.0, 0.0])
+    np.testing.assert_allclose(got, gains / abs(gains.sum()), rtol=1e-5)
+    assert got[1] < 0  # a worse model lowers P_ij
 
 
 def test_no_better_candidate_keeps_the_own_model():
@@ -157,7 +169,14 @@ def _numpy_client_round(spec, client_id, own, candidates, config, round_num, dim
     return _pack(trained), raw, weights
 
 
-@pytest.mark.parametrize('affinity', ['normalized', 'raw'])
+def _numpy_signed(spec, client_id, own, candidates, dim, classes):
+    x_val, y_val = ref.read(spec, client_id, 'val')
+    loss = lambda packed: ref.loss_and_grads(_unpack(packed, dim, classes), x_val, y_val)[0]  # noqa: E731
+    gains = np.array([(loss(own) - loss(c)) / np.linalg.norm(c - own) for c in candidates])
+    return gains / abs(gains.sum())
+
+
+@pytest.mark.parametrize('affinity', ['normalized', 'raw', 'signed'])
 def test_three_rounds_against_numpy(problem, tff_runtime, affinity):
     """M = N - 1 = 2, so every client's candidates are the other two (whatever epsilon): round 1 is local SGD
     from theta^0 (the store is empty); round 2 weighs the round-1 models; round 3 takes clients 0 and 2 only. The
@@ -188,11 +207,12 @@ def test_three_rounds_against_numpy(problem, tff_runtime, affinity):
         results = {}
         for k in sampled:
             others = [j for j in range(3) if j != k]
-            results[k] = _numpy_client_round(
-                spec, ids[k], store[k], store[others], config, round_num, dim, classes
-            )
+            results[k] = _numpy_client_round(spec, ids[k], store[k], store[others], config, round_num, dim, classes)
             raw, weights = results[k][1:]
-            want_affinity[k, others] += raw if affinity == 'raw' else weights
+            if affinity == 'signed':
+                want_affinity[k, others] += _numpy_signed(spec, ids[k], store[k], store[others], dim, classes)
+            else:
+                want_affinity[k, others] += raw if affinity == 'raw' else weights
             kept += int(not weights.any())
         state, updated, metrics = process.next(state, [states[k] for k in sampled])
         for k, s in zip(sampled, updated):
@@ -221,6 +241,43 @@ def test_only_each_clients_model_weights_and_metric_sums_reach_the_server(proble
     assert len(rest) == 1 and rest[0].startswith('{<') and '[' not in rest[0], rest  # the metric sums: scalars
     assert len(moved) == 3
     assert process.extras['communication']['parameter_bytes_up_per_client'] == num_params * 4 + 2 * 4
+    # The device form sends the same model in the client's row of an [N, D] sum, its presence, its row of P's.
+    uploads = [str(t) for phase in process.device.phases.values() for _, t in audit.clients_to_server_values(phase)]
+    assert {f'{{float32[3,{num_params}]}}@CLIENTS', '{int32[3]}@CLIENTS', '{float32[3,3]}@CLIENTS'} <= set(uploads)
+    assert not any(
+        uri == 'federated_aggregate'
+        for phase in process.device.phases.values()
+        for uri, _ in audit.clients_to_server_values(phase)
+    )
+
+
+def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runtime):
+    """Three rounds (all, two, all clients) in process and as the device form's phase: the same server state,
+    metrics and client states, bit for bit."""
+    spec, model_fn = problem
+    process = fedfomo.build_fedfomo_process(spec, model_fn, fedfomo.FedFomoSettings(**LOCAL, fedfomo_candidates=1))
+    device = process.device
+    assert list(device.phases) == ['next']
+    ids = list(spec.client_ids)
+    os.makedirs(tmp_path / 'states')
+    devices = {c: device_state.device_input(c, str(tmp_path / 'states')) for c in ids}
+    states = {c: process.initial_client_state(c) for c in ids}
+    state, device_server = process.initialize(), device.initialize()
+    for sampled in (ids, ids[1:], ids):
+        output = process.next(state, [states[c] for c in sampled])
+        states.update(zip(sampled, output.client_states))
+        device_server, metrics = device_state.run_round(device, device_server, [devices[c] for c in sampled])
+        for name in output.state:
+            np.testing.assert_array_equal(output.state[name], device_server[name])
+        assert list(output.metrics) == list(metrics)
+        for name in metrics:
+            np.testing.assert_array_equal(output.metrics[name], metrics[name])
+        for c in ids:
+            on_device = device_state.load(devices[c]['state_file'], states[c])
+            for name in on_device:
+                np.testing.assert_array_equal(np.asarray(states[c][name]), np.asarray(on_device[name]))
+        state = output.state
+    assert output.metrics['mean_candidates'] == 1
 
 
 def test_the_server_state_is_the_store_of_n_models_and_p(problem):
@@ -270,7 +327,7 @@ def test_a_sampled_run_writes_the_affinity_matrix_and_each_clients_rounds(tiny_n
         (dict(fedfomo_candidates=0), 'fedfomo_candidates must be >= 1, got 0'),
         (dict(fedfomo_epsilon=1.5), 'fedfomo_epsilon must be in [0, 1], got 1.5'),
         (dict(fedfomo_epsilon_decay=-0.1), 'fedfomo_epsilon_decay must be >= 0, got -0.1'),
-        (dict(fedfomo_affinity='sum'), "fedfomo_affinity must be one of normalized, raw, got 'sum'"),
+        (dict(fedfomo_affinity='sum'), "fedfomo_affinity must be one of normalized, raw, signed, got 'sum'"),
         (dict(local_epochs=0), 'local_epochs must be >= 1, got 0'),
     ],
 )
