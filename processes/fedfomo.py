@@ -113,8 +113,8 @@ def choose_candidates(affinity: tf.Tensor, available: tf.Tensor, *, count: int, 
 
     For client i the pool is the clients j != i whose model the server holds.
     Each of the M slots explores with probability epsilon; the r exploring
-    slots go to clients drawn uniformly from the pool, the M - r others to the
-    pool's clients of highest P_ij (ties in a random order). A pool of fewer
+    slots go to clients drawn uniformly from the rest of the pool, the M - r
+    others to the pool's clients of highest P_ij (ties in a random order). A pool of fewer
     than M clients gives all of them and -1 in the other slots.
 
     Args:
