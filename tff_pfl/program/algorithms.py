@@ -21,6 +21,7 @@ from processes import (
     local,
     perfedavg,
     persfl,
+    pfedhn,
     pfedme,
     selffl,
 )
@@ -42,6 +43,7 @@ _MODULES = (
     local,
     perfedavg,
     persfl,
+    pfedhn,
     pfedme,
     selffl,
 )
