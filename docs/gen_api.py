@@ -57,6 +57,7 @@ PUBLIC = [
     ('processes.feddf', ['build_feddf_process', 'FedDFSettings', 'PFedDFSettings']),
     ('processes.fedamp', ['build_fedamp_process', 'FedAMPSettings']),
     ('processes.pfedhn', ['build_pfedhn_process', 'PFedHNSettings']),
+    ('processes.fedfomo', ['build_fedfomo_process', 'FedFomoSettings']),
     ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload', 'model_update_builder']),
     ('tff_pfl.computations.template', ['PersonalizedProcess', 'ServerlessProcess', 'RoundOutput']),
     ('tff_pfl.computations.local_training', ['loss_from', 'metrics_from']),

@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from tff_pfl import algorithm, client_plots, reports
+from tff_pfl import algorithm, client_plots, losses, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, building_blocks, distillation, local_training, model_weights, template
 from tff_pfl.data import client_data
@@ -37,6 +37,7 @@ from tff_pfl.models import adapters, stacked
 
 TEACHERS = ('optimal', 'final')
 SEARCHES = ('grid', 'halving')
+REDUCTIONS = ('examples', 'elements')
 
 _setting = settings_lib.setting
 
@@ -65,6 +66,12 @@ class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         'on validation after 1/9 and 1/3 of the steps and keeps the best third each time (successive halving: '
         'the default 23 candidates cost 6.3 full trainings instead of 23).',
     )
+    soft_reduction: str = _setting(
+        'examples',
+        "PersFL stage 2: the soft term's reduction. 'examples': summed over the C classes of an example, "
+        "averaged over examples (Eq. 3's KL per example); 'elements': averaged over every logit, C times "
+        "smaller (PyTorch's KLDivLoss() under its default reduction 'mean').",
+    )
     teacher: str = _setting(
         'optimal',
         "PersFL stage 2: distil from each client's optimal teacher O_k ('optimal', Alg. 1) "
@@ -84,6 +91,10 @@ class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
                 len(self.imitations) >= 1 and all(0 <= i <= 1 for i in self.imitations),
                 f'imitations must be numbers in [0, 1], got {list(self.imitations)}',
             ),
+            (
+                self.soft_reduction in REDUCTIONS,
+                f"soft_reduction must be 'examples' or 'elements', got {self.soft_reduction!r}",
+            ),
             (self.teacher in TEACHERS, f"teacher must be 'optimal' or 'final', got {self.teacher!r}"),
             (
                 self.distill_search in SEARCHES,
@@ -102,8 +113,13 @@ class PersFLSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
 
     @property
     def soft_loss(self) -> str:
-        """Stage 2's soft loss: 'kl' (PersFL, Eq. 3); `PersFLGDSettings`: 'ce'."""
-        return 'kl'
+        """Stage 2's soft loss, a `losses.SOFT_LOSSES` name: 'kl' (PersFL, Eq. 3), 'ce' for `PersFLGDSettings`.
+
+        With `soft_reduction='elements'`: 'kl_elements' ('ce_elements').
+        """
+        return self._soft + ('' if self.soft_reduction == 'examples' else losses.ELEMENTS_SUFFIX)
+
+    _soft = 'kl'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +129,8 @@ class PersFLGDSettings(PersFLSettings):
     The variant is the settings type, as for every algorithm with variants.
     """
 
-    @property
-    def soft_loss(self) -> str:
-        """'ce': cross-entropy to the teacher's tempered predictions (Eq. 7)."""
-        return 'ce'
+    # Cross-entropy to the teacher's tempered predictions (Eq. 7).
+    _soft = 'ce'
 
 
 def build_persfl_process(

@@ -722,6 +722,32 @@ def test_a_different_suite_is_refused(tiny_run, tmp_path):
     assert os.listdir(other) == ['notes.txt']
 
 
+def test_a_suite_that_only_adds_runs_keeps_the_results(tiny_run, tmp_path):
+    out = str(tmp_path / 'tiny')
+    shutil.copytree(tiny_run['out'], out)
+    local = '[[algorithms]]\nname = "Local"\nalgorithm = "local"\nmodel = "personalized_model"\n[paper]'
+    grown = TINY.replace('seeds = [0, 1]', 'seeds = [0, 1, 2]').replace('[paper]', local, 1)
+    grown = grown.replace('[[algorithms]]', '[[partitions]]\nname = "more"\npartition = "iid"\n[[algorithms]]', 1)
+    extended = bench_suite.parse_suite(grown, 'tiny.toml')
+    assert len(extended.runs()) == 3 * 3 * 3
+    assert bench_suite.same_runs(TINY, extended) and not bench_suite.same_runs(grown, tiny_run['suite'])
+    bench_run.check_report_dir(extended, out)
+    # The stored runs are complete runs of the grown suite; only the selection left to run would run.
+    lines = []
+    selection = dict(seeds=[0, 1], algorithms=['FedAvg', 'PersFL'], partitions=['natural', 'IID'])
+    bench_run.run_suite(extended, out, log=lines.append, **selection)
+    assert 'tiny: 8 runs selected, 8 already complete, 0 to run' in lines
+    with open(os.path.join(out, bench_layout.SUITE_FILE), encoding='utf-8') as f:
+        assert f.read() == grown
+    # A stored run whose settings the suite changes, or a stored run the suite drops, is another suite's.
+    for other in (
+        TINY.replace('distill_epochs = 1', 'distill_epochs = 2'),
+        TINY.replace('seeds = [0, 1]', 'seeds = [0]'),
+        TINY.replace('batch_size = 16', 'batch_size = 8').replace('seeds = [0, 1]', 'seeds = [0, 1, 2]'),
+    ):
+        assert not bench_suite.same_runs(TINY, bench_suite.parse_suite(other, 'tiny.toml'))
+
+
 def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run, tmp_path):
     """A results directory outlives the output directory: later sittings add to it."""
     suite, out = tiny_run['suite'], tiny_run['out']

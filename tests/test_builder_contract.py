@@ -22,6 +22,7 @@ from processes import (
     fedamp,
     fedavg,
     feddf,
+    fedfomo,
     fedper,
     kdpdfl,
     ktpfl,
@@ -115,6 +116,10 @@ def _builders():
                 spec, fn, pfedhn.PFedHNSettings(pfedhn_local_steps=2, batch_size=8, client_learning_rate=0.1), **kw
             ),
             {c, s, lo, m},
+        ),
+        'build_fedfomo_process': (
+            lambda spec, fn, **kw: fedfomo.build_fedfomo_process(spec, fn, fedfomo.FedFomoSettings(**LOCAL), **kw),
+            {c, lo, m},
         ),
         'build_kdpdfl_process': (
             lambda spec, fn, **kw: kdpdfl.build_kdpdfl_process(spec, fn, kdpdfl.KDPDFLSettings(**LOCAL), **kw),
@@ -369,6 +374,7 @@ FUNCTIONAL = {
     'build_ktpfl_homogeneous_process': None,
     'build_fedamp_process': None,
     'build_pfedhn_process': None,
+    'build_fedfomo_process': None,
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",

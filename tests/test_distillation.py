@@ -21,16 +21,18 @@ TEACHER = np.array([[1.0, 0.0, -1.0], [-2.0, 3.0, 0.0]])
 LABELS = np.array([0, 2])
 
 
-@pytest.mark.parametrize('soft', ['kl', 'ce'])
+@pytest.mark.parametrize('soft', ['kl', 'ce', 'kl_elements', 'ce_elements'])
 @pytest.mark.parametrize('temperature, imitation', [(1.0, 0.0), (4.0, 0.25), (9.0, 1.0)])
 def test_loss_by_hand(soft, temperature, imitation):
     p = _softmax(STUDENT)
     hard = -np.mean(np.log(p[np.arange(2), LABELS]))
     pt, ps = _softmax(TEACHER / temperature), _softmax(STUDENT / temperature)
-    if soft == 'kl':
-        soft_term = np.mean(np.sum(pt * np.log(pt / ps), axis=1))
+    if soft.startswith('kl'):
+        per_logit = pt * np.log(pt / ps)
     else:
-        soft_term = np.mean(-np.sum(pt * np.log(ps), axis=1))
+        per_logit = -pt * np.log(ps)
+    # 'examples': the sum over classes, averaged over the batch; '_elements': the mean over every logit.
+    soft_term = np.mean(per_logit) if soft.endswith('_elements') else np.mean(np.sum(per_logit, axis=1))
     expected = (1 - imitation) * hard + imitation * temperature**2 * soft_term
     got = losses.persfl_loss(
         tf.constant(STUDENT, tf.float32),
@@ -55,6 +57,11 @@ def test_kl_and_ce_differ_by_teacher_entropy_and_share_gradients():
     entropy = np.mean(-np.sum(pt * np.log(pt), axis=1))
     np.testing.assert_allclose(values['ce'] - values['kl'], 0.5 * 9.0 * entropy, rtol=1e-5)
     np.testing.assert_allclose(grads['kl'], grads['ce'], atol=1e-6)
+
+
+def test_an_unknown_soft_loss_is_refused():
+    with pytest.raises(ValueError, match='soft loss must be one of'):
+        losses.persfl_loss(tf.constant(STUDENT), tf.constant(TEACHER), tf.constant(LABELS), 1.0, 0.5, 'kl_mean')
 
 
 def test_stacked_losses_broadcast_per_candidate():
@@ -86,7 +93,8 @@ def _problem(seed=0, n=40, dim=6, classes=3):
     return _split(x[:n], y[:n]), _split(x[n:], y[n:]), x[:n], y[:n]
 
 
-def test_full_batch_steps_match_numpy_gradients():
+@pytest.mark.parametrize('soft', ['kl', 'kl_elements'])
+def test_full_batch_steps_match_numpy_gradients(soft):
     train, val, x, y = _problem()
     model = models.logistic_regression((6,), 3)
     rng = np.random.default_rng(1)
@@ -105,14 +113,18 @@ def test_full_batch_steps_match_numpy_gradients():
         imitations=tf.constant(imitations),
         config=config,
         seed=tf.constant([0, 0], tf.int64),
+        soft=soft,
     )
     x64, onehot = x.astype(np.float64), np.eye(3)[y]
+    # 'kl_elements' averages the soft term over the 3 classes too: its gradient is a third.
+    scale = 1.0 / 3.0 if soft == 'kl_elements' else 1.0
     pt_logits = x64 @ wt + bt
     for g, (t, lam) in enumerate(candidates):
         w, b = wt.astype(np.float64), bt.astype(np.float64)
         for _ in range(3):
             z = x64 @ w + b
-            dz = ((1 - lam) * (_softmax(z) - onehot) + lam * t * (_softmax(z / t) - _softmax(pt_logits / t))) / len(y)
+            soft_dz = scale * lam * t * (_softmax(z / t) - _softmax(pt_logits / t))
+            dz = ((1 - lam) * (_softmax(z) - onehot) + soft_dz) / len(y)
             w, b = w - 0.5 * x64.T @ dz, b - 0.5 * dz.sum(0)
         np.testing.assert_allclose(result.weights[0][g].numpy(), w, atol=1e-5)
         np.testing.assert_allclose(result.weights[1][g].numpy(), b, atol=1e-5)

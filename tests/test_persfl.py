@@ -52,6 +52,16 @@ def _build(problem, soft_loss='kl', **changes):
     return persfl.build_persfl_process(spec, model_fn, settings, seed=3)
 
 
+def test_the_soft_loss_is_the_settings_type_and_its_reduction():
+    assert persfl.PersFLSettings().soft_loss == 'kl'
+    assert persfl.PersFLGDSettings().soft_loss == 'ce'
+    assert persfl.PersFLSettings(soft_reduction='elements').soft_loss == 'kl_elements'
+    assert persfl.PersFLGDSettings(soft_reduction='elements').soft_loss == 'ce_elements'
+    message = "^soft_reduction must be 'examples' or 'elements', got 'mean'$"
+    with pytest.raises(settings_lib.SettingsError, match=message):
+        persfl.PersFLSettings(soft_reduction='mean').validate()
+
+
 def test_teacher_selection_matches_numpy(problem, tff_runtime):
     spec, _ = problem
     process = _build(problem)

@@ -15,7 +15,11 @@ import tensorflow as tf
 
 from tff_pfl.data import client_data
 
-SOFT_LOSSES = ('kl', 'ce')
+SOFT_LOSSES = ('kl', 'ce', 'kl_elements', 'ce_elements')
+# 'kl' and 'ce' sum the soft term over the C classes of each position, then take the mean over the
+# positions; the '_elements' forms also divide by C (the mean over every logit, what PyTorch's
+# `KLDivLoss()` does under its default reduction 'mean'): the same gradient direction, C times smaller.
+ELEMENTS_SUFFIX = '_elements'
 
 
 def _expand(value, logits, labels):
@@ -111,16 +115,20 @@ def persfl_loss(student_logits, teacher_logits, labels, temperature, imitation, 
       labels: int labels `[B]` (or `[B, L]`).
       temperature: T, broadcast to `[...]`.
       imitation: lambda, broadcast to `[...]`.
-      soft: 'kl' (PersFL) or 'ce' (PersFL-GD).
+      soft: 'kl' (PersFL) or 'ce' (PersFL-GD); 'kl_elements' / 'ce_elements'
+        divide the soft term by the number of classes C (`SOFT_LOSSES`).
 
     Returns:
       The mean loss over the (counted) positions, `[...]`.
     """
     if soft not in SOFT_LOSSES:
         raise ValueError(f'soft loss must be one of {SOFT_LOSSES}, got {soft!r}')
-    soft_fn = soft_kl if soft == 'kl' else soft_cross_entropy
+    soft_fn = soft_kl if soft.startswith('kl') else soft_cross_entropy
     imitation = tf.convert_to_tensor(imitation, student_logits.dtype)
     temperature = tf.convert_to_tensor(temperature, student_logits.dtype)
+    soft_term = soft_fn(teacher_logits, student_logits, temperature, labels)
+    if soft.endswith(ELEMENTS_SUFFIX):
+        soft_term = soft_term / tf.cast(tf.shape(student_logits)[-1], soft_term.dtype)
     return (1.0 - imitation) * hard_cross_entropy(student_logits, labels) + imitation * tf.square(
         temperature
-    ) * soft_fn(teacher_logits, student_logits, temperature, labels)
+    ) * soft_term

@@ -135,17 +135,19 @@ RESULT_NEUTRAL_KEYS = ('description', 'paper', 'paper_source', 'paper_errors')
 
 
 def same_runs(stored_text: str | None, suite: 'Suite') -> bool:
-    """Whether a stored suite.toml gives the same runs as `suite`.
+    """Whether every run a stored suite.toml gives is a run of `suite`, with the same settings.
 
     Comments, layout, the description, the paper numbers and their errors
-    aside (`RESULT_NEUTRAL_KEYS`).
+    aside (`RESULT_NEUTRAL_KEYS`). `suite` may add runs to the stored one:
+    seeds, partitions and algorithms (the stored ones unchanged, by name), so
+    that a suite grows without discarding the results it holds.
 
     Args:
       stored_text: the stored suite.toml's text, or None when there is none.
       suite: the suite.
 
     Returns:
-      True when both give the same runs.
+      True when the stored suite's runs are runs of `suite`.
     """
     if stored_text is None:
         return False
@@ -157,6 +159,17 @@ def same_runs(stored_text: str | None, suite: 'Suite') -> bool:
     for key in RESULT_NEUTRAL_KEYS:
         old.pop(key, None)
         new.pop(key, None)
+    if old == new:
+        return True
+    old_defaults, new_defaults = dict(old.pop('defaults', {})), dict(new.pop('defaults', {}))
+    old_seeds, new_seeds = old_defaults.pop('seeds', []), new_defaults.pop('seeds', [])
+    if old_defaults != new_defaults or not set(old_seeds) <= set(new_seeds):
+        return False
+    for key in ('partitions', 'algorithms'):
+        old_tables, new_tables = old.pop(key, []), new.pop(key, [])
+        by_name = {t.get('name'): t for t in new_tables}
+        if any(by_name.get(t.get('name')) != t for t in old_tables):
+            return False
     return old == new
 
 

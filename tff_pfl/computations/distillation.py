@@ -103,7 +103,7 @@ def distill_grid(
       imitations: float32 [G], lambda of each candidate.
       config: distillation epochs, batch size and learning rate.
       seed: int64 [2] stateless seed of the batch order (shared by all G).
-      soft: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7).
+      soft: 'kl' (PersFL, Eq. 3) or 'ce' (PersFL-GD, Eq. 7); a `losses.SOFT_LOSSES` name.
 
     Returns:
       `GridResult(weights, val_accuracy, best)`: the G trained students
