@@ -344,11 +344,13 @@ def test_only_each_clients_model_weights_and_metric_sums_reach_the_server(proble
     )
 
 
-def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runtime):
+@pytest.mark.parametrize('own_candidate', [False, True])
+def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runtime, own_candidate):
     """Three rounds (all, two, all clients) in process and as the device form's phase: the same server state,
-    metrics and client states, bit for bit."""
+    metrics and client states (with the own candidate, r_i too), bit for bit."""
     spec, model_fn = problem
-    process = fedfomo.build_fedfomo_process(spec, model_fn, fedfomo.FedFomoSettings(**LOCAL, fedfomo_candidates=1))
+    settings = fedfomo.FedFomoSettings(**LOCAL, fedfomo_candidates=1, fedfomo_own_candidate=own_candidate)
+    process = fedfomo.build_fedfomo_process(spec, model_fn, settings)
     device = process.device
     assert list(device.phases) == ['next']
     ids = list(spec.client_ids)
@@ -371,6 +373,7 @@ def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runt
                 np.testing.assert_array_equal(np.asarray(states[c][name]), np.asarray(on_device[name]))
         state = output.state
     assert output.metrics['mean_candidates'] == 1
+    assert ('mean_own_weight' in output.metrics) == own_candidate
 
 
 def test_the_server_state_is_the_store_of_n_models_and_p(problem):
