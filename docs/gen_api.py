@@ -56,6 +56,7 @@ PUBLIC = [
     ('processes.perfedavg', ['build_perfedavg_process', 'variant_of', 'PerFedAvgSettings', 'PerFedAvgHFSettings']),
     ('processes.feddf', ['build_feddf_process', 'FedDFSettings', 'PFedDFSettings']),
     ('processes.fedamp', ['build_fedamp_process', 'FedAMPSettings']),
+    ('processes.pfedhn', ['build_pfedhn_process', 'PFedHNSettings']),
     ('processes.fedfomo', ['build_fedfomo_process', 'FedFomoSettings']),
     ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload', 'model_update_builder']),
     ('tff_pfl.computations.template', ['PersonalizedProcess', 'ServerlessProcess', 'RoundOutput']),

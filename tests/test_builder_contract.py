@@ -30,6 +30,7 @@ from processes import (
     local,
     perfedavg,
     persfl,
+    pfedhn,
     pfedme,
     selffl,
 )
@@ -109,6 +110,12 @@ def _builders():
         'build_fedamp_process': (
             lambda spec, fn, **kw: fedamp.build_fedamp_process(spec, fn, fedamp.FedAMPSettings(**LOCAL), **kw),
             {c, lo, m},
+        ),
+        'build_pfedhn_process': (
+            lambda spec, fn, **kw: pfedhn.build_pfedhn_process(
+                spec, fn, pfedhn.PFedHNSettings(pfedhn_local_steps=2, batch_size=8, client_learning_rate=0.1), **kw
+            ),
+            {c, s, lo, m},
         ),
         'build_fedfomo_process': (
             lambda spec, fn, **kw: fedfomo.build_fedfomo_process(spec, fn, fedfomo.FedFomoSettings(**LOCAL), **kw),
@@ -366,6 +373,7 @@ FUNCTIONAL = {
     'build_selffl_process': None,
     'build_ktpfl_homogeneous_process': None,
     'build_fedamp_process': None,
+    'build_pfedhn_process': None,
     'build_fedfomo_process': None,
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '

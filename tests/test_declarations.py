@@ -19,9 +19,10 @@ def _process_modules():
 
 # Modules of processes/ that declare no algorithm: parts an algorithm family shares.
 SHARED_PARTS = {
-    'ktpfl_rounds': {'ktpfl', 'ktpfl_homo', 'fedamp', 'fedfomo'},
+    'ktpfl_rounds': {'ktpfl', 'ktpfl_homo', 'fedamp', 'fedfomo', 'pfedhn'},
     'ktpfl_coefficients': {'ktpfl', 'ktpfl_homo'},
     'kdpdfl_exchange': {'kdpdfl'},
+    'pfedhn_network': {'pfedhn'},
 }
 
 
@@ -34,7 +35,7 @@ def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithm
     declared = [entry for module in algorithms._MODULES for entry in module.ALGORITHMS]
     assert all(isinstance(entry, algorithm.Algorithm) for entry in declared)
     assert sorted(entry.name for entry in declared) == algorithms.names()
-    assert len(algorithms.names()) == 22
+    assert len(algorithms.names()) == 23
     for module in algorithms._MODULES:
         for entry in module.ALGORITHMS:
             # The declaration sits beside its settings and builder.

@@ -39,8 +39,10 @@ def test_runs_from_its_defaults_and_takes_exactly_the_local_steps_asked(algorith
     capped at that number: a mean equal to the cap means every client took it).
     """
     settings_cls = algorithms.get(algorithm).settings
-    steps = 'local_steps' in settings_cls.field_names()
-    changes = dict(local_steps=LOCAL_STEPS) if steps else {}
+    # `local_steps`, or an algorithm's own count of exactly K steps (pFedHN's `pfedhn_local_steps`).
+    field = next((f for f in ('local_steps', f'{algorithm}_local_steps') if f in settings_cls.field_names()), None)
+    steps = field is not None
+    changes = {field: LOCAL_STEPS} if steps else {}
     if algorithms.get(algorithm).own_architectures:
         changes['public_examples'] = 200  # the paper's 3000 exceed these 6 clients' 804 examples
     config = run_config.make_config(

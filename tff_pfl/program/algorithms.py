@@ -22,6 +22,7 @@ from processes import (
     local,
     perfedavg,
     persfl,
+    pfedhn,
     pfedme,
     selffl,
 )
@@ -44,6 +45,7 @@ _MODULES = (
     local,
     perfedavg,
     persfl,
+    pfedhn,
     pfedme,
     selffl,
 )
