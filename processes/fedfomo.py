@@ -21,7 +21,10 @@ Every client i keeps its own model theta_i and a validation split. A round:
        theta_i^t = theta_i^{t-1} + sum_j w_ij (theta_j - theta_i^{t-1})
 
    (all w_ij zero: it keeps theta_i^{t-1}); then it trains theta_i^t by local
-   SGD on its training split and keeps it as its personalized model;
+   SGD on its training split and keeps it as its personalized model
+   (`fedfomo_own_candidate`: the authors' reading, theta_i^{t-1} one more
+   candidate and everything measured from the model the client started its
+   previous training from, `own_candidate_step`);
 4. each client uploads theta_i^t and its weights w_i; the server stores theta_i^t
    as client i's model and adds w_ij to P_ij (`affinity_row`).
 
@@ -79,6 +82,15 @@ class FedFomoSettings(settings_lib.LocalTraining):
         "What the server adds to P_ij: 'normalized' (the w_ij client i applied, summing to 1 or all zero), "
         "'raw' (w_ij before the normalisation) or 'signed' (the gains before the clipping at 0, divided by the "
         "absolute value of their sum, as the authors' code does: a worse model lowers P_ij).",
+    )
+
+    fedfomo_own_candidate: bool = _setting(
+        False,
+        "Offer the client's own model theta_i^{t-1} as one more candidate, as the authors' code does, and measure "
+        'every gain and distance from r_i, the model client i started its previous local training from (the '
+        'model it moved to last round): w_n = max(0, (L_i(r_i) - L_i(theta_n)) / ||theta_n - r_i||) over its own '
+        'model and the M others, normalised, and theta_i^t = r_i + sum_n w_n (theta_n - r_i) (all zero: r_i). '
+        "False: the paper's update from theta_i^{t-1} over the M others.",
     )
 
     def _checks(self):
@@ -229,6 +241,72 @@ def validation_losses(archs: heterogeneous.Architectures, models: tf.Tensor, dat
     return tf.stack(losses)
 
 
+def paper_step(archs, own, models, valid, val) -> dict:
+    """The paper's step of client i: its M candidates weighed against theta_i^{t-1}, the move from there (TF code).
+
+    Args:
+      archs: the `Architectures`.
+      own: theta_i^{t-1}, `[D]`.
+      models: the candidates' theta_j, `[M, D]`.
+      valid: bool `[M]`.
+      val: the client's validation split.
+
+    Returns:
+      `raw`, `weights`, `signed` (`[M]`: the candidates' w_ij, normalised, and
+      the signed gains), `start` (theta_i^t before local training) and
+      `own_loss` (L_i(theta_i^{t-1})).
+    """
+    losses = validation_losses(archs, tf.concat([own[tf.newaxis], models], axis=0), val)
+    distances = tf.norm(models - own[tf.newaxis, :], axis=1)
+    raw, weights = fomo_weights(losses[0], losses[1:], distances, valid)
+    return dict(
+        raw=raw,
+        weights=weights,
+        signed=signed_gains(losses[0], losses[1:], distances, valid),
+        start=fomo_update(own, models, weights),
+        own_loss=losses[0],
+    )
+
+
+def own_candidate_step(archs, own, reference, models, valid, val) -> dict:
+    """The authors' reading of client i's step (`fedfomo_own_candidate`): theta_i^{t-1} is a candidate too (TF code).
+
+    The M + 1 models theta_n (theta_i^{t-1} first, then the M others) are
+    weighed against r_i, the model client i started its previous local
+    training from: w_n = max(0, (L_i(r_i) - L_i(theta_n)) / ||theta_n - r_i||),
+    normalised over the M + 1, and theta_i^t = r_i + sum_n w_n (theta_n - r_i)
+    (`fomo_update` from r_i; all zero: r_i). The signed gains are normalised
+    over the M + 1 too, as the authors' code does.
+
+    Args:
+      archs: the `Architectures`.
+      own: theta_i^{t-1}, `[D]`.
+      reference: r_i, `[D]`.
+      models: the others' theta_j, `[M, D]`.
+      valid: bool `[M]`.
+      val: the client's validation split.
+
+    Returns:
+      As `paper_step` (`raw`, `weights`, `signed` of the M others,
+      `start`, `own_loss` = L_i(theta_i^{t-1})), and `own_weight` (theta_i^{t-1}'s
+      normalised w).
+    """
+    pool = tf.concat([own[tf.newaxis], models], axis=0)  # [M + 1, D]
+    pool_valid = tf.concat([[True], valid], axis=0)
+    losses = validation_losses(archs, tf.concat([reference[tf.newaxis], pool], axis=0), val)
+    distances = tf.norm(pool - reference[tf.newaxis, :], axis=1)
+    raw, weights = fomo_weights(losses[0], losses[1:], distances, pool_valid)
+    signed = signed_gains(losses[0], losses[1:], distances, pool_valid)
+    return dict(
+        raw=raw[1:],
+        weights=weights[1:],
+        signed=signed[1:],
+        start=fomo_update(reference, pool, weights),
+        own_loss=losses[1],
+        own_weight=weights[0],
+    )
+
+
 def affinity_row(candidates: tf.Tensor, weights: tf.Tensor, num_clients: int) -> tf.Tensor:
     """Client i's row of increments of P: w_ij in column j of each candidate j (TF code).
 
@@ -316,9 +394,12 @@ def build_fedfomo_process(
       uploaded=int32[N], affinity=float32[N, N], round_num>` (the store,
       whether each client's model is in it, and P). Client state
       `<client_id, num_participations, last_round, client_index,
-      params=float32[D]>` (theta_i, packed). Metrics: the local training's,
+      params=float32[D]>` (theta_i, packed; with `fedfomo_own_candidate`
+      also `reference=float32[D]`, r_i). Metrics: the local training's,
       and the client means of `candidates` (slots filled), `kept_own_model`
-      (1 when every w_ij was zero) and `validation_loss` (of theta_i^{t-1}).
+      (1 when every other client's w_ij was zero), `validation_loss` (of
+      theta_i^{t-1}) and, with `fedfomo_own_candidate`, `own_weight`
+      (theta_i^{t-1}'s normalised w).
 
     Raises:
       settings.SettingsError: a setting out of range (one line).
@@ -351,11 +432,15 @@ def build_fedfomo_process(
     num_params = archs.max_size
     model_type = tff.TensorType(np.float32, (num_params,))
 
+    own_candidate = settings.fedfomo_own_candidate
+
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        # Every client starts from the same seeded model theta^0.
+        # Every client starts from the same seeded model theta^0 (and, with the own candidate, r_i = theta^0).
+        initial = archs.initial_packed(seed)[0]
+        kept = dict(reference=initial) if own_candidate else {}
         return building_blocks.participation_state(
-            client_id, client_index=client_data.client_index(client_id), params=archs.initial_packed(seed)[0]
+            client_id, client_index=client_data.client_index(client_id), params=initial, **kept
         )
 
     client_state_type = initial_client_state.type_signature.result
@@ -393,10 +478,12 @@ def build_fedfomo_process(
         valid = candidates >= 0
         models = tf.gather(value['models'], tf.maximum(candidates, 0))  # theta_j, [M, D]
         val = client_data.read_split(spec, state['client_id'], 'val')
-        losses = validation_losses(archs, tf.concat([own[tf.newaxis], models], axis=0), val)
-        distances = tf.norm(models - own[tf.newaxis, :], axis=1)
-        raw, weights = fomo_weights(losses[0], losses[1:], distances, valid)
-        start = fomo_update(own, models, weights)
+        if own_candidate:
+            # The authors' reading: theta_i^{t-1} is one more candidate, everything measured from r_i.
+            step = own_candidate_step(archs, own, state['reference'], models, valid, val)
+        else:
+            step = paper_step(archs, own, models, valid, val)
+        raw, weights, signed, start = step['raw'], step['weights'], step['signed'], step['start']
         round_num = value['round_num']
         params, _, stats = heterogeneous.train_packed(
             archs,
@@ -411,16 +498,17 @@ def build_fedfomo_process(
         metric_sums = building_blocks.training_metric_sums(stats)
         metric_sums['candidates'] = tf.reduce_sum(tf.cast(valid, tf.float32))
         metric_sums['kept_own_model'] = tf.cast(tf.reduce_all(tf.equal(weights, 0.0)), tf.float32)
-        metric_sums['validation_loss'] = losses[0]
-        added = dict(normalized=weights, raw=raw)
-        if affinity_kind == 'signed':
-            added['signed'] = signed_gains(losses[0], losses[1:], distances, valid)
+        metric_sums['validation_loss'] = step['own_loss']
+        if own_candidate:
+            metric_sums['own_weight'] = step['own_weight']
+        added = dict(normalized=weights, raw=raw, signed=signed)
         row = affinity_row(candidates, added[affinity_kind], num_clients)
+        kept = dict(reference=start) if own_candidate else {}
         return collections.OrderedDict(
             model=collections.OrderedDict(index=index, value=params),
             affinity=tf.scatter_nd([[index]], row[tf.newaxis], [num_clients, num_clients]),
             metric_sums=metric_sums,
-            client_state=building_blocks.participated(state, round_num, params=params),
+            client_state=building_blocks.participated(state, round_num, params=params, **kept),
         )
 
     rows_type = ktpfl_rounds.gathered_rows_type(model_type, capacity)

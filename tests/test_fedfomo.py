@@ -228,6 +228,99 @@ def test_three_rounds_against_numpy(problem, tff_runtime, affinity):
     assert all(e['personalized_model']['accuracy'] >= 0.6 for e in evaluation)  # it learns the linear task
 
 
+def _numpy_own_candidate_round(spec, client_id, own, reference, candidates, config, round_num, dim, classes):
+    """The authors' reading in numpy: theta_i^{t-1} first among the candidates, every gain and distance from r_i,
+    the move from r_i (all zero: r_i), local SGD from there. Returns the trained model, the move's end (the next
+    r_i), and the raw weights, normalised weights and signed increments of the M + 1 models."""
+    x_val, y_val = ref.read(spec, client_id, 'val')
+    loss = lambda packed: ref.loss_and_grads(_unpack(packed, dim, classes), x_val, y_val)[0]  # noqa: E731
+    pool = [own, *candidates]
+    distances = [np.linalg.norm(c - reference) for c in pool]
+    raw, weights = _numpy_weights(loss(reference), [loss(c) for c in pool], distances)
+    start = reference + sum(w * (c - reference) for w, c in zip(weights, pool))
+    gains = np.array([(loss(reference) - loss(c)) / d if d > 0 else 0.0 for c, d in zip(pool, distances)])
+    signed = gains / abs(gains.sum()) if gains.sum() != 0 else np.zeros_like(gains)
+    x, y = ref.read(spec, client_id)
+    per_epoch, batch = ref.batch_stream(SEED, client_id, round_num, len(y), config.epochs, config.batch_size)
+    trained = ref.sgd(_unpack(start, dim, classes), x, y, config, batch, ref.num_steps(config, per_epoch))
+    return _pack(trained), start, raw, weights, signed
+
+
+@pytest.mark.parametrize('affinity', ['normalized', 'raw', 'signed'])
+def test_three_rounds_with_the_own_model_as_a_candidate_against_numpy(problem, tff_runtime, affinity):
+    """`fedfomo_own_candidate`: as `test_three_rounds_against_numpy`, with theta_i^{t-1} one more candidate and
+    every gain measured from r_i, the model the client started its previous local training from (theta^0 before
+    its first round). Round 1 moves nowhere (theta_i = r_i = theta^0: distance 0); round 2 weighs the trained
+    theta_i^1 and the others' against theta^0, so the own model's gain is not zero by construction; round 3 takes
+    clients 0 and 2. The client states (theta_i and r_i), P (the others' columns only) and the metrics follow."""
+    spec, model_fn = problem
+    settings = fedfomo.FedFomoSettings(
+        **LOCAL, fedfomo_candidates=2, fedfomo_affinity=affinity, fedfomo_own_candidate=True
+    )
+    process = fedfomo.build_fedfomo_process(spec, model_fn, settings, seed=SEED)
+    ids = list(spec.client_ids)
+    dim, classes = spec.feature_shape[0], spec.num_classes
+    config = settings.training_config()
+    state = process.initialize()
+    states = [process.initial_client_state(c) for c in ids]
+    w0 = np.asarray(states[0]['params'], np.float64)
+    np.testing.assert_array_equal(states[0]['reference'], states[0]['params'])  # r_i = theta^0 at first
+    references = {k: w0 for k in range(3)}
+
+    want_affinity = np.zeros((3, 3))
+    own_weights, other_weights = [], []
+    for round_num, sampled in ((0, [0, 1, 2]), (1, [0, 1, 2]), (2, [0, 2])):
+        store = np.asarray(state['models'], np.float64)
+        results, kept, own_sum = {}, 0, 0.0
+        for k in sampled:
+            others = [j for j in range(3) if j != k] if round_num else []
+            own = np.asarray(states[k]['params'], np.float64)
+            results[k] = _numpy_own_candidate_round(
+                spec, ids[k], own, references[k], list(store[others]), config, round_num, dim, classes
+            )
+            _, _, raw, weights, signed = results[k]
+            want_affinity[k, others] += dict(normalized=weights, raw=raw, signed=signed)[affinity][1:]
+            kept += int(not weights[1:].any())
+            own_sum += weights[0]
+            own_weights.append(weights[0])
+            other_weights.extend(weights[1:])
+        state, updated, metrics = process.next(state, [states[k] for k in sampled])
+        for k, s in zip(sampled, updated):
+            np.testing.assert_allclose(s['params'], results[k][0], atol=2e-5, rtol=2e-4)
+            np.testing.assert_allclose(s['reference'], results[k][1], atol=2e-5, rtol=2e-4)
+            states[k], references[k] = s, np.asarray(s['reference'], np.float64)
+        np.testing.assert_allclose(state['affinity'], want_affinity, rtol=1e-4, atol=1e-6)
+        assert metrics['mean_kept_own_model'] == pytest.approx(kept / len(sampled))
+        assert metrics['mean_own_weight'] == pytest.approx(own_sum / len(sampled), rel=1e-4, abs=1e-6)
+        assert metrics['mean_candidates'] == (2 if round_num else 0)
+    np.testing.assert_array_equal(np.asarray(states[1]['reference']), references[1])
+    # The test exercised the reading: the own model took some weight, another client's model some other.
+    assert max(own_weights) > 0 and max(other_weights) > 0
+    assert 0 < max(own_weights[3:]) < 1  # a mix of the own model and others' after round 1
+    evaluation = process.evaluate(state, states)
+    assert all(e['personalized_model']['accuracy'] >= 0.6 for e in evaluation)
+
+
+def test_the_own_candidate_is_off_by_default_and_keeps_the_client_state(problem):
+    """Without the setting the client state has no r_i and the metrics no own weight: the paper's update."""
+    spec, model_fn = problem
+    assert fedfomo.FedFomoSettings().fedfomo_own_candidate is False
+    plain = fedfomo.build_fedfomo_process(spec, model_fn, fedfomo.FedFomoSettings(**LOCAL))
+    own = fedfomo.build_fedfomo_process(spec, model_fn, fedfomo.FedFomoSettings(**LOCAL, fedfomo_own_candidate=True))
+    num_params = (spec.feature_shape[0] + 1) * spec.num_classes
+    plain_state = plain.initial_client_state.type_signature.result
+    own_state = own.initial_client_state.type_signature.result
+    assert 'reference' not in str(plain_state) and f'reference=float32[{num_params}]' in str(own_state)
+    assert 'own_weight' not in str(plain.next.type_signature.result[2])
+    assert 'mean_own_weight' in str(own.next.type_signature.result[2])
+    # What crosses to the server is the same, with one more scalar metric sum: r_i stays on the client.
+    moved = sorted((uri, str(t)) for uri, t in audit.clients_to_server_values(own.next))
+    assert moved[0] == ('federated_aggregate', f'{{<index=int32,value=float32[{num_params}]>}}@CLIENTS')
+    assert ('federated_sum', '{float32[3,3]}@CLIENTS') in moved and len(moved) == 3
+    rest = [sent for _, sent in moved[1:] if sent != '{float32[3,3]}@CLIENTS']
+    assert len(rest) == 1 and 'own_weight=float32' in rest[0] and '[' not in rest[0], rest
+
+
 def test_only_each_clients_model_weights_and_metric_sums_reach_the_server(problem):
     """The paper's exchange: each client's theta_i^t with its index (the server's store), its weights w_ij (its row
     of P's increments) and scalar metric sums; nothing of the client's data."""
@@ -251,11 +344,13 @@ def test_only_each_clients_model_weights_and_metric_sums_reach_the_server(proble
     )
 
 
-def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runtime):
+@pytest.mark.parametrize('own_candidate', [False, True])
+def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runtime, own_candidate):
     """Three rounds (all, two, all clients) in process and as the device form's phase: the same server state,
-    metrics and client states, bit for bit."""
+    metrics and client states (with the own candidate, r_i too), bit for bit."""
     spec, model_fn = problem
-    process = fedfomo.build_fedfomo_process(spec, model_fn, fedfomo.FedFomoSettings(**LOCAL, fedfomo_candidates=1))
+    settings = fedfomo.FedFomoSettings(**LOCAL, fedfomo_candidates=1, fedfomo_own_candidate=own_candidate)
+    process = fedfomo.build_fedfomo_process(spec, model_fn, settings)
     device = process.device
     assert list(device.phases) == ['next']
     ids = list(spec.client_ids)
@@ -278,6 +373,7 @@ def test_the_device_form_gives_the_in_process_rounds(problem, tmp_path, tff_runt
                 np.testing.assert_array_equal(np.asarray(states[c][name]), np.asarray(on_device[name]))
         state = output.state
     assert output.metrics['mean_candidates'] == 1
+    assert ('mean_own_weight' in output.metrics) == own_candidate
 
 
 def test_the_server_state_is_the_store_of_n_models_and_p(problem):
