@@ -114,16 +114,36 @@ class PFedHNSettings(settings_lib.ClientSGD):
         ]
 
     def training_config(self) -> settings_lib.TrainingConfig:
-        """The K local steps as a `TrainingConfig` (as many epochs as needed, capped at K steps)."""
+        """The K local steps as a `TrainingConfig`.
+
+        Returns:
+          As many epochs as needed, capped at `pfedhn_local_steps` SGD steps, of batch
+          `batch_size` at `client_learning_rate`.
+        """
         steps = self.pfedhn_local_steps
         return settings_lib.TrainingConfig(steps, self.batch_size, self.client_learning_rate, max_steps=steps)
 
     def embedding_dim(self, num_clients: int) -> int:
-        """The size of v_i: `pfedhn_embedding_dim`, or the paper's 1 + N / 4 when it is 0."""
+        """The size of v_i.
+
+        Args:
+          num_clients: N.
+
+        Returns:
+          `pfedhn_embedding_dim`, or the paper's 1 + N / 4 when it is 0.
+        """
         return self.pfedhn_embedding_dim or pfedhn_network.default_embedding_dim(num_clients)
 
     def sizes(self, shapes, num_clients: int) -> collections.OrderedDict:
-        """|phi| of the dense and the chunked layout for a target of weight shapes `shapes` (parameters)."""
+        """|phi| of the dense and the chunked layout.
+
+        Args:
+          shapes: the target model's weight shapes.
+          num_clients: N.
+
+        Returns:
+          `pfedhn_network.sizes` of both layouts, in parameters.
+        """
         return pfedhn_network.sizes(
             shapes,
             num_clients,
@@ -135,14 +155,26 @@ class PFedHNSettings(settings_lib.ClientSGD):
         )
 
     def layout(self, shapes) -> str:
-        """The layout used: `pfedhn_layout`, or under 'auto' dense while its heads hold <= `DENSE_LIMIT` parameters."""
+        """The layout used for a target.
+
+        Args:
+          shapes: the target model's weight shapes.
+
+        Returns:
+          `pfedhn_layout`, or under 'auto' 'dense' while its heads hold <= `DENSE_LIMIT` parameters,
+          else 'chunked'.
+        """
         if self.pfedhn_layout != 'auto':
             return self.pfedhn_layout
         num_params = sum(int(np.prod(s)) for s in shapes)
         return 'dense' if (self.pfedhn_hidden_units + 1) * num_params <= DENSE_LIMIT else 'chunked'
 
     def server_optimizer(self) -> tff.learning.optimizers.Optimizer:
-        """The hypernetwork's optimizer, a `tff.learning.optimizers.Optimizer` at `pfedhn_learning_rate`."""
+        """The hypernetwork's optimizer.
+
+        Returns:
+          A `tff.learning.optimizers.Optimizer` (`pfedhn_optimizer`) at `pfedhn_learning_rate`.
+        """
         rate = self.pfedhn_learning_rate
         if self.pfedhn_optimizer == 'adam':
             return tff.learning.optimizers.build_adam(learning_rate=rate)
@@ -151,7 +183,16 @@ class PFedHNSettings(settings_lib.ClientSGD):
         )
 
     def hypernetwork(self, shapes, num_clients: int, seed: int) -> pfedhn_network.HyperNetwork:
-        """The `pfedhn_network.HyperNetwork` of these settings for a target of weight shapes `shapes`."""
+        """The hypernetwork of these settings.
+
+        Args:
+          shapes: the target model's weight shapes.
+          num_clients: N.
+          seed: the seed of phi's initialisation.
+
+        Returns:
+          A `pfedhn_network.HyperNetwork`.
+        """
         return pfedhn_network.HyperNetwork(
             shapes,
             num_clients,

@@ -56,7 +56,14 @@ def _on_sphere(rng: np.random.Generator, count: int, dim: int) -> np.ndarray:
 
 
 def default_embedding_dim(num_clients: int) -> int:
-    """The paper's embedding size: 1 + N / 4 (rounded down)."""
+    """The paper's embedding size.
+
+    Args:
+      num_clients: N.
+
+    Returns:
+      1 + N / 4, rounded down.
+    """
     return 1 + num_clients // 4
 
 
@@ -139,13 +146,21 @@ class HyperNetwork:
     # --- sizes --------------------------------------------------------------------------------------------
 
     def parameter_count(self) -> int:
-        """|phi|: every parameter of the hypernetwork (embeddings, chunk embeddings, MLP, heads)."""
+        """|phi|.
+
+        Returns:
+          Every parameter of the hypernetwork (embeddings, chunk embeddings, MLP, heads).
+        """
         phi = self.shapes_of_phi()
         shapes = [phi['embeddings'], *phi['mlp'], *phi['heads']]
         return sum(int(np.prod(s)) for s in shapes)
 
     def shapes_of_phi(self) -> collections.OrderedDict:
-        """phi's structure with shapes for leaves."""
+        """phi's structure.
+
+        Returns:
+          phi's nested structure with each leaf's shape in its place.
+        """
         heads = []
         if self.layout == 'dense':
             for size in self.sizes:
@@ -282,6 +297,15 @@ def sizes(
     chunk_embedding_dim: int,
 ) -> collections.OrderedDict:
     """|phi| of both layouts for one target, without building either.
+
+    Args:
+      shapes: the target model's weight shapes.
+      num_clients: N.
+      embedding_dim: the size of v_i.
+      hidden_units: the MLP's width.
+      hidden_layers: the MLP's depth.
+      chunk_size: the chunked layout's parameters per chunk.
+      chunk_embedding_dim: the size of a chunk's embedding.
 
     Returns:
       `<dense=parameters, chunked=parameters>`.
