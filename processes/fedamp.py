@@ -647,24 +647,13 @@ def _plots(out, result, process):
     return [('Attention of the cloud models', 'attention.png')]
 
 
-def _client_columns(state):
-    # Under sampling a client may not have taken part yet: its w_i is still w^0.
-    return {'rounds_taken_part': int(state['num_participations'])}
-
-
-def _build(settings, spec, model_fn, run):
-    return build_fedamp_process(
-        spec, model_fn, settings, seed=run.seed, max_clients_per_round=run.max_clients_per_round
-    )
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'fedamp',
         'FedAMP (Huang et al., 2021): attentive message passing between clients with similar models',
         FedAMPSettings,
-        _build,
-        client_columns=_client_columns,
+        algorithm.gathering_builder(build_fedamp_process),
+        client_columns=algorithm.participation_columns,
         plots=_plots,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
     ),

@@ -647,24 +647,13 @@ def _plots(out, result, process):
     return [('Affinity of the clients', 'affinity.png')]
 
 
-def _client_columns(state):
-    # Under sampling a client may not have taken part yet: its theta_i is still theta^0.
-    return {'rounds_taken_part': int(state['num_participations'])}
-
-
-def _build(settings, spec, model_fn, run):
-    return build_fedfomo_process(
-        spec, model_fn, settings, seed=run.seed, max_clients_per_round=run.max_clients_per_round
-    )
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'fedfomo',
         'FedFomo (Zhang et al., 2021): clients weigh candidate models by their first-order validation gain',
         FedFomoSettings,
-        _build,
-        client_columns=_client_columns,
+        algorithm.gathering_builder(build_fedfomo_process),
+        client_columns=algorithm.participation_columns,
         plots=_plots,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
     ),

@@ -244,7 +244,7 @@ def build_pfedhn_process(
     model_aggregator=None,
     loss: local_training.Loss | None = None,
     metrics: local_training.MetricsArg | None = None,
-    seed: int = 0,
+    seed: int | None = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
     """Builds pFedHN as a `PersonalizedProcess`.
@@ -268,7 +268,7 @@ def build_pfedhn_process(
       loss: the clients' training loss (`local_training.loss_from`; None:
         cross-entropy).
       metrics: extra per-client test metrics (`local_training.metrics_from`).
-      seed: run seed (phi's initial values and the batch orders).
+      seed: run seed (phi's initial values and the batch orders); None: 0.
       max_clients_per_round: K, the most clients a round takes (None: N);
         the server holds the round's K models and K deltas, `[K, D]` each.
 
@@ -286,6 +286,7 @@ def build_pfedhn_process(
       ValueError: a keyword pFedHN has no use for (one line).
     """
     model_fn = adapters.keras_model_fn(model_fn)
+    seed = 0 if seed is None else seed
     settings = PFedHNSettings() if settings is None else settings
     if not isinstance(settings, PFedHNSettings):
         raise TypeError(f'build_pfedhn_process takes PFedHNSettings, got {type(settings).__name__}')
@@ -461,23 +462,13 @@ def build_pfedhn_process(
     )
 
 
-def _client_columns(state):
-    return {'rounds_taken_part': int(state['num_participations'])}
-
-
-def _build(settings, spec, model_fn, run):
-    return build_pfedhn_process(
-        spec, model_fn, settings, seed=run.seed or 0, max_clients_per_round=run.max_clients_per_round
-    )
-
-
 ALGORITHMS = (
     algorithm.Algorithm(
         'pfedhn',
         "pFedHN (Shamsian et al., 2021): a server hypernetwork writes each client's model from its embedding",
         PFedHNSettings,
-        _build,
-        client_columns=_client_columns,
+        algorithm.gathering_builder(build_pfedhn_process),
+        client_columns=algorithm.participation_columns,
         not_one_aggregation=NOT_ONE_AGGREGATION,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
     ),

@@ -163,3 +163,38 @@ def model_update_builder(builder: Callable) -> Callable:
         return builder(spec, model_fn, settings, model_aggregator=run.model_aggregator, seed=run.seed)
 
     return build
+
+
+def gathering_builder(builder: Callable) -> Callable:
+    """The `build` of an algorithm whose round gathers the sampled clients' rows at the server.
+
+    Its round holds at most `max_clients_per_round` rows (the run's sampling
+    decides it); the run's seed is passed on.
+
+    Args:
+      builder: `build_<algo>_process(spec, model_fn, settings, *, seed=,
+        max_clients_per_round=)`.
+
+    Returns:
+      `(settings, spec, model_fn, run) -> process`, for `Algorithm.build`.
+    """
+
+    def build(settings, spec, model_fn, run: RunOptions):
+        return builder(spec, model_fn, settings, seed=run.seed, max_clients_per_round=run.max_clients_per_round)
+
+    return build
+
+
+def participation_columns(client_state: Mapping) -> dict:
+    """clients.csv's `rounds_taken_part`, for `Algorithm.client_columns`.
+
+    Under sampling a client may not have taken part yet: its model is then
+    still the initial one.
+
+    Args:
+      client_state: a client state with `num_participations`.
+
+    Returns:
+      `{'rounds_taken_part': num_participations}`.
+    """
+    return {'rounds_taken_part': int(client_state['num_participations'])}
