@@ -107,6 +107,34 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_numbers(tiny_npz, uninterrup
     assert 'clients_28.npz' in named
 
 
+def test_a_worker_killed_mid_run_ends_the_run_in_one_line_and_the_rerun_continues(tiny_npz, uninterrupted, tmp_path):
+    # TFF retries a call to a dead worker for ever: before the watch, the driver hung here.
+    import psutil
+
+    out = tmp_path / 'run'
+    driver = _train(*_flags(tiny_npz, out))
+    deadline = time.monotonic() + 300
+    while _data_rows(out / 'metrics.csv') < 7 and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = [p for p in psutil.Process(driver.pid).children(recursive=True) if p.name() == 'worker_binary']
+    assert len(workers) == 1, workers
+    workers[0].send_signal(signal.SIGSEGV)
+    _, stderr = driver.communicate(timeout=120)
+    assert not (out / 'report.md').exists(), 'the run finished before its worker was killed; nothing was tested'
+    assert driver.returncode == 1
+    assert stderr.strip().splitlines() == [
+        f'tff-pfl-train: error: the TFF worker (pid {workers[0].pid}, log {out}/worker.log) was killed by SIGSEGV '
+        f'during a computation; the checkpoints in {out} are kept: the same command continues from the last one'
+    ]
+    assert any(name.startswith('round_') for name in os.listdir(out / 'checkpoints'))
+    resumed = _train(*_flags(tiny_npz, out))
+    stdout, stderr = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, stderr[-2000:]
+    assert 'resuming after round' in stdout
+    for name in ('metrics.csv', 'clients.csv'):
+        assert _rows(out / name) == _rows(uninterrupted / name), name
+
+
 def test_changing_the_configuration_of_a_run_is_refused(tiny_npz, uninterrupted, tmp_path):
     before = {name: (uninterrupted / name).read_bytes() for name in ('metrics.csv', 'config.json', 'clients.csv')}
     process = _train(*_flags(tiny_npz, uninterrupted, rounds=31))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tff_pfl import runtime
+from tff_pfl import netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = """
@@ -64,7 +64,7 @@ def _rows(path):
 
 
 def test_the_binary_runs_its_worker_in_a_private_network_namespace(tiny_npz, tmp_path):
-    if not runtime._namespaces_allowed():
+    if not netns.namespaces_allowed():
         pytest.skip('this kernel does not allow unprivileged network namespaces')
     out = tmp_path / 'run'
     env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')

@@ -34,7 +34,6 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import shutil
@@ -50,17 +49,17 @@ import grpc
 import portpicker
 import tensorflow_federated as tff
 
-_GRPC_MAX_MESSAGE_BYTES = 2 * 1000 * 1000 * 1000
-_GRPC_OPTIONS = [
-    ('grpc.max_message_length', _GRPC_MAX_MESSAGE_BYTES),
-    ('grpc.max_receive_message_length', _GRPC_MAX_MESSAGE_BYTES),
-    ('grpc.max_send_message_length', _GRPC_MAX_MESSAGE_BYTES),
-]
+from tff_pfl import netns, worker_channel
+
 _READY_TIMEOUT_S = 60.0
 
-
-class RuntimeStartError(RuntimeError):
-    """The TFF worker could not be started."""
+# Re-exported: the runtime's API (docs/runtime.md) names them `runtime.X`.
+RuntimeStartError = worker_channel.RuntimeStartError
+WorkerLostError = worker_channel.WorkerLostError
+TlsCredentials = worker_channel.TlsCredentials
+TlsFileError = worker_channel.TlsFileError
+isolate_network = netns.isolate_network
+network_isolated = netns.network_isolated
 
 
 class NoRuntimeContext(tff.framework.SyncContext):
@@ -155,7 +154,7 @@ def _wait_until_ready(
         RuntimeStartError: if `process` (the worker we started) exits, or the
             worker does not answer within `timeout` seconds.
     """
-    channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
+    channel = grpc.insecure_channel(address, worker_channel.GRPC_OPTIONS)
     stub = tff.framework.RemoteExecutorGrpcStub(channel)
     deadline = time.monotonic() + timeout
     while not stub.is_ready:
@@ -165,167 +164,6 @@ def _wait_until_ready(
             raise RuntimeStartError(f'TFF worker did not become ready in {timeout:g} s')
         time.sleep(0.05)
     return stub
-
-
-class TlsFileError(ValueError):
-    """A TLS file that cannot be used; `which` is 'ca', 'cert' or 'key'."""
-
-    def __init__(self, which: str, path: str, reason: str):
-        """Names the file and what is wrong with it.
-
-        Args:
-            which: 'ca', 'cert' or 'key': the `TlsCredentials.from_files` argument.
-            path: the file's path.
-            reason: what is wrong, without the path.
-        """
-        super().__init__(f'{which} {path} {reason}')
-        self.which, self.path, self.reason = which, path, reason
-
-
-def _read_pem(which: str, path: str, markers: tuple[bytes, ...], what: str) -> bytes:
-    try:
-        with open(path, 'rb') as f:
-            data = f.read()
-    except OSError as e:
-        raise TlsFileError(which, path, f'cannot be read: {e.strerror.lower()}') from None
-    if not any(marker in data for marker in markers):
-        raise TlsFileError(which, path, f'is not {what} in PEM form')
-    return data
-
-
-@dataclasses.dataclass(frozen=True)
-class TlsCredentials:
-    """Mutual TLS with remote workers' TLS fronts: the driver's side, as PEM bytes.
-
-    The driver checks the front's certificate against `ca` (and that it names
-    the host it dials) and presents `cert` with its `key`; the front (nginx,
-    deploy/README.md) admits only a client certificate signed by the CA it
-    trusts. Build it with `from_files`.
-
-    Attributes:
-        ca: the CA certificate(s) that signed the workers' certificates.
-        cert: the driver's client certificate (chain).
-        key: the driver's private key, unencrypted (not shown by `repr`).
-    """
-
-    ca: bytes
-    cert: bytes
-    key: bytes = dataclasses.field(repr=False)
-
-    @classmethod
-    def from_files(cls, ca: str, cert: str, key: str) -> 'TlsCredentials':
-        """Reads and checks the three PEM files.
-
-        Args:
-            ca: path of the CA certificate that signed the workers' certificates.
-            cert: path of the driver's client certificate.
-            key: path of the driver's private key (unencrypted: gRPC takes no
-                passphrase).
-
-        Returns:
-            The credentials.
-
-        Raises:
-            TlsFileError: a file that cannot be read, is not PEM of its kind,
-                or a key that does not match the certificate (or is encrypted).
-        """
-        import ssl
-
-        credentials = cls(
-            ca=_read_pem('ca', ca, (b'-----BEGIN CERTIFICATE-----',), 'a certificate'),
-            cert=_read_pem('cert', cert, (b'-----BEGIN CERTIFICATE-----',), 'a certificate'),
-            key=_read_pem('key', key, (b'PRIVATE KEY-----',), 'a private key'),
-        )
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        try:
-            context.load_verify_locations(cadata=credentials.ca.decode('ascii', 'replace'))
-        except ssl.SSLError as e:
-            raise TlsFileError('ca', ca, f'is not a readable certificate ({e.reason or e})') from None
-        try:
-            context.load_cert_chain(cert, key, password=lambda: b'')
-        except ssl.SSLError as e:
-            raise TlsFileError(
-                'key', key, f'does not match the certificate {cert}, or is encrypted ({e.reason or e})'
-            ) from None
-        return credentials
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        """gRPC's credentials for a channel to a TLS front.
-
-        Returns:
-            `grpc.ssl_channel_credentials` of the CA, the key and the certificate.
-        """
-        return grpc.ssl_channel_credentials(
-            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
-        )
-
-
-# A method no server implements: a gRPC server (the worker) answers it at once with UNIMPLEMENTED,
-# without running anything; a front that refuses the driver answers with its reason.
-_PROBE_METHOD = '/tff_pfl.Probe/Ready'
-_PROBE_CALL_TIMEOUT_S = 2.0
-
-
-def _handshake_failure(details: str) -> str:
-    """The TLS part of gRPC's connection error (from 'Ssl handshake failed'), or ''."""
-    index = details.lower().find('handshake failed')
-    if index < 0:
-        return ''
-    start = details.rfind(': ', 0, index)
-    return details[start + 2 if start >= 0 else index :]
-
-
-def _open_channel(address: str, timeout: float, tls: TlsCredentials | None) -> grpc.Channel:
-    """A channel to a worker someone else runs at `address` (over TLS with `tls`), once it answers.
-
-    One call to a method no server has, repeated until it is answered or
-    `timeout` passes: the worker answers UNIMPLEMENTED, and runs nothing. A
-    front that refuses the driver, or a failed TLS handshake, fails at once
-    with gRPC's reason; a port that refuses connections is tried again.
-
-    Raises:
-        RuntimeStartError: with one line naming `address` and why.
-    """
-    if tls is None:
-        channel = grpc.insecure_channel(address, _GRPC_OPTIONS)
-    else:
-        channel = grpc.secure_channel(address, tls.channel_credentials(), _GRPC_OPTIONS)
-    probe = channel.unary_unary(_PROBE_METHOD, request_serializer=bytes, response_deserializer=bytes)
-    deadline = time.monotonic() + timeout
-    last = ''
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            channel.close()
-            if tls is None:
-                raise RuntimeStartError(f'no TFF worker answers at {address} (waited {timeout:g} s)')
-            raise RuntimeStartError(f'no TLS worker answers at {address} (waited {timeout:g} s): {last}')
-        try:
-            probe(b'', timeout=min(remaining, _PROBE_CALL_TIMEOUT_S), wait_for_ready=False)
-            break
-        except grpc.RpcError as e:
-            code, details = e.code(), e.details() or ''
-        if code == grpc.StatusCode.UNIMPLEMENTED:
-            break
-        problem = None
-        handshake = _handshake_failure(details)
-        if handshake:
-            problem = f'{address}: the TLS handshake failed: {handshake}'
-        elif 'http1.x server' in details:
-            problem = (
-                f"{address} does not speak plain gRPC (it answers HTTP/1.x): a TLS front? give the driver's "
-                'TLS credentials (RemoteRuntime(tls=...); --worker_tls_ca, --worker_tls_cert and --worker_tls_key)'
-            )
-        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            problem = f'{address} refused the driver ({code.name}): {details}'
-        elif code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            problem = f'{address} does not answer as a TFF worker ({code.name}): {details}'
-        if problem is not None:
-            channel.close()
-            raise RuntimeStartError(problem)
-        last = details
-        time.sleep(0.05)
-    return channel
 
 
 def compile_for_worker(comp):
@@ -559,7 +397,7 @@ def check_worker(address: str, timeout: float = 10.0, *, tls: TlsCredentials | N
             driver's certificate (one line, with gRPC's reason).
     """
     parse_worker_address(address)
-    _open_channel(address, timeout, tls).close()
+    worker_channel.open_channel(address, timeout, tls).close()
 
 
 @contextlib.contextmanager
@@ -641,7 +479,11 @@ class RemoteRuntime:
         self.address = addresses[0]
         self.tls = tls
         stubs = [
-            tff.framework.RemoteExecutorGrpcStub(_open_channel(address, ready_timeout, tls)) for address in addresses
+            worker_channel.WatchedStub(
+                tff.framework.RemoteExecutorGrpcStub(worker_channel.open_channel(address, ready_timeout, tls)),
+                f'at {address}',
+            )
+            for address in addresses
         ]
         self._threaded: list[SyncContextInThread] = []
         self.calls = WorkerCalls(len(stubs))
@@ -737,6 +579,11 @@ class LocalRuntime:
         except BaseException:
             self.close()
             raise
+        # A worker that dies mid-computation ends the computation (WorkerLostError) instead of
+        # leaving TFF to retry it for ever.
+        stub = worker_channel.WatchedStub(
+            stub, f'(pid {self.pid}, log {log_path or "discarded"})', exit_code=self._process.poll
+        )
         self.context = _execution_context(stub)
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
@@ -800,78 +647,3 @@ def install_sigterm_handler() -> None:
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, _raise_exit)
-
-
-# Set in the environment of a process re-executed in its own network namespace.
-_ISOLATED_ENV = 'TFF_PFL_NETWORK_NAMESPACE'
-
-
-def network_isolated() -> bool:
-    """True in a process that `isolate_network` re-executed in a private network namespace.
-
-    Returns:
-        Whether `TFF_PFL_NETWORK_NAMESPACE` is `1` in the environment.
-    """
-    return os.environ.get(_ISOLATED_ENV) == '1'
-
-
-def _namespaces_allowed() -> bool:
-    unshare = shutil.which('unshare')
-    if unshare is None:
-        return False
-    probe = subprocess.run(
-        [unshare, '--net', '--map-root-user', 'true'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
-    )
-    return probe.returncode == 0
-
-
-def _bring_loopback_up() -> None:
-    """Sets the namespace's `lo` up (it starts down), so the worker and the driver can talk."""
-    import fcntl
-    import socket
-    import struct
-
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        request = struct.pack('16sH22x', b'lo', 0)
-        flags = struct.unpack('16sH22x', fcntl.ioctl(s, siocgifflags, request))[1]
-        fcntl.ioctl(s, siocsifflags, struct.pack('16sH22x', b'lo', flags | iff_up))
-
-
-def isolate_network(prog: str, argv: list, log=None) -> None:
-    """Re-executes this binary in a private network namespace, or warns that it cannot.
-
-    TFF's `worker_binary` listens without authentication on all interfaces,
-    and whoever reaches its port can run TensorFlow graphs (which read and
-    write files) as this user. A local simulation needs no network, so the
-    whole process, driver and worker, moves into a new network namespace of
-    its own (`unshare --net --map-root-user`, an unprivileged user namespace
-    where the kernel allows them) that holds only a loopback interface: no
-    other process on the machine, let alone on the network, can reach the
-    worker's port. The process keeps its PID (`exec`), its files and its
-    user outside the namespace.
-
-    Where the kernel does not allow it, the run goes on with a one-line
-    warning on stderr that names the port and where docs/runtime.md shows a
-    firewall rule.
-
-    Args:
-      prog: the binary's name, for messages.
-      argv: the full command line to run again (`sys.argv`).
-      log: optional; receives the warning line (default: stderr).
-    """
-    if network_isolated():
-        _bring_loopback_up()
-        return
-    if not _namespaces_allowed():
-        message = (
-            f'{prog}: warning: cannot run in a private network namespace (unshare --net --map-root-user '
-            'failed); the local TFF worker will accept unauthenticated connections on all interfaces; '
-            'see docs/runtime.md#security'
-        )
-        (log or (lambda line: print(line, file=sys.stderr)))(message)
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    env = dict(os.environ, **{_ISOLATED_ENV: '1'})
-    os.execvpe('unshare', ['unshare', '--net', '--map-root-user', sys.executable, *argv], env)

@@ -58,7 +58,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow_federated as tff
 
-from tff_pfl import reports
+from tff_pfl import reports, runtime
 from tff_pfl.computations import audit
 from tff_pfl.program import experiment
 from tff_pfl.program import run_config as run_config_lib
@@ -755,7 +755,13 @@ def _train(
         else:
             extra = {}
         started = time.monotonic()
-        record = _run_one(suite, output_dir, run, config, resume_from=resume_from, extra=extra)
+        try:
+            record = _run_one(suite, output_dir, run, config, resume_from=resume_from, extra=extra)
+        except runtime.WorkerLostError as e:
+            raise runtime.WorkerLostError(
+                f'{run.label}: {e}; its checkpoints in {directory} are kept: the same command continues '
+                'from the last one'
+            ) from None
         seconds = time.monotonic() - started
         if results_dir is not None:  # kept at once: a sitting cut short keeps what it finished
             target = (bench_layout.trial_record_path if is_trial else bench_layout.record_path)(results_dir, run)

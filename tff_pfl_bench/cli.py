@@ -58,8 +58,8 @@ _OVERWRITE = flags.DEFINE_bool(
 _PROG = 'tff-pfl-bench'
 
 
-def _fail(message) -> None:
-    common.fail(_PROG, message)
+def _fail(message, code: int = 2) -> None:
+    common.fail(_PROG, message, code)
 
 
 def _seeds():
@@ -162,6 +162,8 @@ def main(argv) -> None:
             )
     except errors as e:
         _fail(str(e))
+    except runtime.WorkerLostError as e:
+        _fail(str(e), code=1)
     except KeyboardInterrupt:
         print(f'{_PROG}: interrupted', file=sys.stderr)
         sys.exit(130)

@@ -8,15 +8,17 @@ from typing import NoReturn
 from absl import flags
 
 
-def fail(prog: str, message) -> NoReturn:
-    """Prints `prog: error: message` (on one line) to stderr and exits with 2.
+def fail(prog: str, message, code: int = 2) -> NoReturn:
+    """Prints `prog: error: message` (on one line) to stderr and exits with `code`.
 
     Args:
       prog: the binary's name.
       message: the error; its whitespace, newlines included, is collapsed.
+      code: the exit status: 2 (the default) for bad input, 1 for a run that
+        failed on its way (a lost TFF worker).
     """
     print(f'{prog}: error: {" ".join(str(message).split())}', file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
 
 
 def use_invocation_directory() -> None:

@@ -40,8 +40,8 @@ _ISOLATE_NETWORK = flags.DEFINE_bool(
 _PROG = 'tff-pfl-train'
 
 
-def _fail(message) -> None:
-    common.fail(_PROG, message)
+def _fail(message, code: int = 2) -> None:
+    common.fail(_PROG, message, code)
 
 
 def config_from_flags() -> run_config.ExperimentConfig:
@@ -91,6 +91,12 @@ def main(argv) -> None:
         result = experiment.run_experiment(config, overwrite=_OVERWRITE.value)
     except (run_config.ConfigError, sources.DataError, partition.PartitionError) as e:
         _fail(str(e))
+    except runtime.WorkerLostError as e:
+        _fail(
+            f'{e}; the checkpoints in {os.path.abspath(config.output_dir)} are kept: the same command continues '
+            'from the last one',
+            code=1,
+        )
     except experiment.RunComplete as e:
         print(f'{_PROG}: {e}; nothing to do')
         return
