@@ -235,3 +235,33 @@ def dataclasses_equal_but_root(a, b):
     import dataclasses
 
     return dataclasses.replace(a, root='') == dataclasses.replace(b, root='')
+
+
+def test_ops_that_reuse_their_input_never_write_into_the_mapped_shards(tmp_path, tff_runtime):
+    # The first client's split starts at offset 0, so TF may let its slice share the mapped
+    # (read-only) pages; `tf.maximum` of labels (the loss's first op) and `x + 1` may then write
+    # their output into their input's buffer. The worker died with SIGSEGV in Per-FedAvg's
+    # adaptation step until read_split copied.
+    import tensorflow_federated as tff
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(64, 16)).astype(np.float32)
+    y = rng.integers(0, 5, len(x)).astype(np.int32)
+    splits = [{'train': np.arange(0, 32), 'val': np.arange(32, 36), 'test': np.arange(36, 40)}]
+    splits.append({'train': np.arange(40, 56), 'val': np.arange(56, 60), 'test': np.arange(60, 64)})
+    spec = client_data_writer.write_client_data(str(tmp_path / 'data'), x, y, 5, splits)
+    before = {name: (tmp_path / 'data' / name).read_bytes() for name in os.listdir(tmp_path / 'data')}
+
+    @tff.tensorflow.computation(np.str_)
+    def reuse(client_id):
+        data = client_data.read_split(spec, client_id, 'train')
+        features, labels = data.slice(0, data.num_examples)
+        return tf.maximum(labels, 3), features + 1.0, tf.maximum(data.labels, 3), data.features * 2.0
+
+    for client, split in zip(spec.client_ids, splits):
+        labels_max, plus_one, all_max, doubled = reuse(client)
+        np.testing.assert_array_equal(labels_max, np.maximum(y[split['train']], 3))
+        np.testing.assert_array_equal(all_max, np.maximum(y[split['train']], 3))
+        np.testing.assert_array_equal(plus_one, x[split['train']] + 1.0)
+        np.testing.assert_array_equal(doubled, x[split['train']] * 2.0)
+    assert before == {name: (tmp_path / 'data' / name).read_bytes() for name in os.listdir(tmp_path / 'data')}

@@ -489,7 +489,14 @@ def read_split(spec: ClientDataSpec, client_id: tf.Tensor, split: str) -> Client
         total = spec.split_total(split)
         x = _mapped(os.path.join(spec.root, shard_name(split, 'x')), stored_dtype, (total,) + spec.feature_shape)
         y = _mapped(os.path.join(spec.root, shard_name(split, 'y')), tf.int32, (total,) + spec.label_shape)
-        return ClientSplit(x[start:stop], y[start:stop], spec.feature_encoding)
+        # Copies, never views of the mapping: TF lets a slice that starts aligned (the first
+        # client's, at offset 0) share the mapped pages, which are read-only, and an op that
+        # reuses its input's buffer for its output (`tf.maximum` of the labels in the loss)
+        # then writes into them: the worker died with SIGSEGV (Per-FedAvg's adaptation step,
+        # tests/test_client_data_shards.py).
+        return ClientSplit(
+            tf.raw_ops.DeepCopy(x=x[start:stop]), tf.raw_ops.DeepCopy(x=y[start:stop]), spec.feature_encoding
+        )
     prefix = tf.strings.join([spec.root, client_id, split], separator='/')
     x = tf.io.decode_raw(tf.io.read_file(prefix + '_x.bin'), stored_dtype)
     y = tf.io.decode_raw(tf.io.read_file(prefix + '_y.i32'), tf.int32)
