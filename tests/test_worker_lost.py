@@ -138,3 +138,42 @@ def test_a_computation_on_a_dead_local_worker_fails_instead_of_retrying_for_ever
         'during a computation'
     ), line
     assert float(line.split()[2]) < 30.0  # at the first failed call, not after TFF's backoff
+
+
+REMOTE_SCRIPT = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    import numpy as np
+    import portpicker
+    import tensorflow_federated as tff
+    from tff_pfl import runtime, worker_channel
+
+    worker_channel.LOST_AFTER_S = 2.0  # 300 s in a run
+
+    @tff.tensorflow.computation(np.float32)
+    def add_one(x):
+        return x + 1.0
+
+    port = portpicker.pick_unused_port()
+    worker = subprocess.Popen(runtime._worker_command(port, 2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with runtime.RemoteRuntime(f'localhost:{port}', ready_timeout=60):
+            assert add_one(1.0) == 2.0
+            worker.send_signal(signal.SIGKILL)
+            worker.wait()
+            try:
+                add_one(2.0)
+            except runtime.WorkerLostError as e:
+                print(e, flush=True)
+    finally:
+        runtime.end_process(worker)
+    """
+)
+
+
+def test_a_remote_worker_that_stops_answering_is_given_up_after_the_grace_period():
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL='3')
+    done = subprocess.run([sys.executable, '-c', REMOTE_SCRIPT], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith('the TFF worker at localhost:') and ' has refused every call for ' in line, done.stdout
