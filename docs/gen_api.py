@@ -80,7 +80,15 @@ PUBLIC = [
     ('tff_pfl.program.experiment', ['run_experiment']),
     (
         'tff_pfl.runtime',
-        ['local_runtime', 'runtime_for', 'RemoteRuntime', 'refuse_implicit_runtime', 'TlsCredentials', 'check_worker'],
+        [
+            'local_runtime',
+            'runtime_for',
+            'RemoteRuntime',
+            'refuse_implicit_runtime',
+            'TlsCredentials',
+            'check_worker',
+            'WorkerLostError',
+        ],
     ),
 ]
 
