@@ -224,14 +224,19 @@ def exit_description(returncode: int) -> str:
     return f'exited with code {returncode}'
 
 
-def _watched(method: str):
-    """The `WatchedStub` method that dispatches TFF's stub's `method` through `WatchedStub._call`."""
+def _dispatch(method: str, *, watched: bool = True):
+    """A `WatchedStub` method that dispatches TFF's stub's `method`.
+
+    Watched: through `WatchedStub._call` (`WorkerLostError` once the worker is
+    gone). Not watched (the disposals): straight through, since TFF ignores
+    their failures (a lost worker holds nothing to free).
+    """
 
     def call(self, request):
-        return self._call(method, request)
+        return self._call(method, request) if watched else getattr(self._stub, method)(request)
 
     call.__name__ = method
-    call.__doc__ = f'Dispatches {method} (`WorkerLostError` once the worker is gone).'
+    call.__doc__ = f'Dispatches {method}' + (' (`WorkerLostError` once the worker is gone).' if watched else '.')
     return call
 
 
@@ -297,34 +302,15 @@ class WatchedStub(tff.framework.RemoteExecutorStub):
                 f'the TFF worker {self._name} has refused every call for {now - self._failing_since:.0f} s'
             )
 
-    get_executor = _watched('get_executor')
-    create_value = _watched('create_value')
-    create_struct = _watched('create_struct')
-    create_call = _watched('create_call')
-    create_selection = _watched('create_selection')
-    compute = _watched('compute')
+    get_executor = _dispatch('get_executor')
+    create_value = _dispatch('create_value')
+    create_struct = _dispatch('create_struct')
+    create_call = _dispatch('create_call')
+    create_selection = _dispatch('create_selection')
+    compute = _dispatch('compute')
 
-    def dispose(self, request):
-        """Dispatches Dispose; TFF ignores its failures (a lost worker holds nothing to free).
-
-        Args:
-            request: TFF's `DisposeRequest`.
-
-        Returns:
-            The worker's response.
-        """
-        return self._stub.dispose(request)
-
-    def dispose_executor(self, request):
-        """Dispatches DisposeExecutor; TFF ignores its failures, as `dispose`'s.
-
-        Args:
-            request: TFF's `DisposeExecutorRequest`.
-
-        Returns:
-            The worker's response.
-        """
-        return self._stub.dispose_executor(request)
+    dispose = _dispatch('dispose', watched=False)
+    dispose_executor = _dispatch('dispose_executor', watched=False)
 
     @property
     def is_ready(self) -> bool:
