@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+import tensorflow_federated as tff
 
 from tff_pfl import models
 
@@ -290,19 +291,67 @@ def _softmax_models(shape=(4,), classes=3):
         ),
         'functional': functional,
         'nested': tf.keras.Sequential([tf.keras.Input(shape), functional], name='nested'),
+        # The same functions given as objects: tf.nn.softmax's __name__ is 'softmax_v2'.
+        'tf_nn_softmax': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes, activation=tf.nn.softmax, name='out')],
+        ),
+        'tf_sigmoid': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes, activation=tf.sigmoid, name='out')],
+        ),
+        'lambda_softmax': tf.keras.Sequential(
+            [tf.keras.Input(shape), tf.keras.layers.Dense(classes), tf.keras.layers.Lambda(tf.nn.softmax, name='out')]
+        ),
+        'functional_tf_nn_softmax': tf.keras.Model(inputs, tf.nn.softmax(tf.keras.layers.Dense(classes)(inputs))),
+        'softmax_then_reshape': tf.keras.Sequential(
+            [
+                tf.keras.Input(shape),
+                tf.keras.layers.Dense(classes, activation=tf.nn.softmax, name='out'),
+                tf.keras.layers.Reshape((classes,)),
+            ]
+        ),
     }
 
 
-@pytest.mark.parametrize(
-    'kind', ['dense_softmax', 'softmax_layer', 'activation_layer', 'sigmoid', 'functional', 'nested']
-)
+PROBABILITY_MODELS = list(_softmax_models())
+# Where the refusal can name the layer that computes the probabilities.
+NAMED_LAYER = {'tf_nn_softmax': 'out', 'tf_sigmoid': 'out', 'lambda_softmax': 'out', 'softmax_then_reshape': 'out'}
+
+
+@pytest.mark.parametrize('kind', PROBABILITY_MODELS)
 def test_a_model_ending_in_probabilities_is_refused_in_one_line(kind):
     from tff_pfl.computations import model_weights
 
-    model = _softmax_models()[kind]
-    with pytest.raises(ValueError, match=r'ends in a (softmax|sigmoid) \(layer ') as caught:
-        model_weights.check_logits(model)
+    with tf.Graph().as_default():
+        model = _softmax_models()[kind]
+        with pytest.raises(ValueError, match=r'ends in a (softmax|sigmoid) \(layer ') as caught:
+            model_weights.check_logits(model)
     assert '\n' not in str(caught.value) and 'take logits' in str(caught.value)
+    if kind in NAMED_LAYER:
+        assert f"(layer '{NAMED_LAYER[kind]}')" in str(caught.value)
+
+
+def _tff_softmax_model(kind):
+    """A TFF model over a Keras model ending in a softmax, with the loss told so (from_logits=False)."""
+    spec = (tf.TensorSpec([None, 4], tf.float32), tf.TensorSpec([None], tf.int32))
+
+    def keras_model():
+        return tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3, activation=tf.nn.softmax)])
+
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=False)
+    if kind == 'variable_model':
+        return lambda: tff.learning.models.from_keras_model(keras_model(), loss=loss, input_spec=spec)
+    return tff.learning.models.functional_model_from_keras(keras_model(), loss, spec)
+
+
+@pytest.mark.parametrize('kind', ['variable_model', 'functional_model'])
+def test_a_tff_model_over_probabilities_is_refused_too(kind):
+    from tff_pfl.computations import model_weights
+    from tff_pfl.models import adapters
+
+    model_fn = adapters.keras_model_fn(_tff_softmax_model(kind))
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r'ends in a softmax \(layer ') as caught:
+        model_weights.check_logits(model_fn())
+    assert '\n' not in str(caught.value)
 
 
 def test_logits_pass_the_check_log_softmax_included():
@@ -313,6 +362,13 @@ def test_logits_pass_the_check_log_softmax_included():
     )
     model_weights.check_logits(log_softmax)
     model_weights.check_logits(tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)]))
+    model_weights.check_logits(
+        tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3), tf.keras.layers.Lambda(tf.nn.log_softmax)])
+    )
+    # A softmax inside the model, not at its output, is no concern.
+    inputs = tf.keras.Input((4,))
+    hidden = tf.keras.layers.Dense(3, activation=tf.nn.softmax)(inputs)
+    model_weights.check_logits(tf.keras.Model(inputs, tf.keras.layers.Dense(3)(hidden)))
 
 
 @pytest.mark.parametrize('name', models.names())

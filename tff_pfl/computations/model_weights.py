@@ -17,16 +17,83 @@ from tff_pfl import models
 # Output activations that turn logits into probabilities: a model ending in one would be trained
 # and distilled as if its probabilities were logits (the losses apply softmax themselves).
 PROBABILITY_ACTIVATIONS = ('softmax', 'sigmoid')
+# The TF ops that compute them, as the model's traced output op shows them.
+_PROBABILITY_OPS = {'Softmax': 'softmax', 'Sigmoid': 'sigmoid'}
+# Ops that pass their input through unchanged on the way to the output.
+_PASS_THROUGH_OPS = ('Identity', 'Reshape', 'Cast', 'StopGradient')
+
+
+def input_signature(model: tf.keras.Model) -> tf.TensorSpec | None:
+    """The spec of one input batch of a model, where the model states it.
+
+    A functional or Sequential Keras model built on an `Input` states it in
+    `model.inputs`; a model over a TFF model (`models.adapters`) in
+    `probe_spec`. A subclassed model does not.
+
+    Args:
+      model: a freshly built Keras model.
+
+    Returns:
+      A `tf.TensorSpec` of the features, or None.
+    """
+    spec = getattr(model, 'probe_spec', None)
+    if spec is not None:
+        return spec
+    inputs = getattr(model, 'inputs', None)
+    if inputs and len(inputs) == 1:
+        return tf.TensorSpec(inputs[0].shape, inputs[0].dtype)
+    return None
+
+
+# Ops that call a function (a `tf.function` inside the model, e.g. a TFF model's `predict_on_batch`).
+_CALL_OPS = ('PartitionedCall', 'StatefulPartitionedCall')
+
+
+def _output_op(model: tf.keras.Model, spec: tf.TensorSpec) -> tuple[str, str] | None:
+    """The (type, name) of the op that computes the model's output, traced on `spec`.
+
+    Follows the output back through pass-through ops and into the functions
+    it is computed in (their `FunctionDef`s in the traced graph's library).
+    None when the output is not one tensor or comes straight from an input.
+    """
+    traced = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec)
+    if not isinstance(traced.structured_outputs, tf.Tensor):
+        return None
+    library = {f.signature.name: f for f in traced.graph.as_graph_def().library.function}
+    function, index = traced.function_def, 0
+    while True:
+        nodes = {node.name: node for node in function.node_def}
+        ref = function.ret[function.signature.output_arg[index].name]  # 'node:output:0'
+        node = nodes.get(ref.split(':')[0])
+        while node is not None and node.op in _PASS_THROUGH_OPS:
+            ref = node.input[0]
+            node = nodes.get(ref.split(':')[0])
+        if node is None:
+            return None
+        if node.op not in _CALL_OPS:
+            return node.op, node.name
+        function, index = library[node.attr['f'].func.name], int(ref.split(':')[-1])
+
+
+def _layer_of(model: tf.keras.Model, op_name: str) -> str:
+    """The name of the model's layer whose scope holds the op (else the op's scope, e.g. 'sequential/dense')."""
+    names = {layer.name for layer in getattr(model, 'layers', [])}
+    scopes = op_name.split('/')[:-1]
+    return next((scope for scope in scopes if scope in names), '/'.join(scopes) or op_name)
 
 
 def check_logits(model: tf.keras.Model) -> None:
-    """Refuses a Keras model whose output layer turns its logits into probabilities.
+    """Refuses a Keras model whose output turns its logits into probabilities.
 
-    Looks at the last layer (into a nested model ending another): a `Softmax`
-    layer, or a layer whose `activation` is softmax or sigmoid (`Dense(...,
-    activation='softmax')`, `Activation('softmax')`). `log_softmax` passes: its
-    softmax is the logits' softmax. A subclassed model without layers is not
-    checked.
+    Where the model states its input (`input_signature`), traces it and looks
+    at the op that computes the output: a softmax or sigmoid op, however it
+    got there (`Dense(..., activation=tf.nn.softmax)`, `activation='softmax'`,
+    `Lambda(tf.nn.softmax)`, a `Softmax` layer, `tf.nn.softmax` applied in a
+    functional model, a TFF model's `predict_on_batch` over such a model),
+    is refused. A model that does not state its input is checked by its last
+    layer (into a nested model ending another): a `Softmax` layer, or a layer
+    whose `activation` is softmax or sigmoid. `log_softmax` passes: its
+    softmax is the logits' softmax.
 
     Args:
       model: a freshly built Keras model.
@@ -34,20 +101,28 @@ def check_logits(model: tf.keras.Model) -> None:
     Raises:
       ValueError: in one line, naming the model, the layer and the fix.
     """
-    layers = getattr(model, 'layers', None) or []
-    if not layers:
-        return
-    last = layers[-1]
-    if isinstance(last, tf.keras.Model):
-        check_logits(last)
-        return
-    if isinstance(last, tf.keras.layers.Softmax):
-        name = 'softmax'
+    spec = input_signature(model)
+    if spec is not None:
+        op = _output_op(model, spec)
+        name = _PROBABILITY_OPS.get(op[0]) if op is not None else None
+        layer = _layer_of(model, op[1]) if name else None
     else:
-        name = getattr(getattr(last, 'activation', None), '__name__', None)
+        layers = getattr(model, 'layers', None) or []
+        if not layers:
+            return
+        last = layers[-1]
+        if isinstance(last, tf.keras.Model):
+            check_logits(last)
+            return
+        if isinstance(last, tf.keras.layers.Softmax):
+            name = 'softmax'
+        else:
+            name = getattr(getattr(last, 'activation', None), '__name__', None)
+            name = {'softmax_v2': 'softmax'}.get(name, name)
+        layer = last.name
     if name in PROBABILITY_ACTIVATIONS:
         raise ValueError(
-            f'model {model.name!r} ends in a {name} (layer {last.name!r}): its outputs are probabilities, and the '
+            f'model {model.name!r} ends in a {name} (layer {layer!r}): its outputs are probabilities, and the '
             f'losses and distillation here take logits; build it without the final {name} (e.g. activation=None)'
         )
 

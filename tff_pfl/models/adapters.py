@@ -14,17 +14,29 @@ function,
   variable model's own trainable variables, whose output is its
   `predict_on_batch`.
 
-Either way the output must be logits, as for a Keras model. The model's own
+Either way the output must be logits, as for a Keras model (checked on the
+model's traced output op, `model_weights.check_logits`). The model's own
 loss and metrics are not used: the builders' losses and accuracies apply
 (docs/models.md). Models with non-trainable weights are refused, as for Keras
 models. PersFL's distillation grid needs a Sequential Keras model (it stacks
 the grid's candidates layer by layer) and refuses these in one line.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import tensorflow as tf
 import tensorflow_federated as tff
+
+
+def _features_spec(input_spec) -> tf.TensorSpec | None:
+    """The features' `tf.TensorSpec` of a TFF model's `input_spec` ((x, y) or {'x': ..., 'y': ...})."""
+    if isinstance(input_spec, Mapping):
+        spec = input_spec.get('x')
+    elif isinstance(input_spec, Sequence) and len(input_spec) == 2:
+        spec = input_spec[0]
+    else:
+        spec = None
+    return spec if isinstance(spec, tf.TensorSpec) else None
 
 
 class _FunctionalKerasModel(tf.keras.Model):
@@ -39,6 +51,7 @@ class _FunctionalKerasModel(tf.keras.Model):
                 f'model: the FunctionalModel has {len(non_trainable)} non-trainable weights, which are not supported'
             )
         self.weights_list = [tf.Variable(w, trainable=True, name=f'weight_{i}') for i, w in enumerate(trainable)]
+        self.probe_spec = _features_spec(functional.input_spec)  # model_weights.check_logits traces it
 
     def call(self, inputs, training=False):
         return self._functional.predict_on_batch((list(self.weights_list), []), inputs, training)
@@ -56,6 +69,7 @@ class _VariableKerasModel(tf.keras.Model):
                 'variables, which are not supported'
             )
         self.weights_list = list(variable_model.trainable_variables)
+        self.probe_spec = _features_spec(variable_model.input_spec)  # model_weights.check_logits traces it
 
     def call(self, inputs, training=False):
         return self._variable_model.predict_on_batch(inputs, training=training)
