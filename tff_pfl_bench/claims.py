@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from tff_pfl import reports
+from tff_pfl import reports, runtime
 from tff_pfl_bench import bench_layout, bench_suite, scoreboard
 from tff_pfl_bench.claims_spec import (  # noqa: F401 (the names users and tests reach through claims)
     CLAIMS_FILE,
@@ -289,4 +289,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
+    # Importing TFF made its own local execution context; dropped now, while the interpreter is
+    # whole, its clean-up never prints 'Exception ignored in ... ServiceManager.__del__' at exit.
+    runtime.refuse_implicit_runtime()
     sys.exit(main(sys.argv[1:]))

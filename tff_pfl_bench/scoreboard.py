@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 # Run as a program, TensorFlow's C++ start-up chatter (the suites import it) is noise.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-from tff_pfl import reports
+from tff_pfl import reports, runtime
 from tff_pfl_bench import bench_layout, bench_report, bench_suite
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
@@ -517,4 +517,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == '__main__':
+    # Importing TFF made its own local execution context; dropped now, while the interpreter is
+    # whole, its clean-up never prints 'Exception ignored in ... ServiceManager.__del__' at exit.
+    runtime.refuse_implicit_runtime()
     sys.exit(main(sys.argv[1:]))
