@@ -184,6 +184,24 @@ def test_an_optimizer_that_is_not_tffs_is_refused_naming_the_argument(problem):
         fedavg.build_fedavg_process(spec, model_fn, server_optimizer='adam')
 
 
+@pytest.mark.parametrize(
+    'aggregator, message',
+    [
+        ('mean', r"^model_aggregator must be a tff.aggregators factory .*, got str 'mean'$"),
+        (tff.aggregators.MeanFactory, r'^model_aggregator must be an aggregation factory instance, got the class '),
+        (
+            lambda: tff.aggregators.MeanFactory(),
+            r'^model_aggregator must be a tff.aggregators factory .*, got function',
+        ),
+    ],
+)
+def test_an_aggregator_that_is_not_a_tff_factory_instance_is_refused_in_one_line(problem, aggregator, message):
+    spec, model_fn = problem
+    with pytest.raises(TypeError, match=message) as caught:
+        fedavg.build_fedavg_process(spec, model_fn, model_aggregator=aggregator)
+    assert '\n' not in str(caught.value)
+
+
 @pytest.mark.parametrize('settings_cls', [fedavg.FedAvgSettings, fedavg.FedAvgFTSettings])
 def test_local_steps_are_exact(problem, tff_runtime, settings_cls):
     """local_steps=3: every client runs exactly 3 SGD steps (37, 50 and 23 examples, batch 8 or 64)."""

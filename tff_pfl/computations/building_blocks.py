@@ -410,13 +410,42 @@ def refuse_unused(builder: str, reasons: dict[str, str], **given) -> None:
     Raises:
       ValueError: for the first keyword given a value that has a reason.
       TypeError: for an optimizer the algorithm uses that is not a
-        `tff.learning.optimizers.Optimizer` (`check_optimizer`).
+        `tff.learning.optimizers.Optimizer` (`check_optimizer`), or a
+        `model_aggregator` that is not a TFF aggregation factory instance
+        (`check_aggregator`).
     """
     for name, value in given.items():
         if value is not None and name in reasons:
             raise ValueError(f'{builder} takes no {name}: {reasons[name]}')
     for name in ('client_optimizer', 'server_optimizer'):
         check_optimizer(name, given.get(name))
+    check_aggregator(given.get('model_aggregator'))
+
+
+_AGGREGATION_FACTORIES = (tff.aggregators.UnweightedAggregationFactory, tff.aggregators.WeightedAggregationFactory)
+
+
+def check_aggregator(value) -> None:
+    """Checks that a `model_aggregator` is a TFF aggregation factory instance.
+
+    Args:
+      value: its value (None passes: the algorithm's default).
+
+    Raises:
+      TypeError: in one line, for a factory class instead of an instance,
+        or anything else that is not a TFF aggregation factory.
+    """
+    if value is None or isinstance(value, _AGGREGATION_FACTORIES):
+        return
+    if isinstance(value, type) and issubclass(value, _AGGREGATION_FACTORIES):
+        raise TypeError(
+            f'model_aggregator must be an aggregation factory instance, got the class {value.__name__}; '
+            f'pass {value.__name__}(...) (e.g. tff.aggregators.MeanFactory())'
+        )
+    raise TypeError(
+        'model_aggregator must be a tff.aggregators factory (e.g. tff.aggregators.MeanFactory() or '
+        f'tff.learning.robust_aggregator()), got {type(value).__name__} {value!r:.60}'
+    )
 
 
 def check_optimizer(name: str, value) -> None:
