@@ -54,7 +54,8 @@ def _output_op(model: tf.keras.Model, spec: tf.TensorSpec) -> tuple[str, str] | 
 
     Follows the output back through pass-through ops and into the functions
     it is computed in (their `FunctionDef`s in the traced graph's library).
-    None when the output is not one tensor or comes straight from an input.
+    None when the output is not one tensor, comes straight from an input, or
+    leads into a function the library does not hold.
     """
     traced = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec)
     if not isinstance(traced.structured_outputs, tf.Tensor):
@@ -72,7 +73,9 @@ def _output_op(model: tf.keras.Model, spec: tf.TensorSpec) -> tuple[str, str] | 
             return None
         if node.op not in _CALL_OPS:
             return node.op, node.name
-        function, index = library[node.attr['f'].func.name], int(ref.split(':')[-1])
+        function, index = library.get(node.attr['f'].func.name), int(ref.split(':')[-1])
+        if function is None or index >= len(function.signature.output_arg):
+            return None
 
 
 def _layer_of(model: tf.keras.Model, op_name: str) -> str:
