@@ -7,6 +7,8 @@ assignment, and the merging of disjoint subsets of them (FedPer's shared base
 and private head). TF code, run inside `tff.tensorflow.computation`s.
 """
 
+import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
@@ -130,6 +132,24 @@ def check_logits(model: tf.keras.Model) -> None:
         )
 
 
+# Model functions whose model `check_logits` has passed: a builder asks for `weights_type` of the same
+# function two to five times, and the check traces the model each time it runs.
+_LOGITS_CHECKED = weakref.WeakSet()
+
+
+def _check_logits_once(model_fn: Callable[[], tf.keras.Model], model: tf.keras.Model) -> None:
+    """`check_logits(model)`, once per model function (each time for one that cannot be weakly referenced)."""
+    try:
+        if model_fn in _LOGITS_CHECKED:
+            return
+    except TypeError:  # unhashable
+        check_logits(model)
+        return
+    check_logits(model)
+    with contextlib.suppress(TypeError):  # not weakly referenceable: checked again next time
+        _LOGITS_CHECKED.add(model_fn)
+
+
 def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
     """The TFF type of a model's trainable weights: a list of float tensors.
 
@@ -148,7 +168,7 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
     """
     with tf.Graph().as_default():
         model = model_fn()
-        check_logits(model)
+        _check_logits_once(model_fn, model)
         if model.non_trainable_weights:
             raise ValueError(f'model {model.name!r} has non-trainable weights, which are not supported')
         variables = model.trainable_weights
