@@ -30,7 +30,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
+from tff_pfl.computations import averaging, builder_inputs, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -68,6 +68,7 @@ def mix(alpha, local, global_weights) -> list:
     return [alpha * v + (1.0 - alpha) * w for v, w in zip(local, global_weights)]
 
 
+@builder_inputs.checked
 def build_apfl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

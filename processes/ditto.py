@@ -29,7 +29,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
+from tff_pfl.computations import averaging, builder_inputs, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -93,6 +93,7 @@ def proximal_loss(
     return loss_fn
 
 
+@builder_inputs.checked
 def build_ditto_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

@@ -32,7 +32,15 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, fine_tuning, local_training, model_weights, template
+from tff_pfl.computations import (
+    averaging,
+    builder_inputs,
+    building_blocks,
+    fine_tuning,
+    local_training,
+    model_weights,
+    template,
+)
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -64,6 +72,7 @@ class FedAvgFTSettings(FedAvgSettings):
         ]
 
 
+@builder_inputs.checked
 def build_fedavg_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

@@ -40,6 +40,7 @@ import tensorflow_federated as tff
 from tff_pfl import algorithm, models, reports
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
+    builder_inputs,
     building_blocks,
     device_state,
     distillation,
@@ -124,6 +125,7 @@ SECURE_NEEDS_DP = (
 )
 
 
+@builder_inputs.checked
 def build_feddf_process(
     spec: client_data.ClientDataSpec,
     settings: FedDFSettings = FedDFSettings(),

@@ -48,7 +48,7 @@ import tensorflow_federated as tff
 from processes import ktpfl_rounds
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, device_state, heterogeneous, local_training, template
+from tff_pfl.computations import builder_inputs, building_blocks, device_state, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -340,6 +340,7 @@ NO_PRIVACY = (
 )
 
 
+@builder_inputs.checked
 def build_fedfomo_process(
     spec: client_data.ClientDataSpec,
     model_fn,

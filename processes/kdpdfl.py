@@ -54,7 +54,7 @@ import tensorflow_federated as tff
 from processes import kdpdfl_exchange as exchange
 from tff_pfl import algorithm, client_plots
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, local_training, model_weights, template
+from tff_pfl.computations import builder_inputs, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
@@ -260,6 +260,7 @@ def draw_neighbours(
     return sorted(int(j) for j in peers[reachable])
 
 
+@builder_inputs.checked
 def build_kdpdfl_process(
     spec: client_data.ClientDataSpec,
     model_fn,

@@ -62,6 +62,7 @@ from processes import ktpfl_coefficients, ktpfl_rounds
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
+    builder_inputs,
     building_blocks,
     distillation,
     heterogeneous,
@@ -276,6 +277,7 @@ def similarity_coefficients(predictions: tf.Tensor, top_k=None) -> tf.Tensor:
     return tf.where(similarity >= threshold, similarity, 0.0)
 
 
+@builder_inputs.checked
 def build_ktpfl_process(
     spec: client_data.ClientDataSpec,
     settings: KTpFLSettings = KTpFLSettings(),

@@ -27,6 +27,7 @@ from processes import ktpfl_coefficients, ktpfl_rounds
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
+    builder_inputs,
     building_blocks,
     heterogeneous,
     local_training,
@@ -178,6 +179,7 @@ def homogeneous_update(coefficients, params, weights, *, learning_rate, rho, imi
     )
 
 
+@builder_inputs.checked
 def build_ktpfl_homogeneous_process(
     spec: client_data.ClientDataSpec,
     model_fn,

@@ -21,7 +21,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, device_state, local_training, model_weights, template
+from tff_pfl.computations import builder_inputs, building_blocks, device_state, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -31,6 +31,7 @@ class LocalSettings(settings_lib.LocalTraining):
     """Local-only training (`local`): each sampled client's local SGD per round, nothing else."""
 
 
+@builder_inputs.checked
 def build_local_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

@@ -36,7 +36,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
+from tff_pfl.computations import averaging, builder_inputs, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -100,6 +100,7 @@ def _assign(model, values):
         variable.assign(value)
 
 
+@builder_inputs.checked
 def build_perfedavg_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

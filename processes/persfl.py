@@ -31,7 +31,15 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm, client_plots, losses, reports
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, distillation, local_training, model_weights, template
+from tff_pfl.computations import (
+    averaging,
+    builder_inputs,
+    building_blocks,
+    distillation,
+    local_training,
+    model_weights,
+    template,
+)
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
@@ -133,6 +141,7 @@ class PersFLGDSettings(PersFLSettings):
     _soft = 'ce'
 
 
+@builder_inputs.checked
 def build_persfl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

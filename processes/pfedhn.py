@@ -36,7 +36,7 @@ import tensorflow_federated as tff
 from processes import ktpfl_rounds, pfedhn_network
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import building_blocks, heterogeneous, local_training, template
+from tff_pfl.computations import builder_inputs, building_blocks, heterogeneous, local_training, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -234,6 +234,7 @@ def _presence_ids(present: tf.Tensor, capacity: int) -> tf.Tensor:
     return tf.ensure_shape(ids, [capacity])
 
 
+@builder_inputs.checked
 def build_pfedhn_process(
     spec: client_data.ClientDataSpec,
     model_fn,
@@ -244,7 +245,7 @@ def build_pfedhn_process(
     model_aggregator=None,
     loss: local_training.Loss | None = None,
     metrics: local_training.MetricsArg | None = None,
-    seed: int | None = 0,
+    seed: int = 0,
     max_clients_per_round: int | None = None,
 ) -> template.PersonalizedProcess:
     """Builds pFedHN as a `PersonalizedProcess`.
@@ -268,7 +269,7 @@ def build_pfedhn_process(
       loss: the clients' training loss (`local_training.loss_from`; None:
         cross-entropy).
       metrics: extra per-client test metrics (`local_training.metrics_from`).
-      seed: run seed (phi's initial values and the batch orders); None: 0.
+      seed: run seed (phi's initial values and the batch orders).
       max_clients_per_round: K, the most clients a round takes (None: N);
         the server holds the round's K models and K deltas, `[K, D]` each.
 
@@ -286,7 +287,6 @@ def build_pfedhn_process(
       ValueError: a keyword pFedHN has no use for (one line).
     """
     model_fn = adapters.keras_model_fn(model_fn)
-    seed = 0 if seed is None else seed
     settings = PFedHNSettings() if settings is None else settings
     if not isinstance(settings, PFedHNSettings):
         raise TypeError(f'build_pfedhn_process takes PFedHNSettings, got {type(settings).__name__}')

@@ -35,7 +35,7 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import averaging, building_blocks, local_training, model_weights, template
+from tff_pfl.computations import averaging, builder_inputs, building_blocks, local_training, model_weights, template
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -77,6 +77,7 @@ class PFedMeSettings(settings_lib.LocalTraining):
         ]
 
 
+@builder_inputs.checked
 def build_pfedme_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

@@ -38,6 +38,7 @@ from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
     aggregators,
     averaging,
+    builder_inputs,
     building_blocks,
     local_training,
     model_weights,
@@ -214,6 +215,7 @@ def _gaussian_loss(noise_var):
     return loss_fn
 
 
+@builder_inputs.checked
 def build_selffl_process(
     spec: client_data.ClientDataSpec,
     model_fn: Callable[[], tf.keras.Model],

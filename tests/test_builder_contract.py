@@ -143,6 +143,11 @@ USERS = ('ann', 'ben', 'cat')
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     """A user's `tff.simulation.datasets.ClientData` (3 clients, 3 classes) and public data, as the builders take it."""
+    return make_data(str(tmp_path_factory.mktemp('contract')))
+
+
+def make_data(cache_dir):
+    """(spec, model_fn) of `data`, written under `cache_dir`."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(6, 3))
     examples = {}
@@ -151,7 +156,7 @@ def data(tmp_path_factory):
         examples[user] = collections.OrderedDict(x=x, y=np.argmax(x @ w, axis=1).astype(np.int32))
     spec = federated.from_federated_data(
         tff.simulation.datasets.TestClientData(examples),
-        cache_dir=str(tmp_path_factory.mktemp('contract')),
+        cache_dir=cache_dir,
         public=rng.normal(size=(40, 6)).astype(np.float32),
     )
     return spec, functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)

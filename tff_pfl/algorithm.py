@@ -21,7 +21,7 @@ class RunOptions:
     """What a run gives a builder besides the data's spec, the model and the settings.
 
     Attributes:
-      seed: the run's seed (initial weights, client streams); None: unseeded.
+      seed: the run's seed (initial weights, client streams).
       client_fraction: q, each client's chance (or the share of clients) per round.
       max_clients_per_round: the most clients a round can take, or None.
       dp: the run's user-level DP (a `tff_pfl.computations.privacy.DPConfig`),
@@ -31,7 +31,7 @@ class RunOptions:
         when a builder asks for it; None: no aggregator of the run's own.
     """
 
-    seed: int | None = None
+    seed: int = 0
     client_fraction: float = 1.0
     max_clients_per_round: int | None = None
     dp: Any = None

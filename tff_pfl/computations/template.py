@@ -77,6 +77,14 @@ def client_metrics(stats, extra_sums=None) -> collections.OrderedDict:
     return result
 
 
+def _ids_range(ids: Sequence[str]) -> str:
+    """'a', 'b', 'c' or 'a' ... 'z' (n ids), for errors."""
+    ids = list(ids)
+    if len(ids) <= 3:
+        return ', '.join(repr(i) for i in ids)
+    return f'{ids[0]!r} ... {ids[-1]!r} ({len(ids)} ids)'
+
+
 class PersonalizedProcess(tff.templates.IterativeProcess):
     """An `IterativeProcess` with per-client state, evaluation and personalization."""
 
@@ -129,6 +137,8 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
             )
         self._initial_client_state = initial_client_state
         self._initial_client_states = None
+        self._client_ids = None  # the partition's ids (`bind_client_ids`); None: not checked
+        self._source_ids = {}
         self._evaluate = evaluate
         self._personalize = personalize
         self._device = device
@@ -154,6 +164,62 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         """The `tf.string -> C` computation of a client's first state."""
         return self._initial_client_state
 
+    def bind_client_ids(self, client_ids: Sequence[str], source_ids: Sequence[str] | None = None) -> None:
+        """Tells the process its partition's ids, for `initial_client_states` to check.
+
+        The builders call it (`builder_inputs.checked`) with the spec's
+        `client_ids` and `source_ids`.
+
+        Args:
+          client_ids: the positional ids the computations read data by.
+          source_ids: optional; the user's own id of each, in the same order.
+        """
+        self._client_ids = tuple(client_ids)
+        self._source_ids = dict(zip(source_ids, self._client_ids)) if source_ids is not None else {}
+
+    def client_ids_of(self, client_ids: Sequence[str]) -> list[str]:
+        """The positional ids of `client_ids`, each a positional id or the user's own.
+
+        A positional id (`client_00003`) is taken as it is; the user's own id
+        (`spec.source_ids`, e.g. `'store_3'`) becomes its positional id.
+
+        Args:
+          client_ids: ids of the partition the process was built for.
+
+        Returns:
+          The positional ids, in order.
+
+        Raises:
+          TypeError: `client_ids` is a string, or an id is not one.
+          ValueError: no ids, or an id the partition does not have.
+        """
+        if isinstance(client_ids, (str, bytes)):
+            raise TypeError(
+                f'client_ids must be a sequence of ids, got the string {client_ids!r}; pass [{client_ids!r}]'
+            )
+        client_ids = list(client_ids)
+        if not client_ids:
+            raise ValueError('client_ids must name at least one client')
+        for client_id in client_ids:
+            if not isinstance(client_id, str):
+                raise TypeError(f'client_ids must be strings, got {client_id!r} ({type(client_id).__name__})')
+        if self._client_ids is None:
+            return client_ids
+        known = set(self._client_ids)
+        resolved = []
+        for client_id in client_ids:
+            if client_id in known:
+                resolved.append(client_id)
+            elif client_id in self._source_ids:
+                resolved.append(self._source_ids[client_id])
+            else:
+                yours = f', or your own ids {_ids_range(list(self._source_ids))}' if self._source_ids else ''
+                raise ValueError(
+                    f'client_ids: {client_id!r} is not a client of the partition the process was built for (its ids: '
+                    f'{_ids_range(self._client_ids)}{yours})'
+                )
+        return resolved
+
     def initial_client_states(self, client_ids: Sequence[str]) -> list:
         """The first states of `client_ids`, made in one TFF call.
 
@@ -163,11 +229,17 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         not one per client.
 
         Args:
-          client_ids: the clients, at least one.
+          client_ids: the clients, at least one: the partition's positional
+            ids or the user's own (`client_ids_of`).
 
         Returns:
-          One client state per id, in `client_ids` order.
+          One client state per id, in `client_ids` order; each holds its
+          positional id.
+
+        Raises:
+          TypeError, ValueError: an id the process cannot take (`client_ids_of`).
         """
+        client_ids = self.client_ids_of(client_ids)
         if self._initial_client_states is None:
             initial = self._initial_client_state
 
@@ -176,7 +248,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
                 return tff.federated_map(initial, ids)
 
             self._initial_client_states = initial_client_states
-        return list(self._initial_client_states(list(client_ids)))
+        return list(self._initial_client_states(client_ids))
 
     def several_rounds(self, count: int) -> tff.Computation:
         """`count` rounds of `next` over the same clients, in one TFF call.

@@ -129,7 +129,32 @@ def _client_arrays(value, client_id: str, feature_key, label_key, name: str):
         raise ValueError(f'{where}: labels must be integer classes, got {y.dtype}')
     if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
         raise ValueError(f'{where}: features must be numbers, got {x.dtype}')
+    _check_labels(x, y, where)
     return x, y.astype(np.int32)
+
+
+def _check_labels(x: np.ndarray, y: np.ndarray, where: str) -> None:
+    """Refuses labels the computations would misread: one-hot rows, or a negative class of an example.
+
+    Labels are one class index per example (shape ()), or one per position of
+    a sequence, shaped like the features' leading axes (e.g. (80,) for 80
+    tokens), where `client_data.IGNORED_LABEL` (-1) marks a position that
+    does not count.
+    """
+    label_shape, feature_shape = tuple(y.shape[1:]), tuple(x.shape[1:])
+    if label_shape and feature_shape[: len(label_shape)] != label_shape:
+        rows = y.reshape(len(y), -1)
+        one_hot = bool(np.isin(rows, (0, 1)).all() and (rows.sum(axis=1) == 1).all())
+        hint = '; they look one-hot: pass the class indices, y.argmax(-1)' if one_hot else ''
+        raise ValueError(
+            f'{where}: labels of shape {label_shape} per example with features of shape {feature_shape}; labels are '
+            f"one class index per example, or one per sequence position shaped like the features' leading axes{hint}"
+        )
+    if not label_shape and len(y) and int(y.min()) < 0:
+        raise ValueError(
+            f'{where}: label {int(y.min())}; a label is a class 0, 1, ..., num_classes - 1 '
+            f'({client_data.IGNORED_LABEL} marks an ignored position only in per-position sequence labels)'
+        )
 
 
 def _split_indices(n: int, fractions: Sequence[float], rng: np.random.Generator) -> list[np.ndarray]:
