@@ -4,6 +4,7 @@
 import collections
 import functools
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -170,6 +171,31 @@ def test_per_position_labels_with_ignored_positions_are_taken(tmp_path):
     y = np.where(x > 4, -1, x)
     spec = _labels_problem(tmp_path, y, x)
     assert spec.label_shape == (5,) and spec.num_classes == 5
+
+
+@pytest.mark.parametrize('n', [1, 2])
+def test_a_client_too_small_for_a_test_split_is_refused_not_scored_zero(tmp_path, n):
+    x, y = np.zeros((10, 4), np.float32), np.arange(10) % 3
+    clients = {'big': (x, y), 'tiny': (x[:n], y[:n])}
+    with pytest.raises(ValueError) as raised:
+        federated.from_federated_data(clients, cache_dir=str(tmp_path))
+    message = _one_line(raised)
+    assert message.startswith(f"train['tiny'] has {n} example")
+    assert 'test' in message.split(':')[1] and message.endswith('give each client at least 3 examples, or leave it out')
+    assert os.listdir(tmp_path) == []  # nothing half-written is left in the cache
+
+
+def test_with_test_data_one_example_is_refused_for_its_empty_validation_split_and_two_are_taken(tmp_path):
+    x, y = np.zeros((10, 4), np.float32), np.arange(10) % 3
+    test = {'big': (x, y), 'tiny': (x, y)}
+    with pytest.raises(ValueError, match=r"^train\['tiny'\] has 1 example: its val split is empty .* at least 2 "):
+        federated.from_federated_data({'big': (x, y), 'tiny': (x[:1], y[:1])}, test, cache_dir=str(tmp_path))
+    spec = federated.from_federated_data({'big': (x, y), 'tiny': (x[:2], y[:2])}, test, cache_dir=str(tmp_path))
+    assert spec.num_clients == 2
+    no_validation = federated.from_federated_data(
+        {'big': (x, y), 'tiny': (x[:1], y[:1])}, test, val_fraction=0.0, cache_dir=str(tmp_path)
+    )
+    assert no_validation.num_clients == 2
 
 
 def test_initial_client_states_take_the_users_ids_and_refuse_unknown_ones(data, tff_runtime):

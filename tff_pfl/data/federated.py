@@ -189,7 +189,21 @@ def _clients(train, test, ids, feature_key, label_key, val_fraction, test_fracti
             if held is None:
                 raise ValueError(f'test[{client_id!r}] has no examples')
             splits = {'train': (x[parts[0]], y[parts[0]]), 'val': (x[parts[1]], y[parts[1]]), 'test': held}
+        _check_split_sizes(client_id, splits, len(x), val_fraction, cut_test=test is None)
         yield client_id, splits
+
+
+def _check_split_sizes(client_id: str, splits: Mapping, n: int, val_fraction: float, *, cut_test: bool) -> None:
+    """Refuses a client whose training, validation or test split came out empty (it would be scored 0)."""
+    wanted = [split for split in client_data.SPLITS if split != 'val' or val_fraction > 0]
+    empty = [split for split in wanted if not len(splits[split][1])]
+    if empty:
+        needed = 1 + (val_fraction > 0) + cut_test
+        raise ValueError(
+            f'train[{client_id!r}] has {n} example{"s" * (n != 1)}: its {" and ".join(empty)} split'
+            f'{"s are" if len(empty) > 1 else " is"} empty (an empty split can neither score nor choose); '
+            f'give each client at least {needed} examples, or leave it out'
+        )
 
 
 class _Hasher:
@@ -253,7 +267,8 @@ def from_federated_data(
 
     Raises:
       TypeError: `train` or `test` of an unsupported kind, or non-string ids.
-      ValueError: a bad fraction, a client without examples, clients of
+      ValueError: a bad fraction, a client without examples or with too
+        few to give every split one (1-2 examples without `test`), clients of
         `test` that differ from `train`'s, mismatched shapes, labels that are
         not integer classes or exceed `num_classes`.
     """
