@@ -21,7 +21,10 @@ from tff_pfl.program import config_parts  # noqa: E402
 
 # (module, [names]), in the order a user meets them.
 PUBLIC = [
-    ('tff_pfl.data.federated', ['from_federated_data', 'user_ids', 'by_user_id', 'default_cache_dir']),
+    (
+        'tff_pfl.data.federated',
+        ['from_federated_data', 'user_ids', 'by_user_id', 'default_cache_dir', 'clear_cache', 'default_cache_limit_gb'],
+    ),
     ('tff_pfl.data.pipeline', ['prepare', 'PreparedData']),
     ('tff_pfl.data.client_data', ['ClientDataSpec', 'read_split_numpy']),
     ('tff_pfl.models', ['register', 'unregister', 'get', 'names', 'import_module']),

@@ -70,6 +70,34 @@ def test_a_second_call_reuses_the_partition_and_other_data_get_another(tmp_path)
     assert seeded.root not in (first.root, other.root)
 
 
+def test_the_cache_keeps_the_most_recently_used_partitions_within_its_bound(tmp_path):
+    cache = str(tmp_path)
+    specs = [federated.from_federated_data(_arrays(seed), cache_dir=cache) for seed in range(3)]
+    roots = [spec.root for spec in specs]
+    for age, root in zip((300, 200, 100), roots):  # used 300, 200, 100 s ago
+        os.utime(root, (os.path.getatime(root), os.path.getmtime(root) - age))
+    sizes = [sum(os.path.getsize(os.path.join(root, name)) for name in os.listdir(root)) for root in roots]
+    os.makedirs(os.path.join(cache, 'notes'))  # not a partition: never removed
+    stale = os.path.join(cache, '.incoming-abandoned')
+    os.makedirs(stale)
+    os.utime(stale, (0, 0))
+    removed = federated.clear_cache(cache, keep_gb=(sizes[1] + sizes[2]) / 2**30)
+    assert removed == [roots[0]]  # the least recently used goes first, until the rest fit
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(roots[1]), os.path.basename(roots[2]), 'notes'])
+    again = federated.from_federated_data(_arrays(1), cache_dir=cache, cache_limit_gb=1e-9)
+    assert again.root == roots[1]  # reused, and kept although it alone exceeds the bound
+    assert sorted(os.listdir(cache)) == sorted([os.path.basename(roots[1]), 'notes'])
+    assert federated.clear_cache(cache) == [roots[1]]
+    assert os.listdir(cache) == ['notes']
+
+
+@pytest.mark.parametrize('limit', [0, -1.0, True, '5'])
+def test_a_cache_limit_that_is_not_a_positive_size_is_refused(tmp_path, limit):
+    with pytest.raises(ValueError, match='^cache_limit_gb must be a size in GiB > 0, got '):
+        federated.from_federated_data(_arrays(0), cache_dir=str(tmp_path), cache_limit_gb=limit)
+    assert os.listdir(tmp_path) == []
+
+
 def test_client_data_datasets_and_arrays_of_the_same_examples_are_the_same_partition(tmp_path):
     arrays = _arrays(0)
     from_arrays = federated.from_federated_data(arrays, cache_dir=str(tmp_path))

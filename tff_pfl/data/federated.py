@@ -27,6 +27,7 @@ import itertools
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -36,6 +37,7 @@ import tensorflow as tf
 from tff_pfl.data import client_data, client_data_writer
 
 _DEFAULT_CACHE = os.path.join(os.path.expanduser('~'), '.cache', 'tff_pfl', 'client_data')
+_DEFAULT_LIMIT_GB = 10.0
 # (features, labels) key pairs TFF's own datasets use, tried in order.
 _KNOWN_KEYS = (('x', 'y'), ('pixels', 'label'), ('image', 'label'), ('features', 'label'))
 _FORMAT = 1  # bump when what is written for the same input changes
@@ -48,6 +50,62 @@ def default_cache_dir() -> str:
       `$TFF_PFL_CACHE`, else `~/.cache/tff_pfl/client_data`.
     """
     return os.environ.get('TFF_PFL_CACHE', _DEFAULT_CACHE)
+
+
+def _partitions(cache_dir: str) -> list[tuple[str, int, float]]:
+    """(path, bytes, last used) of each complete partition in `cache_dir`, least recently used first."""
+    found = []
+    for entry in os.scandir(cache_dir) if os.path.isdir(cache_dir) else ():
+        if entry.is_dir(follow_symlinks=False) and os.path.exists(os.path.join(entry.path, client_data.MANIFEST)):
+            size = sum(
+                os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(entry.path) for name in names
+            )
+            found.append((entry.path, size, entry.stat().st_mtime))
+    return sorted(found, key=lambda partition: partition[2])
+
+
+def clear_cache(cache_dir: str | None = None, *, keep_gb: float = 0.0, keep: Sequence[str] = ()) -> list[str]:
+    """Removes the least recently used partitions until the rest take at most `keep_gb`.
+
+    Only complete partitions this module wrote (directories with a manifest)
+    are removed, and writes abandoned over a day ago (`.incoming-*`); other
+    files in `cache_dir` are left alone. `from_federated_data` calls it after
+    each call with its `cache_limit_gb`, keeping the partition it returns.
+
+    Args:
+      cache_dir: the cache; None: `default_cache_dir()`.
+      keep_gb: the size, in GiB, the kept partitions may take (0: remove all).
+      keep: partition directories never removed.
+
+    Returns:
+      The removed partition directories, least recently used first.
+    """
+    cache_dir = os.path.abspath(cache_dir or default_cache_dir())
+    if not os.path.isdir(cache_dir):
+        return []
+    for entry in os.scandir(cache_dir):
+        if entry.name.startswith('.incoming-') and time.time() - entry.stat().st_mtime > 86400:
+            shutil.rmtree(entry.path, ignore_errors=True)
+    kept = {os.path.abspath(path) for path in keep}
+    partitions = _partitions(cache_dir)
+    total, removed = sum(size for _, size, _ in partitions), []
+    for path, size, _ in partitions:
+        if total <= keep_gb * 2**30:
+            break
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+            total -= size
+            removed.append(path)
+    return removed
+
+
+def default_cache_limit_gb() -> float:
+    """The cache's default size bound, in GiB.
+
+    Returns:
+      `$TFF_PFL_CACHE_LIMIT_GB`, else 10.
+    """
+    return float(os.environ.get('TFF_PFL_CACHE_LIMIT_GB', _DEFAULT_LIMIT_GB))
 
 
 def _is_client_data(value) -> bool:
@@ -233,6 +291,7 @@ def from_federated_data(
     test_fraction: float = 0.2,
     seed: int = 0,
     public: np.ndarray | None = None,
+    cache_limit_gb: float | None = None,
 ) -> client_data.ClientDataSpec:
     """Writes (or finds) client data given as TFF users hold it; returns its spec.
 
@@ -260,6 +319,10 @@ def from_federated_data(
       seed: the seed of the per-client splits.
       public: optional unlabeled features every client may read (KT-pFL,
         FedDF), `[n, *feature_shape]`.
+      cache_limit_gb: after the call, the least recently used other
+        partitions in `cache_dir` are removed until all take at most this
+        many GiB (`clear_cache`); None: `default_cache_limit_gb()` (10 GiB unless
+        `$TFF_PFL_CACHE_LIMIT_GB` says otherwise).
 
     Returns:
       The `client_data.ClientDataSpec` of the partition; its `source_ids`
@@ -278,6 +341,9 @@ def from_federated_data(
         raise ValueError(
             f'test_fraction must be > 0 with val_fraction + test_fraction < 1, got {test_fraction} and {val_fraction}'
         )
+    limit = default_cache_limit_gb() if cache_limit_gb is None else cache_limit_gb
+    if isinstance(limit, bool) or not (isinstance(limit, (int, float)) and limit > 0):
+        raise ValueError(f'cache_limit_gb must be a size in GiB > 0, got {limit!r}')
     ids = _client_ids(train, 'train')
     if len(set(ids)) != len(ids):
         raise ValueError('train: client ids repeat')
@@ -339,6 +405,8 @@ def from_federated_data(
     else:
         shutil.rmtree(target, ignore_errors=True)  # an incomplete earlier attempt
         os.rename(incoming, target)
+    os.utime(target)  # its last use, for clear_cache
+    clear_cache(cache_dir, keep_gb=limit, keep=(target,))
     return client_data.load_client_data_spec(target)
 
 
