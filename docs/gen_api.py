@@ -64,6 +64,7 @@ PUBLIC = [
     ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload', 'model_update_builder']),
     ('tff_pfl.computations.template', ['PersonalizedProcess', 'ServerlessProcess', 'RoundOutput']),
     ('tff_pfl.computations.local_training', ['loss_from', 'metrics_from']),
+    ('tff_pfl.computations.keras_metrics', ['KerasMetric', 'from_metric']),
     ('tff_pfl.computations.privacy', ['DPConfig']),
     ('tff_pfl.program.training_loop', ['run', 'RunResult']),
     ('tff_pfl.program.run_config', ['make_config', 'ExperimentConfig']),

@@ -413,12 +413,14 @@ def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
 
 @pytest.mark.parametrize('builder', sorted(_builders()))
 def test_every_builder_trains_and_evaluates_a_users_client_data_by_their_ids(data, tff_runtime, builder):
-    """With two metrics of the user's: Keras's cross-entropy is the reported loss, top-3 of 3 classes is 1."""
+    """With three metrics of the user's: Keras's cross-entropy is the reported loss, top-3 of 3 classes is 1,
+    a Keras metric object's accuracy is the reported accuracy."""
     spec, model_fn = data
     build, _ = _builders()[builder]
     user_metrics = {
         'keras_ce': tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         'top3': functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy, k=3),
+        'keras_acc': tf.keras.metrics.SparseCategoricalAccuracy(),
     }
     process = build(spec, model_fn, metrics=user_metrics)
     state, clients = process.initialize(), process.initial_client_states(spec.client_ids)
@@ -432,9 +434,10 @@ def test_every_builder_trains_and_evaluates_a_users_client_data_by_their_ids(dat
         for name, model in result.items():
             if isinstance(model, collections.abc.Mapping) and 'accuracy' in model:
                 assert 0.0 <= float(model['accuracy']) <= 1.0, name
-                assert list(model)[-2:] == ['keras_ce', 'top3'], name
+                assert list(model)[-3:] == ['keras_ce', 'top3', 'keras_acc'], name
                 np.testing.assert_allclose(float(model['keras_ce']), float(model['loss']), rtol=1e-5, err_msg=name)
                 assert float(model['top3']) == 1.0, name
+                np.testing.assert_allclose(float(model['keras_acc']), float(model['accuracy']), rtol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize('settings', [kdpdfl.ServerlessFedAvgSettings, kdpdfl.ServerlessLocalSettings])

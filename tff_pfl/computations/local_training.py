@@ -24,6 +24,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from tff_pfl import losses, settings
+from tff_pfl.computations import keras_metrics
 from tff_pfl.data import client_data
 
 LossFn = Callable[[tf.keras.Model, tf.Tensor, tf.Tensor], tuple[tf.Tensor, tf.Tensor]]
@@ -139,11 +140,12 @@ def _values_per_label(fn, spec: client_data.ClientDataSpec | None, argument: str
 
 
 # A user's extra evaluation metrics (the builders' `metrics` argument): name -> a function
-# `(labels, logits) -> one value per label`, or a Keras loss on logits.
-MetricsArg = collections.abc.Mapping[str, Loss]
+# `(labels, logits) -> one value per label`, a Keras loss on logits, or a Keras metric object.
+MetricsArg = collections.abc.Mapping[str, Loss | tf.keras.metrics.Metric]
 
-# What `metrics_from` returns and the evaluations take: (name, values(labels, logits)) pairs.
-Metrics = tuple[tuple[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor]], ...]
+# What `metrics_from` returns and the evaluations take: (name, values(labels, logits)) pairs, or
+# (name, keras_metrics.KerasMetric) for a Keras metric object.
+Metrics = tuple[tuple[str, Callable[[tf.Tensor, tf.Tensor], tf.Tensor] | keras_metrics.KerasMetric], ...]
 
 # The names every client evaluation already reports (`template.client_metrics`).
 REPORTED = ('loss', 'accuracy', 'num_examples')
@@ -158,7 +160,9 @@ def metrics_from(
     per label` (e.g. `functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy,
     k=3)`) or a `tf.keras.losses.Loss` on logits; a client reports its mean
     over the labels of its test split that count, beside `loss` and
-    `accuracy`.
+    `accuracy`. Or it is a `tf.keras.metrics.Metric` object
+    (`tf.keras.metrics.AUC()`): a client reports the `result()` of a fresh
+    copy updated over its test split (`keras_metrics`).
 
     Args:
       metrics: None (no extra metric), or a mapping name -> metric.
@@ -169,9 +173,10 @@ def metrics_from(
       The `Metrics` pairs, in the mapping's order.
 
     Raises:
-      TypeError: if `metrics` is not a mapping of callables.
+      TypeError: if `metrics` is not a mapping of callables or Keras metrics.
       ValueError: in one line, on a name that is not an identifier or is
-        already reported, or a metric refused as `loss_from` refuses a loss.
+        already reported, a metric refused as `loss_from` refuses a loss, or a
+        Keras metric that takes no labels of the data's shapes.
     """
     if metrics is None:
         return ()
@@ -186,9 +191,13 @@ def metrics_from(
             raise ValueError(
                 f'{argument}: {name!r} cannot name a metric: use an identifier other than {", ".join(REPORTED)}'
             )
+        if keras_metrics.is_keras_metric(fn):
+            pairs.append((name, keras_metrics.from_metric(fn, spec, f'{argument}[{name!r}]')))
+            continue
         if not callable(fn):
             raise TypeError(
-                f'{argument}[{name!r}] must be a function (labels, logits) -> values, got {type(fn).__name__}'
+                f'{argument}[{name!r}] must be a function (labels, logits) -> values or a tf.keras.metrics.Metric, '
+                f'got {type(fn).__name__}'
             )
         pairs.append((name, _values_per_label(fn, spec, f'{argument}[{name!r}]')))
     return tuple(pairs)
@@ -555,24 +564,38 @@ def metric_sums(
 
     Returns:
       name -> float32 sum; divide by `evaluate`'s `num_examples` for means.
+      A Keras metric's entry is its `result()` times the labels that count,
+      so that the same division gives the result itself.
     """
+    keras = {name: fn.fresh() for name, fn in metrics if isinstance(fn, keras_metrics.KerasMetric)}
 
     @tf.function(autograph=False)
     def loop(features, labels):
         split = data.with_tensors(features, labels)
         num_examples = split.num_examples
 
-        def body(start, sums):
+        def body(start, sums, counted_sum):
             stop = tf.minimum(start + batch_size, num_examples)
             x, y = split.slice(start, stop)
             logits = model(x, training=False)
             counted = tf.cast(tf.not_equal(y, client_data.IGNORED_LABEL), tf.float32)
-            return stop, [s + tf.reduce_sum(values(y, logits) * counted) for s, (_, values) in zip(sums, metrics)]
+            updates = [op for name, fn in metrics if name in keras for op in fn.update(keras[name], y, logits)]
+            with tf.control_dependencies(updates):
+                new_sums = [
+                    s if name in keras else s + tf.reduce_sum(fn(y, logits) * counted)
+                    for s, (name, fn) in zip(sums, metrics)
+                ]
+                return stop, new_sums, counted_sum + tf.reduce_sum(counted)
 
-        _, sums = tf.while_loop(
-            lambda start, _: start < num_examples, body, (tf.constant(0), [tf.constant(0.0) for _ in metrics])
+        zeros = [tf.constant(0.0) for _ in metrics]
+        resets = [v.assign(tf.zeros(v.shape, v.dtype)) for metric in keras.values() for v in metric.variables]
+        with tf.control_dependencies(resets):  # zeroed here: the copy's variables need no initializer
+            num_examples = tf.identity(num_examples)
+        _, sums, counted_sum = tf.while_loop(
+            lambda start, *_: start < num_examples, body, (tf.constant(0), zeros, tf.constant(0.0))
         )
-        return sums
+        with tf.control_dependencies([counted_sum, *sums]):
+            return [keras[name].result() * counted_sum if name in keras else s for s, (name, _) in zip(sums, metrics)]
 
     sums = loop(data.features, data.labels)
     return collections.OrderedDict((name, total) for (name, _), total in zip(metrics, sums))
