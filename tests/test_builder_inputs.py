@@ -5,6 +5,7 @@ import collections
 import functools
 import inspect
 import os
+import re
 
 import numpy as np
 import pytest
@@ -227,3 +228,44 @@ def test_a_round_runs_on_the_states_of_the_users_ids(data, tff_runtime):
     state, clients, _ = process.next(process.initialize(), process.initial_client_states(list(USERS)))
     results = federated.by_user_id(spec, process.evaluate(state, clients))
     assert tuple(results) == USERS
+
+
+class _ZeroLoss(tf.keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return tf.reduce_sum(y_pred, axis=-1) * 0.0
+
+
+def _functional(spec, model_fn, loss):
+    input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
+    return tff.learning.models.functional_model_from_keras(model_fn(), loss, input_spec)
+
+
+def _variable_model_fn(spec, model_fn, loss):
+    input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
+    return lambda: tff.learning.models.from_keras_model(model_fn(), loss=loss, input_spec=input_spec)
+
+
+def test_a_tff_models_own_cross_entropy_on_logits_is_taken(data):
+    spec, model_fn = data
+    ce = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for model in (_functional(spec, model_fn, ce), _variable_model_fn(spec, model_fn, ce)):
+        assert _fedavg(spec, model).initialize.type_signature.result.placement is tff.SERVER
+
+
+@pytest.mark.parametrize('kind', ['FunctionalModel', 'VariableModel'])
+def test_a_tff_models_own_loss_that_the_builder_would_drop_is_refused(data, kind):
+    spec, model_fn = data
+    wrap = _functional if kind == 'FunctionalModel' else _variable_model_fn
+    probabilities = wrap(spec, model_fn, tf.keras.losses.SparseCategoricalCrossentropy())  # from_logits=False
+    with pytest.raises(ValueError) as raised:
+        _fedavg(spec, probabilities)
+    assert re.match(
+        rf"^model_fn: the {kind}'s own loss gives [0-9.]+ where cross-entropy on its logits gives [0-9.]+ \(a probe "
+        r'batch\); the builders train with loss= \(cross-entropy when None\), so pass loss=',
+        _one_line(raised),
+    )
+    zero = wrap(spec, model_fn, _ZeroLoss())
+    with pytest.raises(ValueError, match=rf"^model_fn: the {kind}'s own loss gives 0 where"):
+        _fedavg(spec, zero)
+    focal = functools.partial(tf.keras.losses.sparse_categorical_crossentropy, from_logits=True)
+    assert _fedavg(spec, zero, loss=focal).initialize.type_signature.result.placement is tff.SERVER  # loss= wins

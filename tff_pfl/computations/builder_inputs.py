@@ -10,7 +10,9 @@ loss):
 * `model_fn` whose model cannot take the data's features, or whose outputs
   do not have one logit per class (per position for sequence labels): fewer
   logits than `spec.num_classes`, one vector per example where the labels
-  are per position, or the other way round.
+  are per position, or the other way round;
+* a `FunctionalModel` / `VariableModel` whose own loss is not cross-entropy
+  on logits, with no `loss=` given (it would be dropped).
 
 It also tells the process its partition's ids, so that
 `process.initial_client_states` takes the user's own ids
@@ -174,7 +176,9 @@ def checked(builder: Callable) -> Callable:
     """Decorates a `build_*_process(spec, [model_fn,] settings, ..., seed=...)` with the checks above.
 
     Before the builder runs: `check_spec(spec)`, `check_seed(seed)` when it
-    takes one (a numpy integer passed on as an int), and `model_fn` replaced by `checked_model_fn(spec, model_fn)`.
+    takes one (a numpy integer passed on as an int), a TFF model's own loss
+    checked when no `loss` is given (`adapters.check_own_loss`), and
+    `model_fn` replaced by `checked_model_fn(spec, model_fn)`.
     After: a `template.PersonalizedProcess` it returns is told the
     partition's ids (`bind_client_ids`).
 
@@ -197,6 +201,8 @@ def checked(builder: Callable) -> Callable:
             check_seed(arguments['seed'])
             arguments['seed'] = int(arguments['seed'])  # a numpy integer as Python's (Keras takes only int)
         if 'model_fn' in arguments:
+            if arguments.get('loss') is None:
+                adapters.check_own_loss(arguments['model_fn'], spec)
             arguments['model_fn'] = checked_model_fn(spec, arguments['model_fn'])
         process = builder(*bound.args, **bound.kwargs)
         if isinstance(process, template.PersonalizedProcess):

@@ -16,14 +16,19 @@ function,
 
 Either way the output must be logits, as for a Keras model (checked on the
 model's traced output op, `model_weights.check_logits`). The model's own
-loss and metrics are not used: the builders' losses and accuracies apply
-(docs/models.md). Models with non-trainable weights are refused, as for Keras
-models. PersFL's distillation grid needs a Sequential Keras model (it stacks
-the grid's candidates layer by layer) and refuses these in one line.
+loss is never silently replaced: the builders train with their `loss=`
+(cross-entropy on logits when None), and `check_own_loss` refuses, in one
+line, a model whose own loss is not that cross-entropy when no `loss=` is
+given (a zero loss, `from_logits=False` on logits, another objective). The
+model's own metrics are not used: pass them as `metrics=` (docs/models.md).
+Models with non-trainable weights are refused, as for Keras models. PersFL's
+distillation grid needs a Sequential Keras model (it stacks the grid's
+candidates layer by layer) and refuses these in one line.
 """
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -119,3 +124,63 @@ def keras_model_fn(model, *, argument: str = 'model_fn') -> Callable[[], tf.kera
         return model
     model_fn._tff_pfl_keras_model_fn = True
     return model_fn
+
+
+def _probe(spec, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of 8 seeded random features and labels of the spec's shapes."""
+    shape = (8, *spec.feature_shape)
+    if spec.feature_encoding == 'int32':
+        x = rng.integers(0, 2, size=shape).astype(np.int32)
+    else:
+        x = rng.normal(size=shape).astype(np.float32)
+    return x, rng.integers(0, spec.num_classes, size=(8, *spec.label_shape)).astype(np.int32)
+
+
+def _own_loss(model, spec) -> tuple[str, float, float] | None:
+    """(kind, own loss, cross-entropy) of a TFF model on a probe batch; None for a Keras model function."""
+    rng = np.random.default_rng(0)
+    x, y = _probe(spec, rng)
+    if isinstance(model, tff.learning.models.FunctionalModel):
+        logits = tf.constant(rng.normal(size=(*y.shape, spec.num_classes)).astype(np.float32))
+        own = model.loss(output=logits, label=tf.constant(y))
+        kind = 'FunctionalModel'
+    elif callable(model) and not isinstance(model, tf.keras.Model):
+        built = model()
+        if not isinstance(built, tff.learning.models.VariableModel):
+            return None
+        batch = {'x': x, 'y': y} if isinstance(built.input_spec, Mapping) else (x, y)
+        output = built.forward_pass(batch, training=False)
+        own, logits, kind = output.loss, output.predictions, 'VariableModel'
+    else:
+        return None
+    reference = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return kind, float(own), float(reference)
+
+
+def check_own_loss(model, spec, *, argument: str = 'model_fn') -> None:
+    """Refuses a TFF model whose own loss the builders would drop: one that is not cross-entropy on logits.
+
+    Called by a builder given no `loss=`: it trains with cross-entropy, so a
+    `FunctionalModel` or `VariableModel` whose own loss differs on a seeded
+    probe batch (relative 1e-4) would train on another objective than its
+    author wrote. Keras model functions have no own loss and pass.
+
+    Args:
+      model: the builder's model argument, as the user gave it.
+      spec: the data's spec (the probe's shapes and classes).
+      argument: the argument's name, for the error.
+
+    Raises:
+      ValueError: in one line, with the two values and the fix.
+    """
+    found = _own_loss(model, spec)
+    if found is None:
+        return
+    kind, own, reference = found
+    if not np.isclose(own, reference, rtol=1e-4, atol=1e-6):
+        raise ValueError(
+            f"{argument}: the {kind}'s own loss gives {own:.4g} where cross-entropy on its logits gives "
+            f'{reference:.4g} (a probe batch); the builders train with loss= (cross-entropy when None), so pass '
+            'loss=(labels, logits) -> one value per label, or give the model '
+            'SparseCategoricalCrossentropy(from_logits=True)'
+        )
