@@ -67,6 +67,7 @@ PUBLIC = [
     ('tff_pfl.computations.keras_metrics', ['KerasMetric', 'from_metric']),
     ('tff_pfl.computations.privacy', ['DPConfig']),
     ('tff_pfl.program.training_loop', ['run', 'RunResult']),
+    ('tff_pfl.program.evaluation', ['client_rows']),
     ('tff_pfl.program.run_config', ['make_config', 'ExperimentConfig']),
     (
         'tff_pfl.program.config_parts',

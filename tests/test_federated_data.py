@@ -173,7 +173,7 @@ def test_fedavg_trains_on_a_users_client_data_and_reports_by_their_ids(tmp_path,
 
 
 def test_the_training_loop_reports_the_users_ids(tmp_path, tff_runtime):
-    from tff_pfl.program import training_loop
+    from tff_pfl.program import evaluation, training_loop
 
     spec = federated.from_federated_data(_test_client_data(_arrays(0)), cache_dir=str(tmp_path))
     model_fn = functools.partial(models.logistic_regression, spec.feature_shape, spec.num_classes)
@@ -188,5 +188,12 @@ def test_the_training_loop_reports_the_users_ids(tmp_path, tff_runtime):
         source_ids=spec.source_ids,
     )
     assert [(row['client_id'], row['source_id']) for row in result.clients] == list(zip(spec.client_ids, IDS))
+    # One result shape: the user's own evaluate gives the loop's rows.
+    states = [result.client_states[c] for c in spec.client_ids]
+    rows = evaluation.client_rows(spec, process.evaluate(result.state, states))
+    assert rows == result.clients
+    assert 'global_model_accuracy' in rows[0]
+    with pytest.raises(ValueError, match=r'^evaluations has 2 results for 3 clients$'):
+        evaluation.client_rows(spec, process.evaluate(result.state, states)[:2])
     with pytest.raises(ValueError, match=r'^source_ids has 2 ids for 3 clients$'):
         training_loop.run(process, spec.client_ids, rounds=1, client_fraction=1.0, seed=0, source_ids=IDS[:2])

@@ -96,6 +96,35 @@ def source_id_map(client_ids: Sequence[str], source_ids: Sequence[str] | None) -
     return dict(zip(client_ids, (str(s) for s in source_ids)))
 
 
+def client_rows(spec, evaluations: Sequence[Mapping], client_ids: Sequence[str] | None = None) -> list:
+    """The flat per-client rows of a `process.evaluate(...)` result: the shape `training_loop.run` returns.
+
+    `training_loop.run(...).clients` and `client_rows(spec, process.evaluate(state, client_states))`
+    are the same rows (`client_id`, then `source_id` where the partition has
+    the user's ids, then `global_model_accuracy`, ...), so a user's own loop
+    over `process.next` reads its results as the project's loop does.
+
+    Args:
+      spec: the partition (`client_data.ClientDataSpec`).
+      evaluations: one (nested) evaluation mapping per client.
+      client_ids: the evaluated clients, in order; None: every client of
+        `spec`.
+
+    Returns:
+      One flat dict per client.
+
+    Raises:
+      ValueError: if `evaluations` does not hold one result per client.
+    """
+    client_ids = list(spec.client_ids if client_ids is None else client_ids)
+    evaluations = list(evaluations)
+    if len(evaluations) != len(client_ids):
+        raise ValueError(f'evaluations has {len(evaluations)} results for {len(client_ids)} clients')
+    sources = source_id_map(spec.client_ids, spec.source_ids)
+    rows, _ = summarize_evaluation(client_ids, evaluations, sources)
+    return rows
+
+
 def evaluation_sample(seed: int, round_num: int, num_clients: int, eval_clients: int) -> np.ndarray | None:
     """The clients an intermediate evaluation scores: a seeded sample, or None for every client.
 
