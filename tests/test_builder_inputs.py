@@ -269,3 +269,38 @@ def test_a_tff_models_own_loss_that_the_builder_would_drop_is_refused(data, kind
         _fedavg(spec, zero)
     focal = functools.partial(tf.keras.losses.sparse_categorical_crossentropy, from_logits=True)
     assert _fedavg(spec, zero, loss=focal).initialize.type_signature.result.placement is tff.SERVER  # loss= wins
+
+
+def test_a_model_with_batch_normalization_is_refused_naming_the_layer(data):
+    spec, _ = data
+
+    def batch_normalized():
+        inputs = tf.keras.Input((6,))
+        hidden = tf.keras.layers.BatchNormalization(name='bn')(tf.keras.layers.Dense(8)(inputs))
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(hidden), name='user_bn')
+
+    with pytest.raises(ValueError) as raised:
+        _fedavg(spec, batch_normalized)
+    assert _one_line(raised) == (
+        "model 'user_bn' has non-trainable weights, which these algorithms neither average nor keep per client: "
+        "layer 'bn' (BatchNormalization: moving_mean, moving_variance); use layers without them (GroupNormalization "
+        'or LayerNormalization for BatchNormalization, trainable=True for frozen layers)'
+    )
+
+
+@pytest.mark.parametrize('layer', [tf.keras.layers.Dropout(0.1), tf.keras.layers.LayerNormalization()])
+def test_persfls_grid_refuses_a_layer_it_cannot_stack_naming_it(data, layer):
+    spec, _ = data
+
+    def with_layer():
+        fresh = type(layer).from_config(layer.get_config())
+        return tf.keras.Sequential([tf.keras.Input((6,)), tf.keras.layers.Dense(8), fresh, tf.keras.layers.Dense(3)])
+
+    with pytest.raises(ValueError) as raised:
+        persfl.build_persfl_process(spec, with_layer, persfl.PersFLSettings(**LOCAL))
+    kind = type(layer).__name__
+    assert re.match(
+        rf"^model_fn: PersFL's distillation grid cannot train '\w+' \(layer '{layer.name}' of kind {kind} is not "
+        r'supported for stacked training\)$',
+        _one_line(raised),
+    )

@@ -191,7 +191,7 @@ class Architectures:
                 model = fn()
                 model_weights.check_logits(model)
                 if model.non_trainable_weights:
-                    raise ValueError(f'model {model.name!r} has non-trainable weights')
+                    raise ValueError(model_weights.non_trainable_refusal(model))
                 self.shapes.append([tuple(v.shape) for v in model.trainable_weights])
         self.sizes = [int(sum(np.prod(s) for s in shapes)) for shapes in self.shapes]
         self.max_size = max(self.sizes)

@@ -170,11 +170,39 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
         model = model_fn()
         _check_logits_once(model_fn, model)
         if model.non_trainable_weights:
-            raise ValueError(f'model {model.name!r} has non-trainable weights, which are not supported')
+            raise ValueError(non_trainable_refusal(model))
         variables = model.trainable_weights
         if indices is not None:
             variables = [variables[i] for i in indices]
         return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
+
+
+def non_trainable_refusal(model: tf.keras.Model) -> str:
+    """The one-line refusal of a model with non-trainable weights, naming the layers that hold them.
+
+    Args:
+      model: a Keras model with non-trainable weights.
+
+    Returns:
+      The message: each holding layer (innermost) with its kind and weights,
+      and the fix.
+    """
+    holders = []
+    for layer in model._flatten_layers(include_self=False):  # every nested layer, depth first
+        own = [
+            w
+            for w in layer.non_trainable_weights
+            if not any(w is v for sub in layer._flatten_layers(include_self=False) for v in sub.non_trainable_weights)
+        ]
+        if own:
+            names = ', '.join(w.name.split('/')[-1].split(':')[0] for w in own)
+            holders.append(f'{layer.name!r} ({type(layer).__name__}: {names})')
+    where = '; '.join(holders) if holders else 'outside its layers'
+    return (
+        f'model {model.name!r} has non-trainable weights, which these algorithms neither average nor keep per '
+        f'client: layer {where}; use layers without them (GroupNormalization or LayerNormalization for '
+        'BatchNormalization, trainable=True for frozen layers)'
+    )
 
 
 def merge_weights(parts: Sequence[tuple[Sequence[int], Sequence[tf.Tensor]]]) -> list:
