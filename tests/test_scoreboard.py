@@ -289,6 +289,10 @@ def test_paper_errors_are_validated(errors, message):
         (['tff-pfl-bench --suite=s --partitions=a,b', 'tff-pfl-bench --suite=s --partitions=c'], 'b', 'X', [0]),
         (['tff-pfl-bench --algorithms "Per-FedAvg,X" --partitions=b'], 'b', 'Per-FedAvg', [0]),
         (['tff-pfl-bench --algorithms=Y', 'tff-pfl-bench "unbalanced'], 'b', 'X', [1]),
+        # A label with a comma, quoted as absl's list flag (CSV) reads it.
+        (['tff-pfl-bench \'--algorithms="KT, step 0.5"\''], 'b', 'KT, step 0.5', [0]),
+        (['tff-pfl-bench \'--algorithms="KT, step 0.5","KT, step 1", X\''], 'b', 'X', [0]),
+        (['tff-pfl-bench \'--algorithms="KT, step 0.5"\''], 'b', 'KT', []),
         # A command invoked again (a resumed run) is listed once, where it first ran.
         (['tff-pfl-bench --seeds=0', 'tff-pfl-bench --algorithms=X', 'tff-pfl-bench --seeds=0'], 'b', 'X', [0, 1]),
     ],

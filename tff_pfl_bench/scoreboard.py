@@ -122,13 +122,18 @@ def _read_summary(directory: str) -> dict | None:
         return {(row['partition'], row['algorithm']): row for row in reader}
 
 
+def _list_values(value: str) -> list[str]:
+    """A list flag's values as absl's `DEFINE_list` reads them: CSV, so `"a, b",c` is two labels."""
+    return [item.strip() for item in next(csv.reader([value]))]
+
+
 def _selection(args: Sequence[str], flag: str) -> list[str] | None:
     """The values of `--flag=a,b` (or `--flag a,b`) in a command, or None when absent."""
     for i, arg in enumerate(args):
         if arg.startswith(f'--{flag}='):
-            return arg.split('=', 1)[1].split(',')
+            return _list_values(arg.split('=', 1)[1])
         if arg == f'--{flag}' and i + 1 < len(args):
-            return args[i + 1].split(',')
+            return _list_values(args[i + 1])
     return None
 
 
