@@ -172,6 +172,8 @@ def test_per_position_labels_with_ignored_positions_are_taken(tmp_path):
     y = np.where(x > 4, -1, x)
     spec = _labels_problem(tmp_path, y, x)
     assert spec.label_shape == (5,) and spec.num_classes == 5
+    with pytest.raises(ValueError, match=r"^train\['a'\]: label -2; a label is a class 0, 1, "):
+        _labels_problem(tmp_path, np.where(x > 4, -2, x), x)
 
 
 @pytest.mark.parametrize('n', [1, 2])

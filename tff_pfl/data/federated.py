@@ -192,7 +192,7 @@ def _client_arrays(value, client_id: str, feature_key, label_key, name: str):
 
 
 def _check_labels(x: np.ndarray, y: np.ndarray, where: str) -> None:
-    """Refuses labels the computations would misread: one-hot rows, or a negative class of an example.
+    """Refuses labels the computations would misread: one-hot rows, a negative class (below -1 in a sequence).
 
     Labels are one class index per example (shape ()), or one per position of
     a sequence, shaped like the features' leading axes (e.g. (80,) for 80
@@ -208,7 +208,8 @@ def _check_labels(x: np.ndarray, y: np.ndarray, where: str) -> None:
             f'{where}: labels of shape {label_shape} per example with features of shape {feature_shape}; labels are '
             f"one class index per example, or one per sequence position shaped like the features' leading axes{hint}"
         )
-    if not label_shape and len(y) and int(y.min()) < 0:
+    lowest = client_data.IGNORED_LABEL if label_shape else 0  # -1 only marks an ignored sequence position
+    if len(y) and int(y.min()) < lowest:
         raise ValueError(
             f'{where}: label {int(y.min())}; a label is a class 0, 1, ..., num_classes - 1 '
             f'({client_data.IGNORED_LABEL} marks an ignored position only in per-position sequence labels)'
@@ -383,8 +384,6 @@ def from_federated_data(
                         )
                     if len(y):
                         largest = max(largest, int(y.max()))
-                        if int(y.min()) < client_data.IGNORED_LABEL:
-                            raise ValueError(f'client {client_id!r} {split}: negative label {int(y.min())}')
                 if encoding == client_data.FLOAT32:
                     splits = {s: (x.astype(np.float32), y) for s, (x, y) in splits.items()}
                 hasher.client(client_id, splits)
