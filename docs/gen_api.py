@@ -53,6 +53,7 @@ PUBLIC = [
     ),
     ('processes.local', ['build_local_process', 'LocalSettings']),
     ('processes.fedper', ['build_fedper_process', 'FedPerSettings']),
+    ('processes.fedbn', ['build_fedbn_process', 'split_batch_norm', 'FedBNSettings']),
     ('processes.ditto', ['build_ditto_process', 'DittoSettings']),
     ('processes.apfl', ['build_apfl_process', 'APFLSettings']),
     ('processes.pfedme', ['build_pfedme_process', 'PFedMeSettings']),

@@ -23,6 +23,7 @@ from processes import (
     fedavg,
     feddf,
     fedfomo,
+    fedbn,
     fedper,
     kdpdfl,
     ktpfl,
@@ -65,6 +66,15 @@ def _builders():
                 spec,
                 functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes),
                 fedper.FedPerSettings(**LOCAL),
+                **kw,
+            ),
+            {c, s, a, lo, m},
+        ),
+        'build_fedbn_process': (
+            lambda spec, fn, **kw: fedbn.build_fedbn_process(
+                spec,
+                functools.partial(models.mnist_dnn_bn, spec.feature_shape, spec.num_classes),
+                fedbn.FedBNSettings(**LOCAL),
                 **kw,
             ),
             {c, s, a, lo, m},
@@ -383,6 +393,8 @@ FUNCTIONAL = {
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
+    'build_fedbn_process': 'model_fn: FedBN keeps the BatchNormalization layers on the clients and '
+    "'functional_model' has no Keras layers",
     'build_kdpdfl_process': "model_fn: KD-PDFL's logit distances run the neighbours' models stacked and cannot run",
 }
 
@@ -396,6 +408,11 @@ def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
 
         def build(spec, fn):
             return fedper.build_fedper_process(spec, fn, fedper.FedPerSettings(**LOCAL))
+
+    if builder == 'build_fedbn_process':  # the same: built here on the functional model
+
+        def build(spec, fn):
+            return fedbn.build_fedbn_process(spec, fn, fedbn.FedBNSettings(**LOCAL))
 
     input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
     functional = tff.learning.models.functional_model_from_keras(

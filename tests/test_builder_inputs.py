@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedavg, fedper, persfl
+from processes import fedavg, fedbn, fedper, persfl
 from tests.test_builder_contract import LOCAL, USERS, _builders, make_data
 from tff_pfl import models
 from tff_pfl.computations import builder_inputs
@@ -51,6 +51,11 @@ def test_every_builder_refuses_a_client_data_where_the_spec_goes(data, builder):
 
         def build(spec, fn):
             return fedper.build_fedper_process(spec, fn, fedper.FedPerSettings(**LOCAL))
+
+    if builder == 'build_fedbn_process':  # the same
+
+        def build(spec, fn):
+            return fedbn.build_fedbn_process(spec, fn, fedbn.FedBNSettings(**LOCAL))
 
     with pytest.raises(TypeError, match=r'^spec must be a ClientDataSpec, got TestClientData; .*from_federated_data'):
         build(client_data, model_fn)
@@ -273,7 +278,9 @@ def test_a_tff_models_own_loss_that_the_builder_would_drop_is_refused(data, kind
     assert _fedavg(spec, zero, loss=focal).initialize.type_signature.result.placement is tff.SERVER  # loss= wins
 
 
-def test_a_model_with_batch_normalization_is_refused_naming_the_layer(data):
+def test_a_model_with_batch_normalization_builds_and_a_frozen_random_layer_is_refused_naming_it(data):
+    """BatchNormalization's statistics start the same in every build: taken (tests/test_batch_norm.py trains it as
+    TFF's FedAvg does). A frozen Dense's random kernel does not: refused, naming the layer."""
     spec, _ = data
 
     def batch_normalized():
@@ -281,12 +288,18 @@ def test_a_model_with_batch_normalization_is_refused_naming_the_layer(data):
         hidden = tf.keras.layers.BatchNormalization(name='bn')(tf.keras.layers.Dense(8)(inputs))
         return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(hidden), name='user_bn')
 
+    def frozen():
+        inputs = tf.keras.Input((6,))
+        hidden = tf.keras.layers.Dense(8, trainable=False, name='frozen_dense')(inputs)
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(hidden), name='user_frozen')
+
+    assert _fedavg(spec, batch_normalized).initialize.type_signature.result.placement is tff.SERVER
     with pytest.raises(ValueError) as raised:
-        _fedavg(spec, batch_normalized)
+        _fedavg(spec, frozen)
     assert _one_line(raised) == (
-        "model 'user_bn' has non-trainable weights, which these algorithms neither average nor keep per client: "
-        "layer 'bn' (BatchNormalization: moving_mean, moving_variance); use layers without them (GroupNormalization "
-        'or LayerNormalization for BatchNormalization, trainable=True for frozen layers)'
+        "model 'user_frozen' has non-trainable weights that differ from build to build (layer 'frozen_dense'): only "
+        "trainable weights are averaged or kept, and non-trainable ones are a fresh model's; give them a constant "
+        'initializer or make them trainable'
     )
 
 

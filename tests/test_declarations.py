@@ -35,7 +35,7 @@ def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithm
     declared = [entry for module in algorithms._MODULES for entry in module.ALGORITHMS]
     assert all(isinstance(entry, algorithm.Algorithm) for entry in declared)
     assert sorted(entry.name for entry in declared) == algorithms.names()
-    assert len(algorithms.names()) == 23
+    assert len(algorithms.names()) == 24
     for module in algorithms._MODULES:
         for entry in module.ALGORITHMS:
             # The declaration sits beside its settings and builder.
@@ -152,13 +152,14 @@ def test_model_update_builder_passes_the_runs_aggregator_and_seed_on():
     run = algorithm.RunOptions(seed=7, make_model_aggregator=lambda: 'dp factory')
     assert build('settings', 'spec', 'model_fn', run) == 'process'
     assert calls == [('spec', 'model_fn', 'settings', 'dp factory', 7)]
-    # The algorithms whose uploads are one model update per client (seven builders, ten names) declare it.
+    # The algorithms whose uploads are one model update per client (eight builders, eleven names) declare it.
     users = [n for n in algorithms.names() if algorithms.get(n).build.__qualname__.startswith('model_update_builder')]
     assert users == [
         'apfl',
         'ditto',
         'fedavg',
         'fedavg_ft',
+        'fedbn',
         'fedper',
         'perfedavg_fo',
         'perfedavg_hf',

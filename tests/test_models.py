@@ -49,6 +49,7 @@ def test_logistic_regression_and_registry():
         'lenet',
         'logistic',
         'mnist_dnn',
+        'mnist_dnn_bn',
         'persfl_cnn',
         'resnet18',
         'resnet_small',

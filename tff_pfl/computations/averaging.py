@@ -310,6 +310,7 @@ def build_averaging_process(
         personalize=personalize,
         device=device,
         global_model='model' if shared_indices is None else None,
+        non_trainable=model_weights.non_trainable_values(model_fn, seed) if shared_indices is None else (),
         no_global_model=(
             'its server holds only the shared layers of the model; each client keeps the others '
             '(the personalized model is the client state)'

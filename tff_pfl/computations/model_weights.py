@@ -1,16 +1,21 @@
 """A Keras model's trainable weights, as the client and server computations handle them.
 
 Their TFF type (`weights_type`, which refuses a model these algorithms cannot
-train: non-trainable weights, or probabilities where logits are expected,
+train: non-trainable weights that differ from build to build,
+`check_non_trainable`, or probabilities where logits are expected,
 `check_logits`), the common initial weights of a run seed, snapshots and
 assignment, and the merging of disjoint subsets of them (FedPer's shared base
-and private head). TF code, run inside `tff.tensorflow.computation`s.
+and private head). Non-trainable weights (BatchNormalization's statistics)
+are a fresh model's everywhere, as TFF's FedAvg keeps its initial ones;
+FedBN reads and sets them per client (`get_non_trainable`,
+`assign_non_trainable`). TF code, run inside `tff.tensorflow.computation`s.
 """
 
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
@@ -162,19 +167,93 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
       A `tff.StructWithPythonType` (list container) of `tff.TensorType`s.
 
     Raises:
-      ValueError: if the model has non-trainable weights (batch-norm
-        statistics and the like are not averaged by these algorithms), or
-        ends in a softmax or sigmoid (`check_logits`).
+      ValueError: if the model has non-trainable weights that differ from
+        build to build (`check_non_trainable`), or ends in a softmax or
+        sigmoid (`check_logits`).
     """
     with tf.Graph().as_default():
         model = model_fn()
         _check_logits_once(model_fn, model)
         if model.non_trainable_weights:
-            raise ValueError(non_trainable_refusal(model))
+            _check_non_trainable_once(model_fn)
         variables = model.trainable_weights
         if indices is not None:
             variables = [variables[i] for i in indices]
         return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
+
+
+# Model functions whose non-trainable weights `check_non_trainable` has found the same in every build.
+_NON_TRAINABLE_CHECKED = weakref.WeakSet()
+
+
+def non_trainable_values(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[np.ndarray]:
+    """The initial non-trainable weights of a model built under `models.seeded(seed)`, as numpy arrays.
+
+    Built in a graph of its own and read in a session, so it can be called
+    from inside another graph (`weights_type`).
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+      seed: the seed the model is built under (`models.seeded`).
+
+    Returns:
+      One array per non-trainable weight, in Keras order (empty for none).
+    """
+    graph = tf.Graph()
+    with graph.as_default(), models.seeded(seed):
+        weights = model_fn().non_trainable_weights
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.initializers.variables(weights))
+            return [np.asarray(value) for value in session.run(weights)]
+
+
+def check_non_trainable(model_fn: Callable[[], tf.keras.Model]) -> None:
+    """Refuses a model whose non-trainable weights depend on how it was initialized.
+
+    Non-trainable weights are handled as TFF's FedAvg handles them
+    (`tff.learning.algorithms.build_weighted_fed_avg`: its server keeps the
+    initial ones and its clients start each round from them): every
+    computation here builds a fresh model and sets only its trainable
+    weights, so the non-trainable ones are a fresh model's, which is the
+    same thing only if a fresh model's are always the same
+    (BatchNormalization's moving mean and variance start at 0 and 1). A
+    frozen layer with random initial weights (a `Dense` with
+    `trainable=False`) would get different weights in every computation,
+    and is refused.
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+
+    Raises:
+      ValueError: one line, naming the layers, if two builds under
+        different seeds give different non-trainable weights.
+    """
+    first, second = non_trainable_values(model_fn, 1), non_trainable_values(model_fn, 2)
+    if all(np.array_equal(a, b) for a, b in zip(first, second)):
+        return
+    with tf.Graph().as_default():
+        model = model_fn()
+        changing = [w for w, a, b in zip(model.non_trainable_weights, first, second) if not np.array_equal(a, b)]
+        layers = [layer.name for layer in model._flatten_layers(include_self=False)
+                  if any(w is v for v in layer.non_trainable_weights for w in changing)]
+    raise ValueError(
+        f'model {model.name!r} has non-trainable weights that differ from build to build (layer '
+        f'{", ".join(repr(n) for n in layers[-1:] or ["?"])}): only trainable weights are averaged or kept, and '
+        'non-trainable ones are a fresh model\'s; give them a constant initializer or make them trainable'
+    )
+
+
+def _check_non_trainable_once(model_fn: Callable[[], tf.keras.Model]) -> None:
+    """`check_non_trainable(model_fn)`, once per model function that can be weakly referenced."""
+    try:
+        if model_fn in _NON_TRAINABLE_CHECKED:
+            return
+    except TypeError:
+        check_non_trainable(model_fn)
+        return
+    check_non_trainable(model_fn)
+    with contextlib.suppress(TypeError):
+        _NON_TRAINABLE_CHECKED.add(model_fn)
 
 
 def non_trainable_refusal(model: tf.keras.Model) -> str:
@@ -260,3 +339,42 @@ def assign_weights(model: tf.keras.Model, weights: Sequence[tf.Tensor]) -> list:
       The list of the variables' `assign` results, one per variable.
     """
     return [v.assign(w) for v, w in zip(model.trainable_weights, weights)]
+
+
+def get_non_trainable(model: tf.keras.Model) -> list[tf.Tensor]:
+    """Current non-trainable weights as tensors (BatchNormalization's moving statistics; TF code).
+
+    Args:
+      model: the Keras model.
+
+    Returns:
+      A list of tensors, one per non-trainable variable, in Keras order.
+    """
+    return [tf.identity(v) for v in model.non_trainable_weights]
+
+
+def assign_non_trainable(model: tf.keras.Model, values: Sequence[tf.Tensor]) -> list:
+    """Assigns `values` to the model's non-trainable variables; returns the ops (TF code).
+
+    Args:
+      model: the Keras model whose variables are assigned.
+      values: one tensor per non-trainable variable, in Keras order.
+
+    Returns:
+      The list of the variables' `assign` results, one per variable.
+    """
+    return [v.assign(w) for v, w in zip(model.non_trainable_weights, values)]
+
+
+def non_trainable_type(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
+    """The TFF type of a model's non-trainable weights: a list of tensors (empty for none).
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+
+    Returns:
+      A `tff.StructWithPythonType` (list container) of `tff.TensorType`s.
+    """
+    with tf.Graph().as_default():
+        variables = model_fn().non_trainable_weights
+        return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)

@@ -100,6 +100,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         extras: Mapping[str, Any] | None = None,
         global_model: str | None = None,
         no_global_model: str = 'its server holds no global model',
+        non_trainable: Sequence[np.ndarray] = (),
     ):
         """Builds the process; see the module docstring for the signatures.
 
@@ -121,6 +122,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
             has no such model.
           no_global_model: why not, when `global_model` is None (completes
             "<process> has no global model: ...").
+          non_trainable: the global model's non-trainable weights, a fresh
+            model's (BatchNormalization's initial statistics, as TFF's FedAvg
+            server keeps them); `get_model_weights` returns them.
 
         Raises:
           TypeError: if the client state types of the computations disagree,
@@ -147,6 +151,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         self._global_model = global_model
         self._no_global_model = no_global_model
         self._model_weights_fns = None
+        self._non_trainable = [np.asarray(w) for w in non_trainable]
         self._several_rounds = {}
         if global_model is not None:
             server_state_type = initialize_fn.type_signature.result.member
@@ -322,14 +327,20 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
             field = self._global_model
             state_type = self.initialize.type_signature.result.member
             trainable_type = state_type[field]
+            constants = self._non_trainable
+            non_trainable_type = tff.StructWithPythonType(
+                [tff.TensorType(w.dtype, w.shape) for w in constants], list
+            )
             weights_type = tff.StructWithPythonType(
-                [('trainable', trainable_type), ('non_trainable', tff.StructWithPythonType([], list))],
+                [('trainable', trainable_type), ('non_trainable', non_trainable_type)],
                 tff.learning.models.ModelWeights,
             )
 
             @tff.tensorflow.computation(state_type)
             def get_model_weights(state):
-                return tff.learning.models.ModelWeights(trainable=state[field], non_trainable=[])
+                return tff.learning.models.ModelWeights(
+                    trainable=state[field], non_trainable=[tf.constant(w) for w in constants]
+                )
 
             @tff.tensorflow.computation(state_type, weights_type)
             def set_model_weights(state, weights):
@@ -347,8 +358,9 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
         As `tff.learning.templates.LearningProcess.get_model_weights`: the
         weights go to TFF's evaluation (`tff.learning.algorithms.build_fed_eval`),
         checkpoint and program tools. `trainable` is the list of the model's
-        trainable weights in Keras order; `non_trainable` is empty (the
-        builders refuse models with non-trainable weights).
+        trainable weights in Keras order; `non_trainable` a fresh model's
+        non-trainable weights (empty for most models; BatchNormalization's
+        initial statistics, which is what TFF's FedAvg server holds).
 
         Raises:
           ValueError: if the algorithm has no global model (one line, why).

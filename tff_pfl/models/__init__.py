@@ -44,6 +44,32 @@ def mnist_dnn(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     )
 
 
+def mnist_dnn_bn(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
+    """`mnist_dnn` with batch normalization: flatten, 100 units, BatchNormalization, ReLU, logits.
+
+    FedBN's default model (its BatchNormalization layer is what FedBN keeps
+    on each client); any model with such layers goes in as well.
+
+    Args:
+      input_shape: shape of one example (e.g. (28, 28, 1) or (784,)).
+      num_classes: number of output logits.
+
+    Returns:
+      An un-compiled `tf.keras.Model`.
+    """
+    return tf.keras.Sequential(
+        [
+            tf.keras.layers.InputLayer(input_shape=tuple(input_shape)),
+            tf.keras.layers.Flatten(),
+            tf.keras.layers.Dense(100),
+            tf.keras.layers.BatchNormalization(),
+            tf.keras.layers.ReLU(),
+            tf.keras.layers.Dense(num_classes),
+        ],
+        name='mnist_dnn_bn',
+    )
+
+
 def persfl_cnn(input_shape: Sequence[int], num_classes: int) -> tf.keras.Model:
     """The PersFL CIFAR CNN (the LeNet-5 style network of the paper).
 
@@ -488,6 +514,7 @@ def seeded(seed: int):
 
 _REGISTRY: dict[str, ModelBuilder] = {
     'mnist_dnn': mnist_dnn,
+    'mnist_dnn_bn': mnist_dnn_bn,
     'persfl_cnn': persfl_cnn,
     'logistic': logistic_regression,
     'gaussian_mean': gaussian_mean,

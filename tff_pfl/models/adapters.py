@@ -21,7 +21,8 @@ loss is never silently replaced: the builders train with their `loss=`
 line, a model whose own loss is not that cross-entropy when no `loss=` is
 given (a zero loss, `from_logits=False` on logits, another objective). The
 model's own metrics are not used: pass them as `metrics=` (docs/models.md).
-Models with non-trainable weights are refused, as for Keras models. PersFL's
+Models with non-trainable weights are refused (a Keras model's BatchNormalization
+is taken, `model_weights.check_non_trainable`). PersFL's
 distillation grid needs a Sequential Keras model (it stacks the grid's
 candidates layer by layer) and refuses these in one line.
 """
