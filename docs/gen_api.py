@@ -69,6 +69,7 @@ PUBLIC = [
     ('tff_pfl.computations.privacy', ['DPConfig']),
     ('tff_pfl.program.training_loop', ['run', 'RunResult']),
     ('tff_pfl.program.evaluation', ['client_rows']),
+    ('tff_pfl.program.tff_programs', ['learning_process', 'ClientIdsDataSource', 'native_context']),
     ('tff_pfl.program.run_config', ['make_config', 'ExperimentConfig']),
     (
         'tff_pfl.program.config_parts',

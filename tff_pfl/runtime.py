@@ -260,8 +260,8 @@ class ClosingExecutorFactory(tff.framework.ExecutorFactory):
             executor.close()
 
 
-def _execution_context(stub):
-    """TFF's synchronous execution context on the worker behind `stub`."""
+def _executor_fn(stub):
+    """The executor factory of the worker behind `stub`."""
 
     def executor_fn(cardinalities):
         # Computations with no CLIENTS-placed argument (initialize) still
@@ -271,8 +271,31 @@ def _execution_context(stub):
         executor.set_cardinalities(cardinalities)
         return executor
 
+    return ClosingExecutorFactory(executor_fn)
+
+
+def _execution_context(stub):
+    """TFF's synchronous execution context on the worker behind `stub`."""
     return tff.framework.SyncExecutionContext(
-        executor_fn=ClosingExecutorFactory(executor_fn),
+        executor_fn=_executor_fn(stub),
+        compiler_fn=compile_for_worker,
+        transform_args=tff.tensorflow.transform_args,
+        transform_result=tff.tensorflow.transform_result,
+    )
+
+
+def async_execution_context(stub):
+    """TFF's asynchronous execution context on the worker behind `stub` (for `tff.program`'s contexts).
+
+    Args:
+      stub: the worker's stub (`LocalRuntime.stub`).
+
+    Returns:
+      A `tff.framework.AsyncExecutionContext`, e.g. for
+      `tff.program.NativeFederatedContext`.
+    """
+    return tff.framework.AsyncExecutionContext(
+        executor_fn=_executor_fn(stub),
         compiler_fn=compile_for_worker,
         transform_args=tff.tensorflow.transform_args,
         transform_result=tff.tensorflow.transform_result,
@@ -584,6 +607,7 @@ class LocalRuntime:
         stub = worker_channel.WatchedStub(
             stub, f'(pid {self.pid}, log {log_path or "discarded"})', exit_code=self._process.poll
         )
+        self.stub = stub  # for another context on the same worker (`async_execution_context`)
         self.context = _execution_context(stub)
         self._previous_context = tff.framework.get_context_stack().current
         tff.framework.set_default_context(self.context)
