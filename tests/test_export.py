@@ -323,7 +323,7 @@ def test_every_algorithm_exports_what_fits(algorithm, tiny_npz, tmp_path):
     own_architectures = algorithms.get(algorithm).own_architectures
     extra = dict(public_examples=40, architectures=('logistic', 'mnist_dnn')) if own_architectures else {}
     if not own_architectures:
-        extra['model'] = 'mnist_dnn'
+        extra['model'] = 'mnist_dnn_bn' if algorithm == 'fedbn' else 'mnist_dnn'  # FedBN needs batch norm
     if algorithm == 'fedavg_ft':
         extra['finetune_epochs'] = 1
     config = run_config.make_config(
