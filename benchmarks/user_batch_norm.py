@@ -10,6 +10,7 @@ program's final models compared) and `<out>.json`.
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import tempfile
@@ -79,14 +80,14 @@ def program(process, initial, spec, root, crash_before=None):
         train_total_rounds=ROUNDS,
         program_state_manager=states,
         model_output_manager=tff.program.MemoryReleaseManager(),
-        train_metrics_manager=tff.program.CSVFileReleaseManager(os.path.join(root, 'metrics.csv'), key_fieldname='round'),
+        train_metrics_manager=tff.program.CSVFileReleaseManager(
+            os.path.join(root, 'metrics.csv'), key_fieldname='round'
+        ),
         evaluation_manager=None,
         evaluation_periodicity=ROUNDS,
     )
-    try:
+    with contextlib.suppress(Killed):  # the killed job: its saved rounds stay on disk
         asyncio.run(run)
-    except Killed:
-        pass
     versions = asyncio.run(states.get_versions())
     saved, _ = asyncio.run(states.load_latest(tff.learning.programs.ProgramState(initial, 0, 0, None)))
     return versions, [np.asarray(w) for w in saved.state['model']]
@@ -106,8 +107,16 @@ def main():
     out = {}
     with runtime.local_runtime() as rt:
         for name, process, model in [
-            ('FedAvg', fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**settings), metrics=auc), 'global_model'),
-            ('FedBN', fedbn.build_fedbn_process(spec, model_fn, fedbn.FedBNSettings(**settings), metrics=auc), 'personalized_model'),
+            (
+                'FedAvg',
+                fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**settings), metrics=auc),
+                'global_model',
+            ),
+            (
+                'FedBN',
+                fedbn.build_fedbn_process(spec, model_fn, fedbn.FedBNSettings(**settings), metrics=auc),
+                'personalized_model',
+            ),
         ]:
             result = training_loop.run(process, spec.client_ids, rounds=ROUNDS, client_fraction=1.0, seed=0)
             out[name] = per_client(spec, result, model)
@@ -124,27 +133,31 @@ def main():
         'max_abs_difference': float(max(np.abs(a - b).max() for a, b in zip(whole, resumed))),
     }
     lines = [
-        '# A user\'s BatchNormalization model through FedAvg, FedBN and TFF\'s train_model', '',
+        "# A user's BatchNormalization model through FedAvg, FedBN and TFF's train_model",
+        '',
         f'Eight stores of Fashion-MNIST (3 classes each), model Dense 64 - BatchNormalization - ReLU - Dense 10, '
         f'{ROUNDS} rounds, every store every round (train_model: 4 a round), batch 32, lr 0.05; '
-        '`uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm`.', '',
-        '| store | FedAvg accuracy % | FedAvg AUC | FedBN accuracy % | FedBN AUC |', '|---|---:|---:|---:|---:|',
+        '`uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm`.',
+        '',
+        '| store | FedAvg accuracy % | FedAvg AUC | FedBN accuracy % | FedBN AUC |',
+        '|---|---:|---:|---:|---:|',
     ]
     for user in sorted(out['FedAvg']):
         a, b = out['FedAvg'][user], out['FedBN'][user]
-        lines.append(f"| {user} | {a['accuracy']:.2f} | {a['auc']:.4f} | {b['accuracy']:.2f} | {b['auc']:.4f} |")
+        lines.append(f'| {user} | {a["accuracy"]:.2f} | {a["auc"]:.4f} | {b["accuracy"]:.2f} | {b["auc"]:.4f} |')
     for name in ('FedAvg', 'FedBN'):
         values = list(out[name].values())
         out[f'{name}_mean'] = {k: float(np.mean([v[k] for v in values])) for k in ('accuracy', 'auc')}
     lines.append(
-        f"| mean | {out['FedAvg_mean']['accuracy']:.2f} | {out['FedAvg_mean']['auc']:.4f} | "
-        f"{out['FedBN_mean']['accuracy']:.2f} | {out['FedBN_mean']['auc']:.4f} |"
+        f'| mean | {out["FedAvg_mean"]["accuracy"]:.2f} | {out["FedAvg_mean"]["auc"]:.4f} | '
+        f'{out["FedBN_mean"]["accuracy"]:.2f} | {out["FedBN_mean"]["auc"]:.4f} |'
     )
     p = out['program']
     lines += [
-        '', f"train_model (FedAvg): uninterrupted, saved rounds {p['uninterrupted_versions']}; killed before round 6, "
-        f"saved {p['killed_versions']}; resumed, saved {p['resumed_versions']}; largest difference between the two "
-        f"final models: {p['max_abs_difference']}.",
+        '',
+        f'train_model (FedAvg): uninterrupted, saved rounds {p["uninterrupted_versions"]}; killed before round 6, '
+        f'saved {p["killed_versions"]}; resumed, saved {p["resumed_versions"]}; largest difference between the two '
+        f'final models: {p["max_abs_difference"]}.',
     ]
     with open(f'{args.out}.md', 'w') as f:
         f.write('\n'.join(lines) + '\n')

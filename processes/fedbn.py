@@ -222,8 +222,12 @@ ALGORITHMS = (
         'FedBN (Li et al., 2021): shared layers averaged, batch-norm layers and statistics kept per client',
         FedBNSettings,
         algorithm.model_update_builder(build_fedbn_process),
-        default_models={'synthetic': 'mnist_dnn_bn', 'mnist': 'mnist_dnn_bn', 'fashion_mnist': 'mnist_dnn_bn',
-                        'npz': 'mnist_dnn_bn'},
+        default_models={
+            'synthetic': 'mnist_dnn_bn',
+            'mnist': 'mnist_dnn_bn',
+            'fashion_mnist': 'mnist_dnn_bn',
+            'npz': 'mnist_dnn_bn',
+        },
         privacy=algorithm.Privacy("the shared layers' updates (the batch-norm layers stay on the clients)"),
     ),
 )

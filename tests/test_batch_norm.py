@@ -28,7 +28,7 @@ def spec(tmp_path_factory):
 
 
 def _tff_datasets(spec, client_ids, round_num):
-    """Each client's train split, batched in the order our local training takes it in `round_num` (epoch after epoch)."""
+    """Each client's train split, batched in the order our local training takes it in `round_num`, epoch by epoch."""
     datasets = []
     for client_id in client_ids:
         x, y = client_data.read_split_numpy(spec, client_id, 'train')

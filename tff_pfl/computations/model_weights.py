@@ -234,12 +234,15 @@ def check_non_trainable(model_fn: Callable[[], tf.keras.Model]) -> None:
     with tf.Graph().as_default():
         model = model_fn()
         changing = [w for w, a, b in zip(model.non_trainable_weights, first, second) if not np.array_equal(a, b)]
-        layers = [layer.name for layer in model._flatten_layers(include_self=False)
-                  if any(w is v for v in layer.non_trainable_weights for w in changing)]
+        layers = [
+            layer.name
+            for layer in model._flatten_layers(include_self=False)
+            if any(w is v for v in layer.non_trainable_weights for w in changing)
+        ]
     raise ValueError(
         f'model {model.name!r} has non-trainable weights that differ from build to build (layer '
         f'{", ".join(repr(n) for n in layers[-1:] or ["?"])}): only trainable weights are averaged or kept, and '
-        'non-trainable ones are a fresh model\'s; give them a constant initializer or make them trainable'
+        "non-trainable ones are a fresh model's; give them a constant initializer or make them trainable"
     )
 
 

@@ -328,9 +328,7 @@ class PersonalizedProcess(tff.templates.IterativeProcess):
             state_type = self.initialize.type_signature.result.member
             trainable_type = state_type[field]
             constants = self._non_trainable
-            non_trainable_type = tff.StructWithPythonType(
-                [tff.TensorType(w.dtype, w.shape) for w in constants], list
-            )
+            non_trainable_type = tff.StructWithPythonType([tff.TensorType(w.dtype, w.shape) for w in constants], list)
             weights_type = tff.StructWithPythonType(
                 [('trainable', trainable_type), ('non_trainable', non_trainable_type)],
                 tff.learning.models.ModelWeights,

@@ -58,7 +58,9 @@ def learning_process(process: template.PersonalizedProcess) -> tff.learning.temp
         them: run it with `tff_pfl.program.training_loop.run`).
     """
     if not isinstance(process, template.PersonalizedProcess):
-        raise TypeError(f'process must be a PersonalizedProcess (a build_*_process result), got {type(process).__name__}')
+        raise TypeError(
+            f'process must be a PersonalizedProcess (a build_*_process result), got {type(process).__name__}'
+        )
     if not process.has_global_model:
         process.get_model_weights  # raises the one-line reason  # noqa: B018
     fields = [name for name, _ in tff.structure.iter_elements(process.client_state_type)]
@@ -82,7 +84,9 @@ def learning_process(process: template.PersonalizedProcess) -> tff.learning.temp
     def next_fn(state, client_ids):
         client_states = tff.federated_map(process.initial_client_state, client_ids)
         output = process.next(state, client_states)
-        return tff.learning.templates.LearningProcessOutput(state=output[0], metrics=tff.federated_map(as_composed, output[2]))
+        return tff.learning.templates.LearningProcessOutput(
+            state=output[0], metrics=tff.federated_map(as_composed, output[2])
+        )
 
     return tff.learning.templates.LearningProcess(
         process.initialize, next_fn, process.get_model_weights, process.set_model_weights
