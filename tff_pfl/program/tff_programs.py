@@ -7,8 +7,8 @@ that saves every round and resumes a killed run from the last one, and release m
 takes:
 
 - `learning_process(process)`: a `PersonalizedProcess` with one global model whose clients
-  keep nothing between rounds but their participation record (FedAvg, FedBN's shared part is
-  not one model: refused) as a `LearningProcess` whose `next` takes the round's client ids at
+  keep nothing between rounds but their participation record (FedAvg; not FedBN, whose server
+  holds only the shared layers) as a `LearningProcess` whose `next` takes the round's client ids at
   CLIENTS; each client builds its state from its id (`initial_client_state`) inside the round,
   so nothing but ids comes in and the same aggregates as `process.next` go out.
 - `ClientIdsDataSource`: the partition's ids, sampled per round without replacement by a
