@@ -79,12 +79,6 @@ def split_batch_norm(model_fn: Callable[[], tf.keras.Model]) -> tuple[list[int],
     return shared, batch_norm
 
 
-def _with_model(model_fn, seed: int):
-    """The model a client computation works on (TF code): built under the run seed."""
-    with models.seeded(seed):
-        return model_fn()
-
-
 @builder_inputs.checked
 def build_fedbn_process(
     spec: client_data.ClientDataSpec,
@@ -151,7 +145,8 @@ def build_fedbn_process(
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        model = _with_model(model_fn, seed)
+        with models.seeded(seed):  # every client's batch-norm layers start from the run seed's model
+            model = model_fn()
         weights = model_weights.get_weights(model)
         return building_blocks.participation_state(
             client_id,

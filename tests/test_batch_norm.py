@@ -1,5 +1,7 @@
 """Models with non-trainable weights (BatchNormalization): handled as TFF's FedAvg handles them."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,7 +41,7 @@ def _tff_datasets(spec, client_ids, round_num):
             )
             for perm in local_training.epoch_permutations(seed, SETTINGS.local_epochs, len(y)).numpy()
         ]
-        datasets.append(epochs[0].concatenate(epochs[1]))
+        datasets.append(functools.reduce(lambda a, b: a.concatenate(b), epochs))
     return datasets
 
 

@@ -140,19 +140,25 @@ def check_logits(model: tf.keras.Model) -> None:
 # Model functions whose model `check_logits` has passed: a builder asks for `weights_type` of the same
 # function two to five times, and the check traces the model each time it runs.
 _LOGITS_CHECKED = weakref.WeakSet()
+# Model functions whose non-trainable weights `check_non_trainable` has found the same in every build.
+_NON_TRAINABLE_CHECKED = weakref.WeakSet()
 
 
-def _check_logits_once(model_fn: Callable[[], tf.keras.Model], model: tf.keras.Model) -> None:
-    """`check_logits(model)`, once per model function (each time for one that cannot be weakly referenced)."""
+def _once(checked: weakref.WeakSet, model_fn: Callable[[], tf.keras.Model], check: Callable[[], None]) -> None:
+    """Runs `check()` unless it has passed for `model_fn` before (`checked` remembers it).
+
+    A model function that cannot be weakly referenced (or hashed) is checked
+    every time.
+    """
     try:
-        if model_fn in _LOGITS_CHECKED:
+        if model_fn in checked:
             return
     except TypeError:  # unhashable
-        check_logits(model)
+        check()
         return
-    check_logits(model)
+    check()
     with contextlib.suppress(TypeError):  # not weakly referenceable: checked again next time
-        _LOGITS_CHECKED.add(model_fn)
+        checked.add(model_fn)
 
 
 def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] | None = None) -> tff.Type:
@@ -173,17 +179,13 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
     """
     with tf.Graph().as_default():
         model = model_fn()
-        _check_logits_once(model_fn, model)
+        _once(_LOGITS_CHECKED, model_fn, lambda: check_logits(model))
         if model.non_trainable_weights:
-            _check_non_trainable_once(model_fn)
+            _once(_NON_TRAINABLE_CHECKED, model_fn, lambda: check_non_trainable(model_fn))
         variables = model.trainable_weights
         if indices is not None:
             variables = [variables[i] for i in indices]
         return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
-
-
-# Model functions whose non-trainable weights `check_non_trainable` has found the same in every build.
-_NON_TRAINABLE_CHECKED = weakref.WeakSet()
 
 
 def non_trainable_values(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[np.ndarray]:
@@ -241,22 +243,9 @@ def check_non_trainable(model_fn: Callable[[], tf.keras.Model]) -> None:
         ]
     raise ValueError(
         f'model {model.name!r} has non-trainable weights that differ from build to build (layer '
-        f'{", ".join(repr(n) for n in layers[-1:] or ["?"])}): only trainable weights are averaged or kept, and '
+        f'{(layers or ["?"])[-1]!r}): only trainable weights are averaged or kept, and '
         "non-trainable ones are a fresh model's; give them a constant initializer or make them trainable"
     )
-
-
-def _check_non_trainable_once(model_fn: Callable[[], tf.keras.Model]) -> None:
-    """`check_non_trainable(model_fn)`, once per model function that can be weakly referenced."""
-    try:
-        if model_fn in _NON_TRAINABLE_CHECKED:
-            return
-    except TypeError:
-        check_non_trainable(model_fn)
-        return
-    check_non_trainable(model_fn)
-    with contextlib.suppress(TypeError):
-        _NON_TRAINABLE_CHECKED.add(model_fn)
 
 
 def non_trainable_refusal(model: tf.keras.Model) -> str:
@@ -367,17 +356,3 @@ def assign_non_trainable(model: tf.keras.Model, values: Sequence[tf.Tensor]) -> 
       The list of the variables' `assign` results, one per variable.
     """
     return [v.assign(w) for v, w in zip(model.non_trainable_weights, values)]
-
-
-def non_trainable_type(model_fn: Callable[[], tf.keras.Model]) -> tff.Type:
-    """The TFF type of a model's non-trainable weights: a list of tensors (empty for none).
-
-    Args:
-      model_fn: no-arg function returning a fresh Keras model.
-
-    Returns:
-      A `tff.StructWithPythonType` (list container) of `tff.TensorType`s.
-    """
-    with tf.Graph().as_default():
-        variables = model_fn().non_trainable_weights
-        return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
