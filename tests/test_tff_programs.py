@@ -101,7 +101,8 @@ def test_train_model_runs_fedavg_and_a_stopped_run_resumes_to_the_same_model(pro
     assert not np.allclose(whole_model[0], np.asarray(process.initialize()['model'][0]))  # it trained
     with open(tmp_path / 'whole' / 'metrics.csv') as f:
         rows = list(csv.DictReader(f))
-    assert [int(r['round']) for r in rows] == list(range(1, ROUNDS + 1))
+    # One row per round; TFF's task manager releases them concurrently, so not always in order.
+    assert sorted(int(r['round']) for r in rows) == list(range(1, ROUNDS + 1))
     assert all(int(r['model_metrics/num_clients']) == 2 for r in rows), rows[0].keys()  # as TFF rehomes them
     assert all(0.0 < float(r['model_metrics/train_accuracy']) <= 1.0 for r in rows)
     # The same rounds by hand: process.next on the same sampled ids gives the same model.
