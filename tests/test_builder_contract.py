@@ -516,3 +516,43 @@ def _module_of(builder):
         if hasattr(module, builder):
             return module
     raise KeyError(builder)
+
+
+def _batch_norm_mlp(spec):
+    inputs = tf.keras.Input(spec.feature_shape)
+    hidden = tf.keras.layers.BatchNormalization(name='norm')(tf.keras.layers.Dense(6)(inputs))
+    hidden = tf.keras.layers.ReLU()(hidden)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(spec.num_classes)(hidden), name='user_bn')
+
+
+# The builders that take the user's model_fn, less FedAvg and FedBN (tests/test_batch_norm.py trains them with
+# BatchNormalization against TFF's own FedAvg) and FedPer (its table entry builds a model of its own), as are
+# KT-pFL's and FedDF's (heterogeneous architectures by name).
+COVERED_ELSEWHERE = {'build_fedavg_process', 'build_fedbn_process', 'build_fedper_process'}
+OWN_MODEL_BUILDERS = sorted(set(_builders()) - COVERED_ELSEWHERE - {'build_ktpfl_process', 'build_feddf_process'})
+
+
+@pytest.mark.parametrize('builder', OWN_MODEL_BUILDERS)
+def test_every_builder_trains_and_evaluates_a_batch_norm_model_or_refuses_it_in_one_line(data, tff_runtime, builder):
+    """A user's model with BatchNormalization: one round (or interval), personalization and an evaluation run,
+    computations nested in others included (TFF does not run their variable initializers:
+    `model_weights.fresh_weights`); FedAMP, FedFomo, pFedHN and homogeneous KT-pFL refuse it naming the layer."""
+    spec, _ = data
+    build, _ = _builders()[builder]
+    try:
+        process = build(spec, functools.partial(_batch_norm_mlp, spec))
+    except ValueError as e:
+        assert '\n' not in str(e) and "'norm'" in str(e), str(e)  # a refusal names the layer
+        return
+    state, clients = process.initialize(), process.initial_client_states(spec.client_ids)
+    if isinstance(process, template.ServerlessProcess):
+        clients, _ = process.local_work(clients, [2] * spec.num_clients, np.int32(0))
+    else:
+        state, clients, _ = process.next(state, clients)
+    if getattr(process, 'personalize', None) is not None:
+        clients = process.personalize(state, clients)
+    for result in process.evaluate(state, clients):
+        scored = [m for m in result.values() if isinstance(m, collections.abc.Mapping) and 'accuracy' in m]
+        assert scored
+        for model in scored:
+            assert 0.0 <= float(model['accuracy']) <= 1.0 and np.isfinite(float(model['loss']))

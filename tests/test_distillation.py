@@ -204,3 +204,71 @@ def test_halving_keeps_the_best_third_per_rung_and_ends_with_the_grid_of_its_sur
     assert len(cut_first) == 9
     for got, want in zip(halving.weights, grids[1].weights):
         np.testing.assert_allclose(got.numpy()[cut_first], want.numpy()[cut_first], atol=1e-5)
+
+
+def _batch_norm_mlp(dim=6, classes=3):
+    inputs = tf.keras.Input([dim])
+    hidden = tf.keras.layers.BatchNormalization(name='input_norm')(inputs)
+    hidden = tf.keras.layers.Dense(8)(hidden)
+    hidden = tf.keras.layers.BatchNormalization(center=False, name='hidden_norm')(hidden)
+    hidden = tf.keras.layers.ReLU()(hidden)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(classes)(hidden))
+
+
+@pytest.mark.parametrize('training', [False, True])
+def test_stacked_batch_norm_is_kerass_under_training(training):
+    rng = np.random.default_rng(4)
+    models_ = [_batch_norm_mlp() for _ in range(3)]
+    for model in models_:
+        for weight in model.trainable_weights:
+            weight.assign(rng.normal(size=weight.shape).astype(np.float32))
+    x = rng.normal(2.0, 3.0, size=(9, 6)).astype(np.float32)
+    weights = [tf.stack([m.trainable_weights[i] for m in models_]) for i in range(len(models_[0].trainable_weights))]
+    got = stacked.forward(stacked.plan(models_[0]), weights, tf.constant(x), training=training).numpy()
+    want = np.stack([m(x, training=training).numpy() for m in models_])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_grid_with_batch_norm_trains_each_student_as_keras_does():
+    """Students train on their batches' statistics (Keras's `training=True`), the teacher and validation use
+    a fresh model's moving statistics (`training=False`), as the project's local training and evaluation do."""
+    train, val, x, y = _problem(seed=2, n=30)
+    teacher_model = _batch_norm_mlp()
+    teacher = [tf.constant(w) for w in teacher_model.trainable_weights]
+    candidates = [(1.0, 0.0), (4.0, 0.5), (9.0, 1.0)]
+    temperatures, imitations = distillation.candidate_arrays(candidates)
+    config = local_training.TrainingConfig(epochs=2, batch_size=8, learning_rate=0.1)
+    seed = tf.constant([3, 1], tf.int64)
+    result = distillation.distill_grid(
+        stacked.plan(teacher_model),
+        teacher,
+        train,
+        val,
+        temperatures=tf.constant(temperatures),
+        imitations=tf.constant(imitations),
+        config=config,
+        seed=seed,
+    )
+    permutations = local_training.epoch_permutations(seed, 2, len(y)).numpy()
+    teacher_logits = teacher_model(x, training=False).numpy()
+    for g, (temperature, imitation) in enumerate(candidates):
+        student = _batch_norm_mlp()
+        student.set_weights(teacher_model.get_weights())
+        for epoch in range(2):
+            for start in range(0, len(y), 8):
+                rows = permutations[epoch, start : start + 8]
+                with tf.GradientTape() as tape:
+                    logits = student(x[rows], training=True)
+                    labels = tf.constant(y[rows])
+                    loss = losses.persfl_loss(logits, teacher_logits[rows], labels, temperature, imitation)
+                grads = tape.gradient(loss, student.trainable_weights)
+                for weight, grad in zip(student.trainable_weights, grads):
+                    weight.assign_sub(0.1 * grad)
+        for got, want in zip(result.weights, student.trainable_weights):
+            np.testing.assert_allclose(got[g].numpy(), want.numpy(), atol=1e-5)
+        fresh = _batch_norm_mlp()
+        for weight, trained in zip(fresh.trainable_weights, student.trainable_weights):
+            weight.assign(trained)
+        accuracy = np.mean(np.argmax(fresh(val.features, training=False).numpy(), 1) == val.labels.numpy())
+        np.testing.assert_allclose(result.val_accuracy[g].numpy(), accuracy, rtol=1e-6)
+    assert not np.allclose(result.weights[2][0].numpy(), teacher[2].numpy())  # it trained (the hidden kernel)

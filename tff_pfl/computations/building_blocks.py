@@ -213,7 +213,7 @@ def build_client_training(
     def client_training(weights, round_num, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
             stats = local_training.train_with(
                 model,
                 data,
@@ -292,7 +292,7 @@ def build_client_evaluation(
     def client_evaluation(weights, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
             stats = local_training.evaluate(model, data)
             extra = local_training.metric_sums(model, data, metrics) if metrics else None
         return template.client_metrics(stats, extra)

@@ -145,7 +145,7 @@ def _train_stack(layers, teacher_stack, students, train, steps, first, last, tem
         teacher_logits = stacked.forward(layers, teacher_stack, x)[0]
         with tf.GradientTape() as tape:
             tape.watch(weights)
-            student_logits = stacked.forward(layers, list(weights), x)
+            student_logits = stacked.forward(layers, list(weights), x, training=True)
             # Candidates are independent: the gradient of the sum is each one's own.
             loss = tf.reduce_sum(losses.persfl_loss(student_logits, teacher_logits, y, temperatures, imitations, soft))
         grads = tape.gradient(loss, weights)

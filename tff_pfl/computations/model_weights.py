@@ -345,6 +345,26 @@ def get_non_trainable(model: tf.keras.Model) -> list[tf.Tensor]:
     return [tf.identity(v) for v in model.non_trainable_weights]
 
 
+def fresh_weights(model: tf.keras.Model, weights: Sequence[tf.Tensor]) -> list:
+    """Assigns `weights` to the trainable variables and their initial values to the others (TF code).
+
+    A freshly built model's non-trainable variables (BatchNormalization's
+    moving statistics) hold their initial values only once TFF has run the
+    computation's variable initializers, which it does not do for a
+    computation called inside another one: this sets them explicitly, so a
+    building block is the same model wherever it runs.
+
+    Args:
+      model: a freshly built Keras model.
+      weights: one tensor per trainable variable, in Keras order.
+
+    Returns:
+      The list of the `assign` results.
+    """
+    initial = [v.assign(v.initial_value) for v in model.non_trainable_weights]
+    return assign_weights(model, weights) + initial
+
+
 def assign_non_trainable(model: tf.keras.Model, values: Sequence[tf.Tensor]) -> list:
     """Assigns `values` to the model's non-trainable variables; returns the ops (TF code).
 

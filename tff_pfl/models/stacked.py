@@ -6,9 +6,16 @@ batched matmuls, so training a grid of hyper-parameters costs one loop, not G.
 `plan(model)` reads the layer structure once (at trace time).
 
 Supported layers: Flatten, Dense, Conv2D (channels_last), MaxPooling2D,
-Activation, and for sequences Embedding (without masking) and GRU (Keras's
-default cell: reset_after, tanh / sigmoid, no dropout, returning the whole
-sequence). Others raise ValueError naming the layer.
+Activation, ReLU (Keras's defaults), BatchNormalization over the last axis,
+and for sequences Embedding (without masking) and GRU (Keras's default cell:
+reset_after, tanh / sigmoid, no dropout, returning the whole sequence).
+Others raise ValueError naming the layer.
+
+BatchNormalization runs as Keras runs it under `training=`: on the batch's
+own mean and (biased) variance when training, else on the moving statistics.
+Those are a fresh model's (its initializers'), as everywhere in the project
+outside a client's local training (`model_weights.check_non_trainable`): only
+trainable weights are stacked.
 """
 
 import collections
@@ -42,6 +49,13 @@ def plan(model: tf.keras.Model) -> list:
             layers.append(Layer(kind, config, 2 if config['use_bias'] else 1))
         elif kind in ('Flatten', 'MaxPooling2D', 'Activation'):
             layers.append(Layer(kind, config, 0))
+        elif kind == 'ReLU':
+            changed = [f'{key}={config[key]!r}' for key, wanted in _RELU_CONFIG.items() if config.get(key) != wanted]
+            if changed:
+                raise ValueError(f'{layer.name}: ReLU with {", ".join(changed)} is not supported')
+            layers.append(Layer(kind, config, 0))
+        elif kind == 'BatchNormalization':
+            layers.append(_batch_norm(layer, config))
         elif kind == 'Embedding':
             if config.get('mask_zero'):
                 raise ValueError(f'{layer.name}: an Embedding with mask_zero is not supported')
@@ -64,7 +78,22 @@ def plan(model: tf.keras.Model) -> list:
     return layers
 
 
-def forward(layers: list, weights, x: tf.Tensor) -> tf.Tensor:
+def _batch_norm(layer, config) -> Layer:
+    """The plan entry of a BatchNormalization layer over the last axis, with its fresh moving statistics."""
+    axes = list(layer.axis) if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+    rank = layer.input_spec.ndim if layer.input_spec is not None else None
+    if len(axes) != 1 or (axes[0] != -1 and axes[0] != (rank or 0) - 1):
+        raise ValueError(f'{layer.name}: BatchNormalization over axis {layer.axis} (not the last) is not supported')
+    changed = [
+        f'{key}={config[key]!r}' for key, wanted in _BATCH_NORM_CONFIG.items() if config.get(key, wanted) != wanted
+    ]
+    if changed:
+        raise ValueError(f'{layer.name}: BatchNormalization with {", ".join(changed)} is not supported')
+    config = dict(config, channels=int(layer.moving_mean.shape[-1]))
+    return Layer('BatchNormalization', config, int(config['scale']) + int(config['center']))
+
+
+def forward(layers: list, weights, x: tf.Tensor, training: bool = False) -> tf.Tensor:
     """Outputs of G stacked models on one shared batch.
 
     Args:
@@ -72,6 +101,9 @@ def forward(layers: list, weights, x: tf.Tensor) -> tf.Tensor:
       weights: the model's trainable weights in Keras order, each with a
         leading dimension G.
       x: inputs `[B, ...]`, shared by all G models.
+      training: as Keras's `training=`: BatchNormalization on the batch's
+        statistics (True) or on the moving ones (False); no other layer
+        depends on it.
 
     Returns:
       `[G, B, ...]` outputs (logits for the project's models).
@@ -102,7 +134,38 @@ def forward(layers: list, weights, x: tf.Tensor) -> tf.Tensor:
             )
         elif layer.kind == 'Activation':
             h = tf.keras.activations.get(layer.config['activation'])(h)
+        elif layer.kind == 'ReLU':
+            h = tf.nn.relu(h)
+        elif layer.kind == 'BatchNormalization':
+            h = _normalize(h, params, layer.config, training)
     return h
+
+
+# The ReLU and BatchNormalization configurations `forward` implements.
+_RELU_CONFIG = {'max_value': None, 'negative_slope': 0.0, 'threshold': 0.0}
+_BATCH_NORM_CONFIG = {'renorm': False, 'virtual_batch_size': None, 'adjustment': None, 'synchronized': False}
+
+
+def _normalize(h, params, config, training):
+    """G BatchNormalizations over the last axis of [G, B, ..., C] (Keras's formula, epsilon inside the root)."""
+    if training:
+        mean, variance = tf.nn.moments(h, axes=list(range(1, h.shape.rank - 1)), keepdims=True)
+    else:
+        shape = [config['channels']]
+        mean = tf.keras.initializers.get(config['moving_mean_initializer'])(shape)
+        variance = tf.keras.initializers.get(config['moving_variance_initializer'])(shape)
+    normalized = (h - mean) * tf.math.rsqrt(variance + config['epsilon'])
+    params = list(params)
+    if config['scale']:
+        normalized = normalized * _per_channel(params.pop(0), h.shape.rank)
+    if config['center']:
+        normalized = normalized + _per_channel(params.pop(0), h.shape.rank)
+    return normalized
+
+
+def _per_channel(values, rank):
+    """[G, C] as [G, 1, ..., 1, C], to broadcast over a rank-`rank` activation."""
+    return tf.reshape(values, tf.concat([tf.shape(values)[:1], tf.ones([rank - 2], tf.int32), tf.shape(values)[1:]], 0))
 
 
 # The GRU configuration `_gru` implements (Keras's defaults).
