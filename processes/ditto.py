@@ -174,7 +174,7 @@ def build_ditto_process(
         result = client_training(weights, round_num, client_id)
         # Line 8: v_k <- v_k - eta (grad F_k(v_k) + lambda (v_k - w^t)).
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, client_state['personal'])):
+        with tf.control_dependencies(model_weights.fresh_weights(model, client_state['personal'])):
             stats = local_training.train_with(
                 model,
                 client_data.read_split(spec, client_id, 'train'),

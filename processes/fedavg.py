@@ -189,7 +189,7 @@ def build_fedavg_process(
         def client_finetune(weights, round_num, client_state):
             client_id = client_state['client_id']
             model = model_fn()
-            with tf.control_dependencies(model_weights.assign_weights(model, weights)):
+            with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
                 tuned, epochs, accuracies = fine_tuning.finetune_on_validation(
                     model,
                     client_data.read_split(spec, client_id, 'train'),

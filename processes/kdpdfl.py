@@ -502,7 +502,7 @@ def build_kdpdfl_process(
         """`slots` slots of local work: `slots` times one slot's steps (or epochs), in one pass."""
         train = client_data.read_split(spec, state['client_id'], 'train')
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, state['model'])):
+        with tf.control_dependencies(model_weights.fresh_weights(model, state['model'])):
             stats = local_training.train(
                 model,
                 train,

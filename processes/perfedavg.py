@@ -231,7 +231,7 @@ def build_perfedavg_process(
         client_id = client_state['client_id']
         train = client_data.read_split(spec, client_id, 'train')
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, weights)):
+        with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
             x, y = train.slice(0, train.num_examples)
             grads, _, _ = _gradients(model, x, y, loss_fn)
         adapted = [w - alpha * g for w, g in zip(weights, grads)]

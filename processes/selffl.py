@@ -406,7 +406,7 @@ def build_selffl_process(
         init = [tf.where(active, i, w) for i, w in zip(init, weights)]
 
         model = model_fn()
-        with tf.control_dependencies(model_weights.assign_weights(model, init)):
+        with tf.control_dependencies(model_weights.fresh_weights(model, init)):
             stats = local_training.train(
                 model,
                 data,

@@ -40,32 +40,33 @@ from tff_pfl.computations import building_blocks, local_training, template
 from tff_pfl.data import client_data, federated
 
 LOCAL = dict(local_steps=2, batch_size=8, client_learning_rate=0.1)
+EPOCH = dict(local_epochs=1, batch_size=16, client_learning_rate=0.1)
 PUBLIC = dict(public_examples=40, public_batch=20, public_distill_batch_size=10)
 
 
-def _builders():
-    """builder name -> (build(spec, model_fn, **keywords), the contract keywords it uses)."""
+def _builders(work=LOCAL):
+    """builder name -> (build(spec, model_fn, **keywords), the contract keywords it uses); `work`: the local work."""
     c, s, a, lo, m = building_blocks.CONTRACT_KEYWORDS
     return {
         'build_fedavg_process': (
-            lambda spec, fn, **kw: fedavg.build_fedavg_process(spec, fn, fedavg.FedAvgSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: fedavg.build_fedavg_process(spec, fn, fedavg.FedAvgSettings(**work), **kw),
             {c, s, a, lo, m},
         ),
         'build_persfl_process': (
             lambda spec, fn, **kw: persfl.build_persfl_process(
-                spec, fn, persfl.PersFLSettings(**LOCAL, temperatures=(1.0,), imitations=(0.5,)), **kw
+                spec, fn, persfl.PersFLSettings(**work, temperatures=(1.0,), imitations=(0.5,)), **kw
             ),
             {c, s, a, m},
         ),
         'build_ditto_process': (
-            lambda spec, fn, **kw: ditto.build_ditto_process(spec, fn, ditto.DittoSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: ditto.build_ditto_process(spec, fn, ditto.DittoSettings(**work), **kw),
             {c, s, a, lo, m},
         ),
         'build_fedper_process': (
             lambda spec, fn, **kw: fedper.build_fedper_process(
                 spec,
                 functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes),
-                fedper.FedPerSettings(**LOCAL),
+                fedper.FedPerSettings(**work),
                 **kw,
             ),
             {c, s, a, lo, m},
@@ -74,17 +75,17 @@ def _builders():
             lambda spec, fn, **kw: fedbn.build_fedbn_process(
                 spec,
                 functools.partial(models.mnist_dnn_bn, spec.feature_shape, spec.num_classes),
-                fedbn.FedBNSettings(**LOCAL),
+                fedbn.FedBNSettings(**work),
                 **kw,
             ),
             {c, s, a, lo, m},
         ),
         'build_local_process': (
-            lambda spec, fn, **kw: local.build_local_process(spec, fn, local.LocalSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: local.build_local_process(spec, fn, local.LocalSettings(**work), **kw),
             {c, lo, m},
         ),
         'build_apfl_process': (
-            lambda spec, fn, **kw: apfl.build_apfl_process(spec, fn, apfl.APFLSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: apfl.build_apfl_process(spec, fn, apfl.APFLSettings(**work), **kw),
             {s, a, lo, m},
         ),
         'build_perfedavg_process': (
@@ -101,24 +102,24 @@ def _builders():
         ),
         'build_ktpfl_process': (
             lambda spec, fn, **kw: ktpfl.build_ktpfl_process(
-                spec, ktpfl.KTpFLSettings(**LOCAL, **PUBLIC, architectures=('logistic',)), **kw
+                spec, ktpfl.KTpFLSettings(**work, **PUBLIC, architectures=('logistic',)), **kw
             ),
             {c, lo, m},
         ),
         'build_ktpfl_homogeneous_process': (
             lambda spec, fn, **kw: ktpfl_homo.build_ktpfl_homogeneous_process(
-                spec, fn, ktpfl_homo.KTpFLHomoSettings(**LOCAL), **kw
+                spec, fn, ktpfl_homo.KTpFLHomoSettings(**work), **kw
             ),
             {c, lo, m},
         ),
         'build_feddf_process': (
             lambda spec, fn, **kw: feddf.build_feddf_process(
-                spec, feddf.FedDFSettings(**LOCAL, **PUBLIC, architectures=('logistic',)), **kw
+                spec, feddf.FedDFSettings(**work, **PUBLIC, architectures=('logistic',)), **kw
             ),
             {c, lo, m},
         ),
         'build_fedamp_process': (
-            lambda spec, fn, **kw: fedamp.build_fedamp_process(spec, fn, fedamp.FedAMPSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: fedamp.build_fedamp_process(spec, fn, fedamp.FedAMPSettings(**work), **kw),
             {c, lo, m},
         ),
         'build_pfedhn_process': (
@@ -128,11 +129,11 @@ def _builders():
             {c, s, lo, m},
         ),
         'build_fedfomo_process': (
-            lambda spec, fn, **kw: fedfomo.build_fedfomo_process(spec, fn, fedfomo.FedFomoSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: fedfomo.build_fedfomo_process(spec, fn, fedfomo.FedFomoSettings(**work), **kw),
             {c, lo, m},
         ),
         'build_kdpdfl_process': (
-            lambda spec, fn, **kw: kdpdfl.build_kdpdfl_process(spec, fn, kdpdfl.KDPDFLSettings(**LOCAL), **kw),
+            lambda spec, fn, **kw: kdpdfl.build_kdpdfl_process(spec, fn, kdpdfl.KDPDFLSettings(**work), **kw),
             {c, lo, m},
         ),
     }
@@ -538,7 +539,7 @@ def test_every_builder_trains_and_evaluates_a_batch_norm_model_or_refuses_it_in_
     computations nested in others included (TFF does not run their variable initializers:
     `model_weights.fresh_weights`); FedAMP, FedFomo, pFedHN and homogeneous KT-pFL refuse it naming the layer."""
     spec, _ = data
-    build, _ = _builders()[builder]
+    build, _ = _builders(EPOCH)[builder]  # an epoch of local work: steps and epochs run different loops
     try:
         process = build(spec, functools.partial(_batch_norm_mlp, spec))
     except ValueError as e:
