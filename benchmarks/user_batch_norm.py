@@ -1,5 +1,6 @@
-"""A user's own BatchNormalization model, ClientData and Keras AUC through FedAvg and FedBN, and FedAvg under
-TFF's `train_model`, stopped before round 6 and resumed, against an uninterrupted run.
+"""A user's own BatchNormalization model, ClientData and Keras AUC through FedAvg, FedBN and PersFL, and FedAvg and
+Ditto (its personal models on the devices) under TFF's `train_model`, stopped before round 6 and resumed, against
+uninterrupted runs.
 
     uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm
 
@@ -19,8 +20,9 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedavg, fedbn
+from processes import ditto, fedavg, fedbn, persfl
 from tff_pfl import runtime
+from tff_pfl.computations import device_state
 from tff_pfl.data import federated
 from tff_pfl.program import tff_programs, training_loop
 
@@ -56,26 +58,36 @@ def per_client(spec, result, model):
     }
 
 
-def program(process, initial, spec, root, crash_before=None):
-    """`train_model` for ROUNDS rounds under `root`; with `crash_before`, the job dies asking for that round."""
+def program(process, initial, spec, root, crash_before=None, templates=None):
+    """`train_model` for ROUNDS rounds under `root`; with `crash_before`, the job dies asking for that round.
+
+    Returns the saved versions, the final server state's leaves and, with `templates` (client id -> its initial
+    state, made in the synchronous context: the client states are on the devices, `DeviceStatesDataSource`),
+    every client's latest state's leaves.
+    """
+    devices = templates is not None
 
     class Killed(Exception):
         pass
 
-    class Iterator(tff_programs.ClientIdsIterator):
+    base = tff_programs.DeviceStatesIterator if devices else tff_programs.ClientIdsIterator
+
+    class Iterator(base):
         def select(self, k=None):
             if crash_before is not None and self._round + 1 == crash_before:
                 raise Killed(f'killed before round {crash_before}')
             return super().select(k)
 
-    class Source(tff_programs.ClientIdsDataSource):
-        def iterator(self):
-            return Iterator(self._client_ids, self._seed)
-
+    if devices:
+        source = tff_programs.DeviceStatesDataSource(spec.client_ids, os.path.join(root, 'devices'), seed=0)
+        source.iterator = lambda: Iterator(spec.client_ids, 0, os.path.join(root, 'devices'), restored=False)
+    else:
+        source = tff_programs.ClientIdsDataSource(spec.client_ids, seed=0)
+        source.iterator = lambda: Iterator(spec.client_ids, 0)
     states = tff.program.FileProgramStateManager(os.path.join(root, 'state'), keep_total=ROUNDS + 1)
     run = tff.learning.programs.train_model(
         train_process=tff_programs.learning_process(process),
-        train_data_source=Source(spec.client_ids, seed=0),
+        train_data_source=source,
         train_per_round_clients=4,
         train_total_rounds=ROUNDS,
         program_state_manager=states,
@@ -90,7 +102,13 @@ def program(process, initial, spec, root, crash_before=None):
         asyncio.run(run)
     versions = asyncio.run(states.get_versions())
     saved, _ = asyncio.run(states.load_latest(tff.learning.programs.ProgramState(initial, 0, 0, None)))
-    return versions, [np.asarray(w) for w in saved.state['model']]
+    leaves = [np.asarray(w) for w in saved.state['model']]
+    if devices:
+        for device in source.latest():
+            if os.path.exists(device['state_file']):
+                state = device_state.load(device['state_file'], templates[device['client_id']])
+                leaves += [np.asarray(v) for v in device_state.flatten(state) if np.asarray(v).dtype.kind == 'f']
+    return versions, leaves
 
 
 def main():
@@ -117,48 +135,66 @@ def main():
                 fedbn.build_fedbn_process(spec, model_fn, fedbn.FedBNSettings(**settings), metrics=auc),
                 'personalized_model',
             ),
+            (
+                'PersFL',
+                persfl.build_persfl_process(spec, model_fn, persfl.PersFLSettings(**settings), metrics=auc),
+                'personalized_model',
+            ),
         ]:
             result = training_loop.run(process, spec.client_ids, rounds=ROUNDS, client_fraction=1.0, seed=0)
             out[name] = per_client(spec, result, model)
-        process = fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**settings))
-        initial = process.initialize()  # the saved state's structure, read in the synchronous context
-        with tempfile.TemporaryDirectory() as root, tff_programs.native_context(rt):
-            whole_versions, whole = program(process, initial, spec, os.path.join(root, 'whole'))
-            killed_versions, _ = program(process, initial, spec, os.path.join(root, 'resumed'), crash_before=6)
-            resumed_versions, resumed = program(process, initial, spec, os.path.join(root, 'resumed'))
-    out['program'] = {
-        'uninterrupted_versions': whole_versions,
-        'killed_versions': killed_versions,
-        'resumed_versions': resumed_versions,
-        'max_abs_difference': float(max(np.abs(a - b).max() for a, b in zip(whole, resumed))),
-    }
+        programs = [
+            ('FedAvg', fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**settings)), False),
+            ('Ditto', ditto.build_ditto_process(spec, model_fn, ditto.DittoSettings(**settings)), True),
+        ]
+        for name, process, devices in programs:
+            # Made in the synchronous context: the saved state's structure, the client states' templates.
+            initial = (process.device.initialize if devices else process.initialize)()
+            templates = {c: process.initial_client_state(c) for c in spec.client_ids} if devices else None
+            with tempfile.TemporaryDirectory() as root, tff_programs.native_context(rt):
+                whole_versions, whole = program(
+                    process, initial, spec, os.path.join(root, 'whole'), templates=templates
+                )
+                killed_versions, _ = program(
+                    process, initial, spec, os.path.join(root, 'resumed'), crash_before=6, templates=templates
+                )
+                resumed_versions, resumed = program(
+                    process, initial, spec, os.path.join(root, 'resumed'), templates=templates
+                )
+            out[f'program_{name}'] = {
+                'uninterrupted_versions': whole_versions,
+                'killed_versions': killed_versions,
+                'resumed_versions': resumed_versions,
+                'tensors_compared': len(whole),
+                'max_abs_difference': float(max(np.abs(a - b).max() for a, b in zip(whole, resumed, strict=True))),
+            }
+    names = ('FedAvg', 'FedBN', 'PersFL')
     lines = [
-        "# A user's BatchNormalization model through FedAvg, FedBN and TFF's train_model",
+        "# A user's BatchNormalization model through FedAvg, FedBN, PersFL and TFF's train_model",
         '',
         f'Eight stores of Fashion-MNIST (3 classes each), model Dense 64 - BatchNormalization - ReLU - Dense 10, '
-        f'{ROUNDS} rounds, every store every round (train_model: 4 a round), batch 32, lr 0.05; '
+        f'{ROUNDS} rounds, every store every round (train_model: 4 a round), batch 32, lr 0.05; PersFL scores its '
+        'personalized models after its distillation grid; '
         '`uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm`.',
         '',
-        '| store | FedAvg accuracy % | FedAvg AUC | FedBN accuracy % | FedBN AUC |',
-        '|---|---:|---:|---:|---:|',
+        '| store | ' + ' | '.join(f'{n} accuracy % | {n} AUC' for n in names) + ' |',
+        '|---|' + '---:|---:|' * len(names),
     ]
     for user in sorted(out['FedAvg']):
-        a, b = out['FedAvg'][user], out['FedBN'][user]
-        lines.append(f'| {user} | {a["accuracy"]:.2f} | {a["auc"]:.4f} | {b["accuracy"]:.2f} | {b["auc"]:.4f} |')
-    for name in ('FedAvg', 'FedBN'):
+        cells = [f'{out[n][user]["accuracy"]:.2f} | {out[n][user]["auc"]:.4f}' for n in names]
+        lines.append(f'| {user} | ' + ' | '.join(cells) + ' |')
+    for name in names:
         values = list(out[name].values())
         out[f'{name}_mean'] = {k: float(np.mean([v[k] for v in values])) for k in ('accuracy', 'auc')}
-    lines.append(
-        f'| mean | {out["FedAvg_mean"]["accuracy"]:.2f} | {out["FedAvg_mean"]["auc"]:.4f} | '
-        f'{out["FedBN_mean"]["accuracy"]:.2f} | {out["FedBN_mean"]["auc"]:.4f} |'
-    )
-    p = out['program']
-    lines += [
-        '',
-        f'train_model (FedAvg): uninterrupted, saved rounds {p["uninterrupted_versions"]}; killed before round 6, '
-        f'saved {p["killed_versions"]}; resumed, saved {p["resumed_versions"]}; largest difference between the two '
-        f'final models: {p["max_abs_difference"]}.',
-    ]
+    means = [f'{out[f"{n}_mean"]["accuracy"]:.2f} | {out[f"{n}_mean"]["auc"]:.4f}' for n in names]
+    lines += ['| mean | ' + ' | '.join(means) + ' |', '']
+    for name, what in [('FedAvg', 'the final models'), ('Ditto', 'the final global models and every personal model')]:
+        p = out[f'program_{name}']
+        lines.append(
+            f'train_model ({name}): uninterrupted, saved rounds {p["uninterrupted_versions"]}; killed before round 6, '
+            f'saved {p["killed_versions"]}; resumed, saved {p["resumed_versions"]}; largest difference between '
+            f'{what} of the two runs ({p["tensors_compared"]} tensors): {p["max_abs_difference"]}.'
+        )
     with open(f'{args.out}.md', 'w') as f:
         f.write('\n'.join(lines) + '\n')
     with open(f'{args.out}.json', 'w') as f:
