@@ -83,12 +83,29 @@ def test_an_answered_call_resets_the_grace_period():
         stub.compute('e')
 
 
-def test_disposals_pass_failures_through_as_tff_expects():
-    # TFF catches a failed disposal (a lost worker holds nothing to free): it must stay retryable.
-    stub = worker_channel.WatchedStub(_FailingStub(2), '(pid 1)', exit_code=lambda: -9)
-    for method in (stub.dispose, stub.dispose_executor):
-        with pytest.raises(tff.framework.RetryableError):
-            method('request')
+def test_an_executor_disposal_passes_failures_through_as_tff_expects():
+    # TFF catches a failed executor disposal (a lost worker holds nothing to free): it must stay retryable.
+    stub = worker_channel.WatchedStub(_FailingStub(1), '(pid 1)', exit_code=lambda: -9)
+    with pytest.raises(tff.framework.RetryableError):
+        stub.dispose_executor('request')
+
+
+def test_a_value_disposal_to_a_worker_out_of_reach_is_dropped():
+    # TFF disposes of values from weakref finalizers, where a raise prints a traceback on stderr.
+    inner = _FailingStub(1)
+    stub = worker_channel.WatchedStub(inner, '(pid 1)', exit_code=lambda: -9)
+    assert stub.dispose('request') is None
+    assert stub.dispose('again') == ('answer', 'again') and inner.calls == 2
+
+
+def test_a_value_disposal_that_fails_otherwise_is_not_hidden():
+    class _Refusing(_FailingStub):
+        def dispose(self, request):
+            raise ValueError('not a value of this executor')
+
+    stub = worker_channel.WatchedStub(_Refusing(0), '(pid 1)')
+    with pytest.raises(ValueError, match='not a value'):
+        stub.dispose('request')
 
 
 @pytest.mark.parametrize(

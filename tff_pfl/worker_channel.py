@@ -228,8 +228,8 @@ def _dispatch(method: str, *, watched: bool = True):
     """A `WatchedStub` method that dispatches TFF's stub's `method`.
 
     Watched: through `WatchedStub._call` (`WorkerLostError` once the worker is
-    gone). Not watched (the disposals): straight through, since TFF ignores
-    their failures (a lost worker holds nothing to free).
+    gone). Not watched (`dispose_executor`): straight through, since TFF
+    ignores its failures (a lost worker holds nothing to free).
     """
 
     def call(self, request):
@@ -309,8 +309,21 @@ class WatchedStub(tff.framework.RemoteExecutorStub):
     create_selection = _dispatch('create_selection')
     compute = _dispatch('compute')
 
-    dispose = _dispatch('dispose', watched=False)
     dispose_executor = _dispatch('dispose_executor', watched=False)
+
+    def dispose(self, request):
+        """Dispatches Dispose; a worker out of reach is not an error here (returns None).
+
+        TFF sends value disposals from `weakref.finalize` callbacks, which run
+        whenever the collector frees a value, on no caller's stack: one that
+        raised there printed a traceback on stderr before the run's one-line
+        error. The values it would free live in the worker that is out of reach.
+        Other failures pass through.
+        """
+        try:
+            return self._stub.dispose(request)
+        except tff.framework.RetryableError:
+            return None
 
     @property
     def is_ready(self) -> bool:
