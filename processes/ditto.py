@@ -128,7 +128,9 @@ def build_ditto_process(
 
     Returns:
       A `template.PersonalizedProcess`. Client state: `<client_id,
-      num_participations, last_round, personal>`. Metrics: those of w_k's
+      num_participations, last_round, personal>`, and `statistics` (v_k's
+      non-trainable weights: BatchNormalization's moving statistics,
+      trained with it) for a model that has any. Metrics: those of w_k's
       local training (`mean_local_steps`: its SGD steps) and
       `mean_personal_steps`, v_k's SGD steps.
 
@@ -158,13 +160,22 @@ def build_ditto_process(
         optimizer=client_optimizer,
         loss_fn=loss_fn,
     )
-    client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
-    )
+    extra_metrics = local_training.metrics_from(metrics, spec)
+    client_evaluation = building_blocks.build_client_evaluation(spec, model_fn, metrics=extra_metrics)
+    # A model with non-trainable weights (BatchNormalization's moving statistics): v_k keeps its own,
+    # trained with it; w keeps a fresh model's, as TFF's FedAvg does.
+    kept = model_weights.statistics_type(model_fn) is not None
+    if kept:
+        personal_evaluation = building_blocks.build_client_evaluation(
+            spec, model_fn, metrics=extra_metrics, statistics=True
+        )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(client_id, personal=model_weights.initial_weights(model_fn, seed))
+        own = dict(statistics=model_weights.initial_statistics(model_fn)) if kept else {}
+        return building_blocks.participation_state(
+            client_id, personal=model_weights.initial_weights(model_fn, seed), **own
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
@@ -174,7 +185,12 @@ def build_ditto_process(
         result = client_training(weights, round_num, client_id)
         # Line 8: v_k <- v_k - eta (grad F_k(v_k) + lambda (v_k - w^t)).
         model = model_fn()
-        with tf.control_dependencies(model_weights.fresh_weights(model, client_state['personal'])):
+        if kept:
+            assigned = model_weights.assign_weights(model, client_state['personal'])
+            assigned += model_weights.assign_non_trainable(model, client_state['statistics'])
+        else:
+            assigned = model_weights.fresh_weights(model, client_state['personal'])
+        with tf.control_dependencies(assigned):
             stats = local_training.train_with(
                 model,
                 client_data.read_split(spec, client_id, 'train'),
@@ -185,13 +201,14 @@ def build_ditto_process(
             )
         with tf.control_dependencies(list(stats)):
             personal = model_weights.get_weights(model)
+            own = dict(statistics=model_weights.get_non_trainable(model)) if kept else {}
         metric_sums = collections.OrderedDict(result['metric_sums'])
         metric_sums['personal_steps'] = tf.cast(stats.num_steps, tf.float32)
         return collections.OrderedDict(
             update=result['update'],
             weight=result['weight'],
             metric_sums=metric_sums,
-            client_state=building_blocks.participated(client_state, round_num, personal=personal),
+            client_state=building_blocks.participated(client_state, round_num, personal=personal, **own),
         )
 
     @tff.tensorflow.computation(weights_type, client_state_type)
@@ -201,9 +218,13 @@ def build_ditto_process(
         # (docs/algorithms/baselines.md, Ditto: "clients that never took part").
         trained = client_state['num_participations'] > 0
         personal = [tf.where(trained, v, w) for v, w in zip(client_state['personal'], weights)]
+        if kept:  # an untrained v_k's statistics are a fresh model's, as w's are
+            personalized = personal_evaluation(personal, client_state['statistics'], client_id)
+        else:
+            personalized = client_evaluation(personal, client_id)
         return collections.OrderedDict(
             global_model=client_evaluation(weights, client_id),
-            personalized_model=client_evaluation(personal, client_id),
+            personalized_model=personalized,
         )
 
     return averaging.build_averaging_process(

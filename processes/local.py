@@ -67,7 +67,9 @@ def build_local_process(
 
     Returns:
       A `template.PersonalizedProcess`. Server state: `<round_num>`; client
-      state: `<client_id, num_participations, last_round, model>`; metrics:
+      state: `<client_id, num_participations, last_round, model>`, and
+      `statistics` (the model's non-trainable weights: BatchNormalization's
+      moving statistics, trained with it) for a model that has any; metrics:
       `<train_loss, train_accuracy, num_examples, num_clients,
       mean_local_steps>`.
 
@@ -88,6 +90,9 @@ def build_local_process(
         loss=loss,
         metrics=metrics,
     )
+    # A model with non-trainable weights (BatchNormalization's moving statistics): each client keeps
+    # its own with its model, as a Keras model trained on its data alone would.
+    kept = model_weights.statistics_type(model_fn) is not None
     client_training = building_blocks.build_client_training(
         spec,
         model_fn,
@@ -95,25 +100,34 @@ def build_local_process(
         seed=seed,
         optimizer=client_optimizer,
         loss_fn=local_training.loss_from(loss, spec),
+        statistics=kept,
     )
     client_evaluation = building_blocks.build_client_evaluation(
-        spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
+        spec, model_fn, metrics=local_training.metrics_from(metrics, spec), statistics=kept
     )
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
-        return building_blocks.participation_state(client_id, model=model_weights.initial_weights(model_fn, seed))
+        own = dict(statistics=model_weights.initial_statistics(model_fn)) if kept else {}
+        return building_blocks.participation_state(
+            client_id, model=model_weights.initial_weights(model_fn, seed), **own
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
     @tff.tensorflow.computation(np.int32, client_state_type)
     def client_work(round_num, client_state):
         weights = client_state['model']
-        result = client_training(weights, round_num, client_state['client_id'])
+        client_id = client_state['client_id']
+        if kept:
+            result = client_training(weights, client_state['statistics'], round_num, client_id)
+            own = dict(statistics=result['statistics'])
+        else:
+            result, own = client_training(weights, round_num, client_id), {}
         trained = [w - u for w, u in zip(weights, result['update'])]
         return collections.OrderedDict(
             metric_sums=result['metric_sums'],
-            client_state=building_blocks.participated(client_state, round_num, model=trained),
+            client_state=building_blocks.participated(client_state, round_num, model=trained, **own),
         )
 
     @tff.tensorflow.computation
@@ -137,8 +151,9 @@ def build_local_process(
 
     @tff.tensorflow.computation(client_state_type)
     def evaluate_client(client_state):
+        own = [client_state['statistics']] if kept else []
         return collections.OrderedDict(
-            personalized_model=client_evaluation(client_state['model'], client_state['client_id'])
+            personalized_model=client_evaluation(client_state['model'], *own, client_state['client_id'])
         )
 
     device = device_state.build_device_process(

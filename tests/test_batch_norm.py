@@ -7,10 +7,10 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedavg, fedbn
+from processes import ditto, fedavg, fedbn, local
 from tests.conftest import make_linear_problem
 from tff_pfl.computations import audit, local_training, model_weights
-from tff_pfl.data import client_data
+from tff_pfl.data import client_data, client_data_writer
 
 SEED = 5
 SETTINGS = fedavg.FedAvgSettings(local_epochs=2, batch_size=8, client_learning_rate=0.2)
@@ -176,3 +176,99 @@ def test_tffs_evaluation_of_the_global_model_with_batch_norm_scores_as_ours(spec
     output = evaluation.next(eval_state, data)
     theirs = output.metrics['client_work']['eval']['current_round_metrics']['sparse_categorical_accuracy']
     assert theirs == pytest.approx(pooled, abs=1e-6)
+
+
+def shifted_input_norm_model(dim=4, num_classes=3):
+    """Input batch normalization (fast moving statistics) before a linear layer."""
+    inputs = tf.keras.Input([dim])
+    normed = tf.keras.layers.BatchNormalization(momentum=0.5, name='input_norm')(inputs)
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(num_classes)(normed), name='input_norm_linear')
+
+
+@pytest.fixture(scope='module')
+def shifted_spec(tmp_path_factory):
+    """Inputs far from a fresh model's statistics (mean 0, variance 1): each client's scaled and shifted its own way."""
+    rng = np.random.default_rng(3)
+    sizes = (30, 41)
+    x = rng.normal(size=(3 * sum(sizes), 4)).astype(np.float32)
+    y = np.argmax(x @ rng.normal(size=(4, 3)), axis=1).astype(np.int32)
+    splits, start = [], 0
+    for k, n in enumerate(sizes):
+        idx = np.arange(start, start + 3 * n)
+        x[idx] = x[idx] * (2.0 + k) + 3.0 * (k + 1)
+        splits.append({'train': idx[:n], 'val': idx[n : 2 * n], 'test': idx[2 * n :]})
+        start += 3 * n
+    root = tmp_path_factory.mktemp('shifted') / 'data'
+    return client_data_writer.write_client_data(str(root), x, y, 3, splits)
+
+
+def _running_statistics(x, seed, epochs, batch_size, momentum=0.5):
+    mean, variance = np.zeros(x.shape[1]), np.ones(x.shape[1])
+    for perm in local_training.epoch_permutations(seed, epochs, len(x)).numpy():
+        for idx in np.array_split(perm, range(batch_size, len(perm), batch_size)):
+            batch = x[idx].astype(np.float64)
+            mean = momentum * mean + (1 - momentum) * batch.mean(axis=0)
+            variance = momentum * variance + (1 - momentum) * batch.var(axis=0)
+    return mean, variance
+
+
+def _numpy_scores(x, y, mean, variance, gamma, beta, kernel, bias):
+    """Inference-mode forward pass (epsilon 1e-3): mean cross-entropy and accuracy."""
+    logits = ((x - mean) / np.sqrt(variance + 1e-3) * gamma + beta) @ kernel + bias
+    logits = logits - logits.max(axis=1, keepdims=True)
+    log_p = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    return -log_p[np.arange(len(y)), y].mean(), np.mean(logits.argmax(1) == y)
+
+
+@pytest.mark.parametrize('name', ['local', 'ditto'])
+def test_a_personal_model_keeps_its_own_batch_norm_statistics(name, shifted_spec, tff_runtime):
+    """Local's model and Ditto's v_k carry their moving statistics: after a round they are numpy's running averages
+    of the client's own training batches (in our batch order), and the client is scored with them, as a Keras
+    model trained on its data alone would be; Ditto's global model keeps a fresh model's, as TFF's FedAvg does."""
+    spec = shifted_spec
+    if name == 'local':
+        settings = local.LocalSettings(local_epochs=2, batch_size=8, client_learning_rate=0.1)
+        process = local.build_local_process(spec, shifted_input_norm_model, settings, seed=SEED)
+        field, salt, epochs = 'model', 0, settings.local_epochs
+        state = process.initialize()
+    else:
+        settings = ditto.DittoSettings(local_epochs=1, personal_epochs=2, batch_size=8, client_learning_rate=0.1)
+        process = ditto.build_ditto_process(spec, shifted_input_norm_model, settings, seed=SEED)
+        field, salt, epochs = 'personal', 1, settings.personal_epochs
+        state = process.initialize()
+    clients = process.initial_client_states(spec.client_ids)
+    np.testing.assert_array_equal(clients[0]['statistics'][1], np.ones(4))
+    output = process.next(state, clients)
+    evaluated = process.evaluate(output.state, output.client_states)
+    for client_id, client, result in zip(spec.client_ids, output.client_states, evaluated):
+        x, _ = client_data.read_split_numpy(spec, client_id, 'train')
+        seed = local_training.client_seed(SEED, tf.constant(0), tf.constant(client_id), salt=salt)
+        mean, variance = _running_statistics(x, seed, epochs, settings.batch_size)
+        np.testing.assert_allclose(client['statistics'][0], mean, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(client['statistics'][1], variance, rtol=1e-5, atol=1e-4)
+        x_test, y_test = client_data.read_split_numpy(spec, client_id, 'test')
+        gamma, beta, kernel, bias = client[field]
+        loss, accuracy = _numpy_scores(x_test, y_test, mean, variance, gamma, beta, kernel, bias)
+        fresh_loss, _ = _numpy_scores(x_test, y_test, 0.0, 1.0, gamma, beta, kernel, bias)
+        assert abs(fresh_loss - loss) > 0.1  # the statistics matter here
+        personal = result['personalized_model']
+        assert float(personal['loss']) == pytest.approx(loss, rel=1e-4)
+        assert float(personal['accuracy']) == pytest.approx(accuracy)
+        if name == 'ditto':
+            gamma, beta, kernel, bias = output.state['model']
+            loss, _ = _numpy_scores(x_test, y_test, 0.0, 1.0, gamma, beta, kernel, bias)
+            assert float(result['global_model']['loss']) == pytest.approx(loss, rel=1e-4)
+
+
+def test_a_model_without_non_trainable_weights_keeps_the_personal_state_it_had(spec):
+    def plain():
+        return tf.keras.Sequential([tf.keras.Input([4]), tf.keras.layers.Dense(3)], name='plain')
+
+    assert model_weights.statistics_type(plain) is None
+    assert model_weights.statistics_type(bn_model) is not None
+    for process, field in (
+        (local.build_local_process(spec, plain), 'model'),
+        (ditto.build_ditto_process(spec, plain), 'personal'),
+    ):
+        names = [name for name, _ in tff.structure.iter_elements(process.initial_client_state.type_signature.result)]
+        assert names == ['client_id', 'num_participations', 'last_round', field]

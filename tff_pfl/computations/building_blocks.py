@@ -186,6 +186,7 @@ def build_client_training(
     split: str = 'train',
     optimizer: tff.learning.optimizers.Optimizer | None = None,
     loss_fn: local_training.LossFn = local_training.supervised_loss,
+    statistics: bool = False,
 ) -> tff.Computation:
     """Local SGD (or `optimizer`) from given weights on a client's own split.
 
@@ -200,20 +201,28 @@ def build_client_training(
         SGD at `config.learning_rate`.
       loss_fn: the loss minimized (`local_training.loss_from` of a
         builder's `loss`).
+      statistics: a personal model's training, for a model with
+        non-trainable weights (`model_weights.statistics_type`): they start
+        from the given ones and the trained ones come back.
 
     Returns:
       A `tff.tensorflow.computation` `(weights, round_num, client_id) ->
       <update, weight, metric_sums>` where `update = weights - trained
       weights`, `weight` is the number of training examples and
-      `metric_sums` the `training_metric_sums` of the examples seen.
+      `metric_sums` the `training_metric_sums` of the examples seen. With
+      `statistics`: `(weights, statistics, round_num, client_id) -> <update,
+      weight, metric_sums, statistics>`.
     """
     weights_type = model_weights.weights_type(model_fn)
 
-    @tff.tensorflow.computation(weights_type, np.int32, np.str_)
-    def client_training(weights, round_num, client_id):
+    def train(weights, kept, round_num, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
+        if kept is None:
+            assigned = model_weights.fresh_weights(model, weights)
+        else:
+            assigned = model_weights.assign_weights(model, weights) + model_weights.assign_non_trainable(model, kept)
+        with tf.control_dependencies(assigned):
             stats = local_training.train_with(
                 model,
                 data,
@@ -224,14 +233,36 @@ def build_client_training(
             )
         with tf.control_dependencies(list(stats)):
             trained = model_weights.get_weights(model)
-        update = [w - t for w, t in zip(weights, trained)]
-        return collections.OrderedDict(
-            update=update,
+            trained_statistics = None if kept is None else model_weights.get_non_trainable(model)
+        result = collections.OrderedDict(
+            update=[w - t for w, t in zip(weights, trained)],
             weight=tf.cast(data.num_examples, tf.float32),
             metric_sums=training_metric_sums(stats),
         )
+        if kept is not None:
+            result['statistics'] = trained_statistics
+        return result
+
+    if statistics:
+
+        @tff.tensorflow.computation(weights_type, _statistics_type(model_fn), np.int32, np.str_)
+        def personal_training(weights, kept, round_num, client_id):
+            return train(weights, kept, round_num, client_id)
+
+        return personal_training
+
+    @tff.tensorflow.computation(weights_type, np.int32, np.str_)
+    def client_training(weights, round_num, client_id):
+        return train(weights, None, round_num, client_id)
 
     return client_training
+
+
+def _statistics_type(model_fn: ModelFn) -> tff.Type:
+    kept = model_weights.statistics_type(model_fn)
+    if kept is None:
+        raise ValueError('statistics=True for a model without non-trainable weights (model_weights.statistics_type)')
+    return kept
 
 
 def build_server_update(
@@ -270,6 +301,7 @@ def build_client_evaluation(
     model_fn: ModelFn,
     split: str | None = None,
     metrics: local_training.Metrics = (),
+    statistics: bool = False,
 ) -> tff.Computation:
     """A client's loss and accuracy of `weights` on its own `split`.
 
@@ -279,23 +311,42 @@ def build_client_evaluation(
       split: which split to evaluate on; None: `spec.evaluation_split` (the
         test split, or the validation split of a validation curve).
       metrics: a user's extra metrics (`local_training.metrics_from`).
+      statistics: a personal model's evaluation, with its own non-trainable
+        weights (`model_weights.statistics_type`) instead of a fresh
+        model's.
 
     Returns:
       A `tff.tensorflow.computation` `(weights, client_id) -> <loss, accuracy,
-      num_examples, ...metrics>`.
+      num_examples, ...metrics>`; with `statistics`, `(weights, statistics,
+      client_id) -> ...`.
     """
     weights_type = model_weights.weights_type(model_fn)
 
     split = spec.evaluation_split if split is None else split
 
-    @tff.tensorflow.computation(weights_type, np.str_)
-    def client_evaluation(weights, client_id):
+    def evaluate(weights, kept, client_id):
         data = client_data.read_split(spec, client_id, split)
         model = model_fn()
-        with tf.control_dependencies(model_weights.fresh_weights(model, weights)):
+        if kept is None:
+            assigned = model_weights.fresh_weights(model, weights)
+        else:
+            assigned = model_weights.assign_weights(model, weights) + model_weights.assign_non_trainable(model, kept)
+        with tf.control_dependencies(assigned):
             stats = local_training.evaluate(model, data)
             extra = local_training.metric_sums(model, data, metrics) if metrics else None
         return template.client_metrics(stats, extra)
+
+    if statistics:
+
+        @tff.tensorflow.computation(weights_type, _statistics_type(model_fn), np.str_)
+        def personal_evaluation(weights, kept, client_id):
+            return evaluate(weights, kept, client_id)
+
+        return personal_evaluation
+
+    @tff.tensorflow.computation(weights_type, np.str_)
+    def client_evaluation(weights, client_id):
+        return evaluate(weights, None, client_id)
 
     return client_evaluation
 

@@ -188,6 +188,42 @@ def weights_type(model_fn: Callable[[], tf.keras.Model], indices: Sequence[int] 
         return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
 
 
+def statistics_type(model_fn: Callable[[], tf.keras.Model]) -> tff.Type | None:
+    """The TFF type of a model's non-trainable weights (a personal model's own statistics), or None.
+
+    A personal model (Local's, Ditto's v_k, APFL's v_k) keeps its
+    BatchNormalization moving statistics with its trainable weights, as a
+    Keras model trained on the client's data alone would; the global model
+    keeps a fresh model's, as TFF's FedAvg does.
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+
+    Returns:
+      A list-typed `tff.StructWithPythonType` of the non-trainable weights'
+      types, in Keras order; None for a model without any (its personal
+      state then has no statistics, exactly as before they were kept).
+    """
+    with tf.Graph().as_default():
+        variables = model_fn().non_trainable_weights
+        if not variables:
+            return None
+        return tff.StructWithPythonType([tff.TensorType(v.dtype.as_numpy_dtype, v.shape) for v in variables], list)
+
+
+def initial_statistics(model_fn: Callable[[], tf.keras.Model]) -> list[tf.Tensor]:
+    """A fresh model's non-trainable weights, from their initializers (TF code).
+
+    Args:
+      model_fn: no-arg function returning a fresh Keras model.
+
+    Returns:
+      One tensor per non-trainable weight, in Keras order (the same for
+      every build: `check_non_trainable`).
+    """
+    return [tf.convert_to_tensor(v.initial_value) for v in model_fn().non_trainable_weights]
+
+
 def non_trainable_values(model_fn: Callable[[], tf.keras.Model], seed: int) -> list[np.ndarray]:
     """The initial non-trainable weights of a model built under `models.seeded(seed)`, as numpy arrays.
 
