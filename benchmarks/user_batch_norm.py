@@ -1,6 +1,6 @@
-"""A user's own BatchNormalization model, ClientData and Keras AUC through FedAvg, FedBN and PersFL, and FedAvg and
-Ditto (its personal models on the devices) under TFF's `train_model`, stopped before round 6 and resumed, against
-uninterrupted runs.
+"""A user's own BatchNormalization model, ClientData and Keras AUC through FedAvg, FedBN, PersFL, Local and
+Ditto, and FedAvg and Ditto (its personal models on the devices) under TFF's `train_model`, stopped before
+round 6 and resumed, against uninterrupted runs.
 
     uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm
 
@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import ditto, fedavg, fedbn, persfl
+from processes import ditto, fedavg, fedbn, local, persfl
 from tff_pfl import runtime
 from tff_pfl.computations import device_state
 from tff_pfl.data import federated
@@ -140,6 +140,16 @@ def main():
                 persfl.build_persfl_process(spec, model_fn, persfl.PersFLSettings(**settings), metrics=auc),
                 'personalized_model',
             ),
+            (
+                'Local',
+                local.build_local_process(spec, model_fn, local.LocalSettings(**settings), metrics=auc),
+                'personalized_model',
+            ),
+            (
+                'Ditto',
+                ditto.build_ditto_process(spec, model_fn, ditto.DittoSettings(**settings), metrics=auc),
+                'personalized_model',
+            ),
         ]:
             result = training_loop.run(process, spec.client_ids, rounds=ROUNDS, client_fraction=1.0, seed=0)
             out[name] = per_client(spec, result, model)
@@ -168,13 +178,14 @@ def main():
                 'tensors_compared': len(whole),
                 'max_abs_difference': float(max(np.abs(a - b).max() for a, b in zip(whole, resumed, strict=True))),
             }
-    names = ('FedAvg', 'FedBN', 'PersFL')
+    names = ('FedAvg', 'FedBN', 'PersFL', 'Local', 'Ditto')
     lines = [
-        "# A user's BatchNormalization model through FedAvg, FedBN, PersFL and TFF's train_model",
+        "# A user's BatchNormalization model through FedAvg, FedBN, PersFL, Local, Ditto and TFF's train_model",
         '',
         f'Eight stores of Fashion-MNIST (3 classes each), model Dense 64 - BatchNormalization - ReLU - Dense 10, '
         f'{ROUNDS} rounds, every store every round (train_model: 4 a round), batch 32, lr 0.05; PersFL scores its '
-        'personalized models after its distillation grid; '
+        'personalized models after its distillation grid; Local and Ditto score personal models with their own moving '
+        'statistics; '
         '`uv run --locked python benchmarks/user_batch_norm.py --out=benchmarks/results/user_batch_norm`.',
         '',
         '| store | ' + ' | '.join(f'{n} accuracy % | {n} AUC' for n in names) + ' |',
