@@ -124,33 +124,15 @@ def main():
     settings = dict(batch_size=32, client_learning_rate=0.05)
     out = {}
     with runtime.local_runtime() as rt:
-        for name, process, model in [
-            (
-                'FedAvg',
-                fedavg.build_fedavg_process(spec, model_fn, fedavg.FedAvgSettings(**settings), metrics=auc),
-                'global_model',
-            ),
-            (
-                'FedBN',
-                fedbn.build_fedbn_process(spec, model_fn, fedbn.FedBNSettings(**settings), metrics=auc),
-                'personalized_model',
-            ),
-            (
-                'PersFL',
-                persfl.build_persfl_process(spec, model_fn, persfl.PersFLSettings(**settings), metrics=auc),
-                'personalized_model',
-            ),
-            (
-                'Local',
-                local.build_local_process(spec, model_fn, local.LocalSettings(**settings), metrics=auc),
-                'personalized_model',
-            ),
-            (
-                'Ditto',
-                ditto.build_ditto_process(spec, model_fn, ditto.DittoSettings(**settings), metrics=auc),
-                'personalized_model',
-            ),
-        ]:
+        runs = [
+            ('FedAvg', fedavg.build_fedavg_process, fedavg.FedAvgSettings, 'global_model'),
+            ('FedBN', fedbn.build_fedbn_process, fedbn.FedBNSettings, 'personalized_model'),
+            ('PersFL', persfl.build_persfl_process, persfl.PersFLSettings, 'personalized_model'),
+            ('Local', local.build_local_process, local.LocalSettings, 'personalized_model'),
+            ('Ditto', ditto.build_ditto_process, ditto.DittoSettings, 'personalized_model'),
+        ]
+        for name, build, settings_class, model in runs:
+            process = build(spec, model_fn, settings_class(**settings), metrics=auc)
             result = training_loop.run(process, spec.client_ids, rounds=ROUNDS, client_fraction=1.0, seed=0)
             out[name] = per_client(spec, result, model)
         programs = [
