@@ -319,6 +319,12 @@ class WatchedStub(tff.framework.RemoteExecutorStub):
         raised there printed a traceback on stderr before the run's one-line
         error. The values it would free live in the worker that is out of reach.
         Other failures pass through.
+
+        Args:
+          request: The `DisposeRequest` to send.
+
+        Returns:
+          The worker's response, or None when the worker is out of reach.
         """
         try:
             return self._stub.dispose(request)
