@@ -7,7 +7,7 @@ the harness kept records hold only `results.csv` (one row per run and client),
 `summary.csv` (one row per partition and algorithm), `report.md` and plots.
 This script builds, for every run of `results.csv` without a record, a record
 in the same format from what those committed files give, so every committed
-result is read the same way (`bench_report.load_records`, `--report_only
+result is read the same way (`bench_aggregate.load_records`, `--report_only
 --results_dir`, `restore_results`):
 
     uv run --locked python benchmarks/convert_results.py                  # every benchmarks/results/*_suite
@@ -55,7 +55,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import metrics as metrics_lib  # noqa: E402
 from tff_pfl import reports  # noqa: E402
-from tff_pfl_bench import bench_layout, bench_report, bench_suite  # noqa: E402
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite  # noqa: E402
 
 RESULTS = os.path.join('benchmarks', 'results')
 SOURCE = 'results.csv'
@@ -215,7 +215,11 @@ def _record(suite: bench_suite.Suite, run: bench_suite.Run, rows: list[dict], ce
         continued=None,
         continued_from_round=None,
         seconds_this_sitting=None,
-        **{bench_report.CONVERTED_FROM: SOURCE, 'converted_by': CONVERTER, bench_report.UNKNOWN: sorted(set(unknown))},
+        **{
+            bench_aggregate.CONVERTED_FROM: SOURCE,
+            'converted_by': CONVERTER,
+            bench_aggregate.UNKNOWN: sorted(set(unknown)),
+        },
     )
 
 
@@ -233,7 +237,7 @@ def convert(results_dir: str) -> tuple[int, int]:
     for run, record in records(results_dir):
         path = bench_layout.record_path(results_dir, run)
         existing = bench_layout.file_text(path)
-        if existing is not None and not json.loads(existing).get(bench_report.CONVERTED_FROM):
+        if existing is not None and not json.loads(existing).get(bench_aggregate.CONVERTED_FROM):
             kept += 1
             continue
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -16,7 +16,7 @@ from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_layout, bench_report, bench_run, bench_suite
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_run, bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,7 +240,7 @@ def test_paper_table_forms():
     }
     assert list(suite.paper['PersFL']['IID']) == ['weighted', 'top10']
     assert suite.paper_source == 'A paper, Table 1, Synthetic(1,1)'
-    assert tuple(bench_report.METRICS) == bench_suite.PAPER_METRICS
+    assert tuple(bench_aggregate.METRICS) == bench_suite.PAPER_METRICS
     plain = bench_suite.parse_suite(TINY.split('[paper]')[0], 'tiny.toml')
     assert plain.paper == {} and plain.paper_source == ''
 
@@ -325,10 +325,10 @@ def test_sample_weighted_and_top_10_by_hand():
     # top 10% (0 * 200 + 1 * 220) / 420; seed 1, weighted (0.2 + 0.4 + 9 * 0.9) / 11, top (0.2 + 0.4) / 2.
     weighted = [100 * 670 / 1320, 100 * 8.7 / 11]
     top = [100 * 220 / 420, 100 * 0.3]
-    assert bench_report.sample_weighted(records[0]) == (pytest.approx(weighted[0]), pytest.approx(top[0]))
-    assert bench_report.sample_weighted(records[1]) == (pytest.approx(weighted[1]), pytest.approx(top[1]))
-    assert bench_report.client_examples(records[0]['partition_csv'])['c10'] == 220
-    (row,) = bench_report.aggregate(suite, records)
+    assert bench_aggregate.sample_weighted(records[0]) == (pytest.approx(weighted[0]), pytest.approx(top[0]))
+    assert bench_aggregate.sample_weighted(records[1]) == (pytest.approx(weighted[1]), pytest.approx(top[1]))
+    assert bench_aggregate.client_examples(records[0]['partition_csv'])['c10'] == 220
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['weighted_mean'] == pytest.approx((weighted[0] + weighted[1]) / 2)
     assert row['weighted_mean_std_over_seeds'] == pytest.approx(abs(weighted[0] - weighted[1]) / 2**0.5)
     assert row['top_10_by_samples'] == pytest.approx((top[0] + top[1]) / 2)
@@ -338,15 +338,15 @@ def test_sample_weighted_and_top_10_by_hand():
     assert row['worst_10_std_over_seeds'] == pytest.approx(abs(worst[0] - worst[1]) / 2**0.5)
     # Without its partition a run has no sample-weighted numbers, and the cell none.
     records[1]['partition_csv'] = None
-    assert bench_report.sample_weighted(records[1]) == (None, None)
-    (row,) = bench_report.aggregate(suite, records)
+    assert bench_aggregate.sample_weighted(records[1]) == (None, None)
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['weighted_mean'] is None and row['top_10_by_samples'] is None
     records[1]['partition_csv'] = 'client_id,train_examples\nc0,3\n'
     with pytest.raises(bench_suite.SuiteError, match='run natural/FedAvg/seed1: partition.csv row .* has no client_id'):
-        bench_report.aggregate(suite, records)
+        bench_aggregate.aggregate(suite, records)
     # The report shows them beside the worst 10%, with the paper's targeted metrics.
     records[1] = _fake_record(suite, 'natural', 'FedAvg', 1, accuracies1, splits1)
-    rows = bench_report.aggregate(suite, records)
+    rows = bench_aggregate.aggregate(suite, records)
     text = bench_report.render_report(suite, '/tmp/x', records, rows, [], [])
     header = next(line for line in text.splitlines() if line.startswith('| algorithm | partition | model |'))
     assert header == (
@@ -1013,10 +1013,10 @@ def test_accuracy_by_client_architecture_by_hand():
     homogeneous['config'] = {'settings': {'architectures': ['a', 'a']}}
     # The records list their clients in another order than partition.csv: the assignment follows partition.csv.
     seed0['clients'].reverse()
-    assert bench_report.client_architectures(homogeneous) is None
-    assert bench_report.client_architectures({'config': {}, 'partition_csv': seed0['partition_csv']}) is None
-    assert bench_report.client_architectures(seed0)['c4'] == 'b'
-    rows = bench_report.architecture_rows(suite, [seed0, seed1, homogeneous])
+    assert bench_aggregate.client_architectures(homogeneous) is None
+    assert bench_aggregate.client_architectures({'config': {}, 'partition_csv': seed0['partition_csv']}) is None
+    assert bench_aggregate.client_architectures(seed0)['c4'] == 'b'
+    rows = bench_aggregate.architecture_rows(suite, [seed0, seed1, homogeneous])
     # Seed 0 by hand: a = clients 0 2 3 5 6 8 9, (0 + .2 + .3 + .5 + .6 + .8 + .9) / 7; b = 1 4 7 10, 2.2 / 4.
     a0, b0 = 100 * 3.3 / 7, 100 * 2.2 / 4
     assert [(r['partition'], r['algorithm'], r['architecture'], r['clients'], r['runs']) for r in rows] == [
@@ -1032,13 +1032,13 @@ def test_accuracy_by_client_architecture_by_hand():
     assert '## Test accuracy by client architecture' not in bench_report.render_report(suite, '/tmp/x', [], [], [], [])
     seed0['clients'][0]['client_id'] = 'elsewhere'
     with pytest.raises(bench_suite.SuiteError, match='client elsewhere is not in its partition.csv'):
-        bench_report.architecture_rows(suite, [seed0])
+        bench_aggregate.architecture_rows(suite, [seed0])
 
 
 def test_a_published_report_reproduces_into_the_default_output_dir_not_the_one_it_was_rebuilt_in():
     suite = bench_suite.parse_suite(TINY, 'tiny.toml')
     records = [_fake_record(suite, 'natural', 'FedAvg', 0, [0.5] * 11, [(20, 5, 5)] * 11)]
-    rows = bench_report.aggregate(suite, records)
+    rows = bench_aggregate.aggregate(suite, records)
 
     def reproduce(**kwargs):
         text = bench_report.render_report(suite, '/tmp/rebuilt', records, rows, [], ['b', 'b'], **kwargs)
@@ -1055,11 +1055,11 @@ def test_records_made_by_different_code_are_flagged_in_the_communication_table()
     records = [_fake_record(suite, 'natural', 'FedAvg', seed, [0.5] * 11, splits) for seed in (0, 1)]
     for r in records:  # what seed 0's code sent up: 20 slots; the later seeds': one row
         r['communication'] = {'bytes_down_per_client_per_round': 8_000, 'bytes_up_per_client_per_round': 2_000}
-    (row,) = bench_report.aggregate(suite, records)
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['communication_by_seed'] is None
     assert 'different versions of the code' not in bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
     records[0]['communication'] = {'bytes_down_per_client_per_round': 8_000, 'bytes_up_per_client_per_round': 40_000}
-    (row,) = bench_report.aggregate(suite, records)
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['communication_by_seed'] == [(0, 8_000, 40_000), (1, 8_000, 2_000)]
     assert row['bytes_up_per_client_per_round'] == pytest.approx(42_000 / 2)
     text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
@@ -1073,13 +1073,13 @@ def test_minutes_of_a_run_recorded_before_sittings_were_summed_are_flagged():
     for r, seconds in zip(records, (600.0, 1200.0)):
         r['seconds'] = seconds
     records[1].update(continued=True, continued_from_round=1, seconds_this_sitting=300.0)
-    (row,) = bench_report.aggregate(suite, records)
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['minutes_per_run'] == pytest.approx(15.0)
     assert row['minutes_last_sitting_only'] is False
     text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
     assert '| 15.00 |' in text and 'last sitting' not in text
     del records[1]['seconds_this_sitting']  # a continued run's record from before: its last sitting only
-    (row,) = bench_report.aggregate(suite, records)
+    (row,) = bench_aggregate.aggregate(suite, records)
     assert row['minutes_last_sitting_only'] is True
     text = bench_report.render_report(suite, '/tmp/x', records, [row], [], [])
     assert '| 15.00 * |' in text and '\\* Counts only the last sitting' in text

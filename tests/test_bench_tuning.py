@@ -11,7 +11,7 @@ import types
 import pytest
 
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_layout, bench_report, bench_run, bench_suite, tuning
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_run, bench_suite, tuning
 
 # Two partitions, FedAvg, Ditto and Local, seeds 0-2; no tuning.
 PLAIN = """
@@ -149,7 +149,7 @@ def test_summary_and_report_give_the_test_accuracy_at_the_validation_selected_ro
         ),
         _aggregate_record(suite, 'Local', 0, None, {'round': 3, 'test_accuracy': 0.9}),  # no validation curve
     ]
-    fedavg, local = bench_report.aggregate(suite, records)
+    fedavg, local = bench_aggregate.aggregate(suite, records)
     assert fedavg['selected_test_accuracy_mean'] == pytest.approx(75.0)
     assert fedavg['selected_test_accuracy_std_over_seeds'] == pytest.approx(10 / 2**0.5)
     assert fedavg['selected_round_mean'] == pytest.approx(2.5)
@@ -158,7 +158,7 @@ def test_summary_and_report_give_the_test_accuracy_at_the_validation_selected_ro
     assert all(local[column] is None for column in tuning.SUMMARY_COLUMNS)
     # Records written before these fields: blank, as committed results are.
     old = {k: v for k, v in records[2].items() if k not in ('selected', 'best_test_round')}
-    assert all(bench_report.aggregate(suite, [old])[0][c] is None for c in tuning.SUMMARY_COLUMNS)
+    assert all(bench_aggregate.aggregate(suite, [old])[0][c] is None for c in tuning.SUMMARY_COLUMNS)
     text = bench_report.render_report(suite, '/tmp/x', records, [fedavg, local], [], [])
     assert '## Test accuracy at the validation-selected round (%)' in text
     assert (

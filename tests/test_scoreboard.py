@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl_bench import bench_layout, bench_report, bench_suite, scoreboard
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_suite, scoreboard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -363,8 +363,8 @@ def test_every_committed_result_names_the_commands_that_made_it():
 # ----------------------------------------------------------------------------
 # Every committed result read the same way: one folder rule, one record format.
 
-# The summary.csv columns the scoreboard reads (`bench_report.METRICS`), with their stds over seeds.
-SCORED_COLUMNS = [column for columns in bench_report.METRICS.values() for column in columns[:2]]
+# The summary.csv columns the scoreboard reads (`bench_aggregate.METRICS`), with their stds over seeds.
+SCORED_COLUMNS = [column for columns in bench_aggregate.METRICS.values() for column in columns[:2]]
 
 
 def _committed_results_dirs(root):
@@ -398,9 +398,9 @@ def _record_problems(results_dir):
             [float(r['accuracy']) for r in rows], rel=1e-5
         ):
             problems.append(f'{key}: the clients of {path} are not those of results.csv')
-        elif record.get(bench_report.CONVERTED_FROM) is not None:
-            unknown = record[bench_report.UNKNOWN]
-            if record[bench_report.CONVERTED_FROM] != 'results.csv' or any(
+        elif record.get(bench_aggregate.CONVERTED_FROM) is not None:
+            unknown = record[bench_aggregate.UNKNOWN]
+            if record[bench_aggregate.CONVERTED_FROM] != 'results.csv' or any(
                 record[field] is not None for field in unknown if '.' not in field
             ):
                 problems.append(f'{key}: converted record {path} does not say what it lacks')
@@ -412,7 +412,7 @@ def _summary_mismatches(results_dir):
     suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
     rows = {
         (r['partition'], r['algorithm']): r
-        for r in bench_report.aggregate(suite, bench_report.load_records(suite, results_dir))
+        for r in bench_aggregate.aggregate(suite, bench_aggregate.load_records(suite, results_dir))
     }
     mismatches = []
     for committed in _read_csv(os.path.join(results_dir, 'summary.csv')):
@@ -525,7 +525,7 @@ def test_converting_results_csv_into_records(tmp_path):
     (results / 'results.csv').write_text('\n'.join(lines) + '\n')
     assert convert.convert(str(results)) == (4, 0)
     suite = bench_suite.parse_suite(SUITE, 'fake.toml')
-    records = {(r['partition'], r['seed']): r for r in bench_report.load_records(suite, str(results))}
+    records = {(r['partition'], r['seed']): r for r in bench_aggregate.load_records(suite, str(results))}
     assert sorted(records) == [('IID', 0), ('natural', 0), ('natural', 1), ('natural', 2)]
     single, multi = records['IID', 0], records['natural', 1]
     for r in (single, multi):
@@ -545,7 +545,7 @@ def test_converting_results_csv_into_records(tmp_path):
     # A cell of three: no seed's time or bytes; none reached the target (0/3), so that is known.
     assert (multi['seconds'], multi['communication'], multi['rounds_to_target']) == (None, None, None)
     assert {'seconds', 'communication'} <= set(multi['unknown']) and 'rounds_to_target' not in multi['unknown']
-    rows = {r['partition']: r for r in bench_report.aggregate(suite, list(records.values()))}
+    rows = {r['partition']: r for r in bench_aggregate.aggregate(suite, list(records.values()))}
     means = [100 * np.mean(accuracies['natural', s]) for s in (0, 1, 2)]
     assert rows['natural']['accuracy_mean'] == pytest.approx(np.mean(means))
     assert rows['natural']['weighted_mean'] == pytest.approx(

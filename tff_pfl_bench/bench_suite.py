@@ -112,7 +112,7 @@ _SUITE_KEYS = (
 )
 # What a `[paper]` number can be: the across-client mean, the sample-weighted
 # mean, the mean of the worst 10% of clients, and the sample-weighted mean of
-# the 10% of clients with the most examples (`bench_report.METRICS`).
+# the 10% of clients with the most examples (`bench_aggregate.METRICS`).
 PAPER_METRICS = ('mean', 'weighted', 'worst10', 'top10')
 _DEFAULTS_EXTRA = ('seeds', 'target_accuracy', 'headline_model')
 _ALGORITHM_KEYS = ('name', 'algorithm', 'model', 'overrides', 'partition_overrides', 'tune', 'untuned')

@@ -6,7 +6,7 @@
 Run from the repository root. Reads `benchmarks/claims.toml`, the suites it
 names (`benchmarks/suites/*.toml`, found by their `name`) and their committed
 run records (`benchmarks/results/<name>_suite/records/`, read with
-`bench_report.load_records`), and writes one page. Nothing is run: the page
+`bench_aggregate.load_records`), and writes one page. Nothing is run: the page
 only reads committed files, so `tests/test_claims.py` can check that it is
 current.
 

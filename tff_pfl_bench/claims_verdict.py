@@ -12,7 +12,7 @@ reproduced otherwise, with the settings tested and their mean margins.
 import os
 from collections.abc import Mapping, Sequence
 
-from tff_pfl_bench import bench_layout, bench_report, bench_suite, scoreboard
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite, scoreboard
 from tff_pfl_bench.claims_spec import Claim, ClaimsError
 
 # A claim reproduced in fewer seeds than this says how many.
@@ -255,7 +255,7 @@ def evaluate(root: str, claims: Sequence[Claim]) -> list[dict]:
             }.values():
                 if one.name not in records_of:
                     index = {}
-                    for record in bench_report.load_records(one, scoreboard.results_dir(root, one)):
+                    for record in bench_aggregate.load_records(one, scoreboard.results_dir(root, one)):
                         run = record['run']
                         index[(run.partition.name, run.algorithm.name, run.seed)] = record
                     records_of[one.name] = index

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import reports, runtime
-from tff_pfl_bench import bench_layout, bench_report, bench_suite
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
 RESULTS_DIR = os.path.join('benchmarks', 'results')
@@ -250,7 +250,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
                 row = (summary or {}).get((partition.name, algorithm.name))
                 dataset = dataset_label(suite.config(partition, algorithm, suite.seeds[0]).data.dataset)
                 for metric, (paper, _) in cell.items():
-                    column, std_column, _ = bench_report.METRICS[metric]
+                    column, std_column, _ = bench_aggregate.METRICS[metric]
                     entry = dict(
                         source=suite.paper_source,
                         suite=suite.name,

@@ -484,7 +484,7 @@ def selection_lines(rows: Sequence[Mapping]) -> list[str]:
     """The report's table of the test accuracy at the last and at the validation-selected round.
 
     Args:
-      rows: `bench_report.aggregate`'s rows (with `SUMMARY_COLUMNS`).
+      rows: `bench_aggregate.aggregate`'s rows (with `SUMMARY_COLUMNS`).
 
     Returns:
       The section's lines; empty when no row has a validation curve.
