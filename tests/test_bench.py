@@ -16,7 +16,7 @@ from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_run, bench_suite
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_record, bench_report, bench_run, bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -1089,14 +1089,14 @@ def test_the_selected_round_is_the_best_on_validation_and_reads_test_only_there(
     curve = [{'round': 5, 'accuracy': 0.9}, {'round': 10, 'accuracy': 0.5}, {'round': 15, 'accuracy': 0.7}]
     val = [{'round': 5, 'accuracy': 0.6}, {'round': 10, 'accuracy': 0.8}, {'round': 15, 'accuracy': 0.8}]
     # Validation peaks (tied) at rounds 10 and 15: the earliest, whatever test says (its best is round 5).
-    assert bench_run.selected_round(curve, val) == {'round': 10, 'val_accuracy': 0.8, 'test_accuracy': 0.5}
-    assert bench_run.selected_round(curve, []) is None
+    assert bench_record.selected_round(curve, val) == {'round': 10, 'val_accuracy': 0.8, 'test_accuracy': 0.5}
+    assert bench_record.selected_round(curve, []) is None
     rows = [
         {'round': 5, 'test_global_model_accuracy_mean': 0.9, 'val_global_model_accuracy_mean': 0.6},
         {'round': 6},
         {'round': 10, 'test_global_model_accuracy_mean': 0.5, 'val_global_model_accuracy_mean': 0.8},
     ]
-    assert bench_run.model_curve(rows, 'global_model', False, split='val') == [
+    assert bench_record.model_curve(rows, 'global_model', False, split='val') == [
         {'round': 5, 'accuracy': 0.6},
         {'round': 10, 'accuracy': 0.8},
     ]

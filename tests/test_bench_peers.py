@@ -12,7 +12,7 @@ import pytest
 from tff_pfl import models
 from tff_pfl.data import client_data
 from tff_pfl.program import config_parts, experiment, run_config
-from tff_pfl_bench import bench_layout, bench_peers, bench_run, bench_suite
+from tff_pfl_bench import bench_layout, bench_peers, bench_record, bench_run, bench_suite
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
 TINY = """
@@ -240,7 +240,7 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
     assert record['continued'] and record['continued_from_round'] == 2
     # Every model's per-client numbers (clients.csv) and the curve, as the uninterrupted run's.
     final_only = record['final_only']
-    assert record['curve'] == bench_run.model_curve(expected.rounds, run.algorithm.model, final_only)
+    assert record['curve'] == bench_record.model_curve(expected.rounds, run.algorithm.model, final_only)
     with open(os.path.join(run.directory(out), 'clients.csv'), encoding='utf-8') as f:
         continued = f.read()
     with open(os.path.join(uninterrupted.output_dir, 'clients.csv'), encoding='utf-8') as f:

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_run, bench_suite, tuning
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_record, bench_report, bench_run, bench_suite, tuning
 
 # Two partitions, FedAvg, Ditto and Local, seeds 0-2; no tuning.
 PLAIN = """
@@ -72,10 +72,10 @@ def test_selected_round_and_best_round_on_test_by_hand():
     curve = [{'round': r, 'accuracy': a} for r, a in [(5, 0.5), (10, 0.7), (15, 0.9), (20, 0.9)]]
     val = [{'round': r, 'accuracy': a} for r, a in [(5, float('nan')), (10, 0.8), (15, 0.8), (20, 0.6)]]
     # The highest validation mean, the earliest of equals, never a NaN; the test accuracy at that round.
-    assert bench_run.selected_round(curve, val) == {'round': 10, 'val_accuracy': 0.8, 'test_accuracy': 0.7}
-    assert bench_run.best_test_round(curve) == {'round': 15, 'test_accuracy': 0.9}
-    assert bench_run.selected_round(curve, []) is None and bench_run.best_test_round([]) is None
-    assert bench_run.selected_round([], val)['test_accuracy'] is None
+    assert bench_record.selected_round(curve, val) == {'round': 10, 'val_accuracy': 0.8, 'test_accuracy': 0.7}
+    assert bench_record.best_test_round(curve) == {'round': 15, 'test_accuracy': 0.9}
+    assert bench_record.selected_round(curve, []) is None and bench_record.best_test_round([]) is None
+    assert bench_record.selected_round([], val)['test_accuracy'] is None
 
 
 def test_the_record_keeps_the_validation_curve_and_the_selected_round():
@@ -83,7 +83,7 @@ def test_the_record_keeps_the_validation_curve_and_the_selected_round():
     run = suite.select(seeds=[0], algorithms=['FedAvg'], partitions=['natural'])[0]
     config = suite.config(run.partition, run.algorithm, 0, 'x')
     rows = _rows('global_model', [0.3, 0.6, 0.5], [0.4, 0.5, 0.8])
-    record = bench_run._bench_result(suite, run, config, _result(rows, 'global_model'), 1.0, _COMMUNICATION, _CSV)
+    record = bench_record.run_record(suite, run, config, _result(rows, 'global_model'), 1.0, _COMMUNICATION, _CSV)
     assert record['val_curve'] == [
         {'round': 1, 'accuracy': 0.3},
         {'round': 2, 'accuracy': 0.6},
@@ -93,7 +93,7 @@ def test_the_record_keeps_the_validation_curve_and_the_selected_round():
     assert record['best_test_round'] == {'round': 3, 'test_accuracy': 0.8}
     # Without val keys (a run without eval_validation): no validation curve, no selected round.
     rows = _rows('global_model', [None] * 3, [0.4, 0.5, 0.8])
-    record = bench_run._bench_result(suite, run, config, _result(rows, 'global_model'), 1.0, _COMMUNICATION, _CSV)
+    record = bench_record.run_record(suite, run, config, _result(rows, 'global_model'), 1.0, _COMMUNICATION, _CSV)
     assert record['val_curve'] == [] and record['selected'] is None
     # A model made by a final personalize stage: only the last round is that model, as for the test curve.
     ditto = suite.select(seeds=[0], algorithms=['Ditto'], partitions=['natural'])[0]
@@ -101,7 +101,7 @@ def test_the_record_keeps_the_validation_curve_and_the_selected_round():
     communication = dict(_COMMUNICATION, has_personalize=True, personalize_bytes_down_per_client=0)
     communication['personalize_bytes_up_per_client'] = 0
     config = suite.config(ditto.partition, ditto.algorithm, 0, 'x')
-    record = bench_run._bench_result(
+    record = bench_record.run_record(
         suite, ditto, config, _result(rows, 'personalized_model'), 1.0, communication, _CSV
     )
     assert record['val_curve'] == [{'round': 3, 'accuracy': 0.4}] and record['curve'] == [{'round': 3, 'accuracy': 0.3}]
@@ -393,8 +393,8 @@ def _trial_record(val, test, final_round=3):
         'final_round': final_round,
         'curve': curve,
         'val_curve': val_curve,
-        'selected': bench_run.selected_round(curve, val_curve),
-        'best_test_round': bench_run.best_test_round(curve),
+        'selected': bench_record.selected_round(curve, val_curve),
+        'best_test_round': bench_record.best_test_round(curve),
         'summary': {'global_model': {'mean': test[-1]}},
         'clients': [{'client_id': 'c0', 'accuracy': test[-1]}],
     }
@@ -477,7 +477,7 @@ class FakeRuns:
         self.calls.append((run.label, resume_from, config))
         val, test = _curves(config)
         model = run.algorithm.model
-        record = bench_run._bench_result(
+        record = bench_record.run_record(
             suite, run, config, _result(_rows(model, val, test), model), 1.0, _COMMUNICATION, _CSV
         )
         record.update(continued=resume_from is not None, continued_from_round=resume_from, **(extra or {}))

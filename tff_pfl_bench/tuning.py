@@ -20,12 +20,12 @@ were one. The chosen setting then runs on every seed (`bench_suite.Suite.config`
 with `tuned`); on the tuning seed that run is the chosen trial, its record
 reused.
 
-Every run's record (`bench_run._bench_result`) holds, beside the test
+Every run's record (`bench_record.run_record`) holds, beside the test
 `curve`, the validation curve `val_curve` (from the metrics rows'
 `val_<model>_accuracy_mean`, written by runs with `eval_validation`),
-`selected` (`bench_run.selected_round`: the evaluated round with the highest
+`selected` (`bench_record.selected_round`: the evaluated round with the highest
 validation mean, its validation and test accuracy) and `best_test_round`
-(`bench_run.best_test_round`: the best round on test; optimistic).
+(`bench_record.best_test_round`: the best round on test; optimistic).
 
 Written with the report (`bench_report.write_report`):
 
