@@ -383,6 +383,21 @@ def test_selection():
             suite.select(**kwargs)
 
 
+def test_an_unquoted_label_with_commas_gets_the_quoting_in_its_error():
+    """`--algorithms=KT-pFL, step 0.5` arrives split at the comma: the error shows the quoted flag."""
+    text = TINY.replace('name = "PersFL"', 'name = "PersFL, short"').replace('"PersFL" = {', '"PersFL, short" = {')
+    suite = bench_suite.parse_suite(text, 'tiny.toml')
+    with pytest.raises(bench_suite.SuiteError) as raised:
+        suite.select(algorithms=['PersFL', 'short'])
+    assert str(raised.value) == (
+        'unknown algorithm PersFL, short; the suite has FedAvg, PersFL, short; a label with commas goes in '
+        """double quotes: '--algorithms="PersFL, short"'"""
+    )
+    with pytest.raises(bench_suite.SuiteError, match=r'unknown algorithm pFedMe; the suite has FedAvg, PersFL, short$'):
+        suite.select(algorithms=['pFedMe'])
+    assert [r.algorithm.name for r in suite.select(algorithms=['PersFL, short'])] == ['PersFL, short'] * 4
+
+
 def test_committed_suites():
     smoke = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'smoke.toml'))
     assert len(smoke.runs()) == 4 and smoke.defaults['dataset'] == 'synthetic'
