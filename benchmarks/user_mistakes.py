@@ -54,10 +54,6 @@ def functional_softmax():
     return tf.keras.Model(inputs, tf.nn.softmax(tf.keras.layers.Dense(10)(tf.keras.layers.Flatten()(inputs))))
 
 
-def narrow_model():
-    return tf.keras.Sequential([tf.keras.Input((28, 28)), tf.keras.layers.Flatten(), tf.keras.layers.Dense(10)])
-
-
 def batch_norm_model():
     inputs = tf.keras.Input((28, 28))
     hidden = tf.keras.layers.Dense(32)(tf.keras.layers.Flatten()(inputs))
@@ -133,7 +129,7 @@ def rows(cache):
             'label -1 for one example of store_1',
             lambda: written(with_label('store_1', -1)),
         ),
-        (3, 'a label 11 with a 10-logit model', lambda: build_on(with_label('store_2', 11), narrow_model, cache)),
+        (3, 'a label 11 with a 10-logit model', lambda: build_on(with_label('store_2', 11), logits_model, cache)),
         (
             3,
             'integer one-hot labels, y of shape (n, 10)',

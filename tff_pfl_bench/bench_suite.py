@@ -416,7 +416,7 @@ def _check_selection(what: str, selected, known) -> None:
     unknown = [str(s) for s in selected if s not in known]
     if unknown:
         # A label with commas, given unquoted, arrives split at them (the flag is a comma-separated list).
-        split = [str(k) for k in known if ',' in str(k) and ', '.join(unknown).find(str(k)) >= 0]
+        split = [str(k) for k in known if ',' in str(k) and str(k) in ', '.join(unknown)]
         hint = f'; a label with commas goes in double quotes: \'--{what}s="{split[0]}"\'' if split else ''
         raise SuiteError(f'unknown {what} {", ".join(unknown)}; the suite has {", ".join(str(k) for k in known)}{hint}')
     if not selected:
