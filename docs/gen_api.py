@@ -3,7 +3,8 @@
     uv run --locked python docs/gen_api.py > docs/api.md
 
 `tests/test_docs.py` fails when docs/api.md differs from what this prints.
-The public API is the list below; what is not listed is internal and may
+The public API is the list below (for the algorithm modules of processes/,
+each registered module's `__all__`); what is not listed is internal and may
 change without notice.
 """
 
@@ -17,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tff_pfl import settings as settings_lib  # noqa: E402
-from tff_pfl.program import config_parts  # noqa: E402
+from tff_pfl.program import algorithms, config_parts  # noqa: E402
 
 # (module, [names]), in the order a user meets them.
 PUBLIC = [
@@ -29,39 +30,8 @@ PUBLIC = [
     ('tff_pfl.data.client_data', ['ClientDataSpec', 'read_split_numpy']),
     ('tff_pfl.models', ['register', 'unregister', 'get', 'names', 'import_module']),
     ('tff_pfl.models.adapters', ['keras_model_fn']),
-    ('processes.fedavg', ['build_fedavg_process', 'FedAvgSettings', 'FedAvgFTSettings']),
-    ('processes.persfl', ['build_persfl_process', 'PersFLSettings', 'PersFLGDSettings']),
-    ('processes.selffl', ['build_selffl_process', 'SelfFLSettings']),
-    (
-        'processes.ktpfl',
-        ['build_ktpfl_process', 'KTpFLSettings'],
-    ),
-    (
-        'processes.ktpfl_homo',
-        ['build_ktpfl_homogeneous_process', 'KTpFLHomoSettings'],
-    ),
-    (
-        'processes.kdpdfl',
-        [
-            'build_kdpdfl_process',
-            'mode_of',
-            'KDPDFLSettings',
-            'ServerlessFedAvgSettings',
-            'ServerlessFedAvgPlusSettings',
-            'ServerlessLocalSettings',
-        ],
-    ),
-    ('processes.local', ['build_local_process', 'LocalSettings']),
-    ('processes.fedper', ['build_fedper_process', 'FedPerSettings']),
-    ('processes.fedbn', ['build_fedbn_process', 'split_batch_norm', 'FedBNSettings']),
-    ('processes.ditto', ['build_ditto_process', 'DittoSettings']),
-    ('processes.apfl', ['build_apfl_process', 'APFLSettings']),
-    ('processes.pfedme', ['build_pfedme_process', 'PFedMeSettings']),
-    ('processes.perfedavg', ['build_perfedavg_process', 'variant_of', 'PerFedAvgSettings', 'PerFedAvgHFSettings']),
-    ('processes.feddf', ['build_feddf_process', 'FedDFSettings', 'PFedDFSettings']),
-    ('processes.fedamp', ['build_fedamp_process', 'FedAMPSettings']),
-    ('processes.pfedhn', ['build_pfedhn_process', 'PFedHNSettings']),
-    ('processes.fedfomo', ['build_fedfomo_process', 'FedFomoSettings']),
+    # The registry's algorithm modules, in its order: each module's `__all__` (its builder and settings).
+    *((module.__name__, list(module.__all__)) for module in algorithms.modules()),
     ('tff_pfl.algorithm', ['Algorithm', 'RunOptions', 'Privacy', 'Upload', 'model_update_builder']),
     ('tff_pfl.computations.template', ['PersonalizedProcess', 'ServerlessProcess', 'RoundOutput']),
     ('tff_pfl.computations.local_training', ['loss_from', 'metrics_from']),

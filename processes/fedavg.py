@@ -44,6 +44,9 @@ from tff_pfl.computations import (
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_fedavg_process', 'FedAvgSettings', 'FedAvgFTSettings']
+
 
 @dataclasses.dataclass(frozen=True)
 class FedAvgSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):

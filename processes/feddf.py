@@ -51,6 +51,9 @@ from tff_pfl.computations import (
 )
 from tff_pfl.data import client_data
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_feddf_process', 'FedDFSettings', 'PFedDFSettings']
+
 _setting = settings_lib.setting
 # Inherited local-training fields whose defaults KT-pFL's Appendix B.2 restates keep their help line.
 _LOCAL_HELP = {f.name: settings_lib.help_of(f) for f in dataclasses.fields(settings_lib.LocalTraining)}

@@ -58,6 +58,16 @@ from tff_pfl.computations import builder_inputs, building_blocks, local_training
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = [
+    'build_kdpdfl_process',
+    'mode_of',
+    'KDPDFLSettings',
+    'ServerlessFedAvgSettings',
+    'ServerlessFedAvgPlusSettings',
+    'ServerlessLocalSettings',
+]
+
 MODES = ('kdpdfl', 'fedavg', 'local')
 BROADCASTS = ('adopt', 'keep')
 MIXES = ('exchange', 'footprints')  # what the star mixes (`KDPDFLSettings.kd_mix`)

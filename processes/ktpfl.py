@@ -72,6 +72,9 @@ from tff_pfl.computations import (
 )
 from tff_pfl.data import client_data
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_ktpfl_process', 'KTpFLSettings']
+
 C_UPDATES = ('paper', 'released', 'fedmd', 'similarity', 'topk')
 
 

@@ -37,6 +37,9 @@ from tff_pfl.computations import (
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_ktpfl_homogeneous_process', 'KTpFLHomoSettings']
+
 _setting = settings_lib.setting
 
 

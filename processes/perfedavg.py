@@ -40,6 +40,9 @@ from tff_pfl.computations import averaging, builder_inputs, building_blocks, loc
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_perfedavg_process', 'variant_of', 'PerFedAvgSettings', 'PerFedAvgHFSettings']
+
 
 @dataclasses.dataclass(frozen=True)
 class PerFedAvgSettings(settings_lib.LocalTraining):

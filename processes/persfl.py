@@ -43,6 +43,9 @@ from tff_pfl.computations import (
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters, stacked
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_persfl_process', 'PersFLSettings', 'PersFLGDSettings']
+
 TEACHERS = ('optimal', 'final')
 SEARCHES = ('grid', 'halving')
 REDUCTIONS = ('examples', 'elements')

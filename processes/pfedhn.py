@@ -40,6 +40,9 @@ from tff_pfl.computations import builder_inputs, building_blocks, heterogeneous,
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_pfedhn_process', 'PFedHNSettings']
+
 _setting = settings_lib.setting
 
 LAYOUTS = ('auto', *pfedhn_network.LAYOUTS)

@@ -48,6 +48,9 @@ from tff_pfl.computations import (
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
+# The module's public API (docs/api.md): its builder, its settings and what a user calls beside them.
+__all__ = ['build_selffl_process', 'SelfFLSettings']
+
 GAUSSIAN = 'gaussian'  # `loss=GAUSSIAN`: the two-level Gaussian model of Chen et al. (2022), §2
 
 _setting = settings_lib.setting

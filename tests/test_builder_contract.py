@@ -9,6 +9,7 @@ import importlib
 import inspect
 import os
 import pkgutil
+import re
 
 import numpy as np
 import pytest
@@ -185,7 +186,15 @@ def test_every_builder_of_the_processes_package_is_in_the_contract_table():
                     assert keyword in parameters, f'{name} has no {keyword}'
                     assert parameters[keyword].kind is inspect.Parameter.KEYWORD_ONLY
                     assert parameters[keyword].default is None
+    missing = found - set(_builders())
+    assert not missing, f'builders with no entry in _builders() here: {sorted(missing)}'
     assert found == set(_builders())
+    takes_model = {b for b in found if 'model_fn' in inspect.signature(getattr(_module_of(b), b)).parameters}
+    missing = takes_model - set(FUNCTIONAL)
+    assert not missing, (
+        f'builders with no entry in FUNCTIONAL here (a FunctionalModel taken or refused): {sorted(missing)}'
+    )
+    assert takes_model == set(FUNCTIONAL)
 
 
 @pytest.mark.parametrize('builder', sorted(_builders()))
@@ -490,8 +499,9 @@ def test_the_docs_table_of_what_each_algorithm_takes_is_what_the_builders_do():
     rows = _table(
         f'{os.path.dirname(__file__)}/../docs/architecture.md', '### What a TFF user brings, algorithm by algorithm'
     )
-    assert len(rows) == len(algorithms.names())
-    assert {r['algorithm'] for r in rows} == set(algorithms.names())
+    missing = set(algorithms.names()) - {r['algorithm'] for r in rows}
+    assert not missing, f"docs/architecture.md's table of what a TFF user brings has no row for {sorted(missing)}"
+    assert sorted(r['algorithm'] for r in rows) == algorithms.names()
     c, _, a, lo, _ = building_blocks.CONTRACT_KEYWORDS
     builders = _builders()
     for row in rows:
@@ -509,6 +519,26 @@ def test_the_docs_table_of_what_each_algorithm_takes_is_what_the_builders_do():
             assert row['FunctionalModel'] == 'yes', name  # test_kdpdfls_modes_without_logit_distances_...
         else:
             assert row['FunctionalModel'].startswith('yes' if FUNCTIONAL[builder] is None else 'no: '), name
+
+
+def test_the_docs_table_of_which_builder_uses_which_keyword_is_what_the_builders_do():
+    """docs/architecture.md's builder table names every registered module, and its yes / no is each builder's."""
+    from tff_pfl.program import algorithms
+
+    rows = _table(f'{os.path.dirname(__file__)}/../docs/architecture.md', '## One builder contract')
+    by_module = {}
+    for row in rows:
+        for name in re.findall(r'[a-z_]+', re.sub(r'\([^)]*\)', '', row['builder'])):
+            by_module[name] = row
+    missing = set(algorithms.MODULE_NAMES) - set(by_module)
+    assert not missing, f"docs/architecture.md's builder table (One builder contract) has no row for {sorted(missing)}"
+    builders = _builders()
+    for module in algorithms.modules():
+        row = by_module[module.__name__.split('.')[-1]]
+        for builder in (n for n in module.__all__ if n.startswith('build_')):
+            _, uses = builders[builder]
+            for keyword in ('client_optimizer', 'server_optimizer', 'model_aggregator'):
+                assert row[keyword].startswith('yes' if keyword in uses else 'no: '), (builder, keyword)
 
 
 def _module_of(builder):

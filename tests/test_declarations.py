@@ -2,6 +2,7 @@
 library imports neither the algorithms (but through the registry) nor the benchmark tool."""
 
 import ast
+import inspect
 import pathlib
 import types
 
@@ -27,20 +28,43 @@ SHARED_PARTS = {
 
 
 def test_every_module_of_processes_is_in_the_registry_and_declares_its_algorithms():
-    registered = {m.__name__.split('.')[-1] for m in algorithms._MODULES}
-    assert registered == set(_process_modules()) - set(SHARED_PARTS)
+    registered = [m.__name__.split('.')[-1] for m in algorithms.modules()]
+    assert registered == list(algorithms.MODULE_NAMES)
+    missing = set(_process_modules()) - set(SHARED_PARTS) - set(registered)
+    assert not missing, (
+        f'modules of processes/ missing from MODULE_NAMES (tff_pfl/program/algorithms.py): {sorted(missing)}'
+    )
+    assert set(registered) == set(_process_modules()) - set(SHARED_PARTS)
     for part, users in SHARED_PARTS.items():
         assert not hasattr(__import__(f'processes.{part}', fromlist=['_']), 'ALGORITHMS')
         assert set(_importers(['processes'], part, submodule=True)) == {f'processes/{u}.py' for u in users}
-    declared = [entry for module in algorithms._MODULES for entry in module.ALGORITHMS]
+    declared = [entry for module in algorithms.modules() for entry in module.ALGORITHMS]
     assert all(isinstance(entry, algorithm.Algorithm) for entry in declared)
     assert sorted(entry.name for entry in declared) == algorithms.names()
-    assert len(algorithms.names()) == 24
-    for module in algorithms._MODULES:
+    for module in algorithms.modules():
         for entry in module.ALGORITHMS:
             # The declaration sits beside its settings and builder.
             assert entry.settings.__module__ == module.__name__, entry.name
             assert algorithms.get(entry.name) is entry
+
+
+@pytest.mark.parametrize('name', algorithms.MODULE_NAMES)
+def test_each_algorithm_modules_public_api_lists_its_builders_and_settings(name):
+    """docs/api.md documents a registered module's `__all__`: it names the module's builders and settings types."""
+    module = algorithms.modules()[algorithms.MODULE_NAMES.index(name)]
+    own = {
+        n
+        for n, value in vars(module).items()
+        if inspect.isfunction(value)
+        and value.__module__ == module.__name__
+        and n.startswith('build_')
+        and n.endswith('_process')
+    }
+    own |= {entry.settings.__name__ for entry in module.ALGORITHMS}
+    missing = own - set(getattr(module, '__all__', ()))
+    assert not missing, f'{module.__name__}.__all__ does not list {sorted(missing)}'
+    for public in module.__all__:
+        assert getattr(module, public).__module__ == module.__name__, public
 
 
 def test_a_name_declared_twice_is_refused():
