@@ -80,6 +80,7 @@ _SHORT = [
     (r'numpy\.ndarray', 'np.ndarray'),
     (r'collections\.abc\.', ''),
     (r'<built-in function print>', 'print'),
+    (r'<function (\w+) at 0x[0-9a-f]+>', r'\1'),
     (r'\btff_pfl\.(?:[a-z_]+\.)*([a-z_]+)\.([A-Z]\w*)', r'\1.\2'),
     (r'\bprocesses\.[a-z_]+\.([A-Z]\w*)', r'\1'),
 ]

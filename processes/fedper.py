@@ -40,7 +40,7 @@ class FedPerSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
     """FedPer (`fedper`): FedAvg on the base layers; the last `personal_layers` stay on the clients."""
 
     personal_layers: int = settings_lib.setting(
-        1, 'FedPer: how many of the last layers with weights stay on the clients (1: the classifier head).'
+        1, 'FedPer, FedRep: how many of the last layers with weights stay on the clients (1: the classifier head).'
     )
 
     def _checks(self):
@@ -49,7 +49,9 @@ class FedPerSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         ]
 
 
-def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -> tuple[list[int], list[int]]:
+def split_layers(
+    model_fn: Callable[[], tf.keras.Model], personal_layers: int, who: str = 'FedPer'
+) -> tuple[list[int], list[int]]:
     """Indices of the base and of the personal trainable variables of `model_fn()`'s model.
 
     Layers are counted, not variables: a Dense layer's kernel and bias move
@@ -60,6 +62,7 @@ def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -
         graph of its own here).
       personal_layers: how many of the last layers with trainable weights are
         personal (`FedPerSettings.personal_layers`).
+      who: the algorithm, for the messages (FedPer, FedRep).
 
     Returns:
       `(base_indices, personal_indices)` into the model's
@@ -75,14 +78,14 @@ def split_layers(model_fn: Callable[[], tf.keras.Model], personal_layers: int) -
         layers = [layer for layer in model.layers if layer.trainable_weights]
         if not layers and model.trainable_variables:  # a FunctionalModel / VariableModel (models.adapters)
             raise ValueError(
-                f'model_fn: FedPer splits the model into shared and personal Keras layers and {model.name!r} has '
+                f'model_fn: {who} splits the model into shared and personal Keras layers and {model.name!r} has '
                 'no Keras layers; pass a Keras model function'
             )
         if not 1 <= personal_layers < len(layers):
             count = f'{len(layers)} layer{"" if len(layers) == 1 else "s"}'
             raise ValueError(
                 f'personal_layers={personal_layers} leaves no shared layer: model {model.name!r} has {count} '
-                f'with weights; FedPer needs at least personal_layers + 1 = {personal_layers + 1}'
+                f'with weights; {who} needs at least personal_layers + 1 = {personal_layers + 1}'
             )
         personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}
         base, personal = [], []
@@ -147,16 +150,68 @@ def build_fedper_process(
         metrics=metrics,
     )
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
-    base_type = model_weights.weights_type(model_fn, base_indices)
-    loss_fn = local_training.loss_from(loss, spec)
     client_training = building_blocks.build_client_training(
         spec,
         model_fn,
         settings.training_config(),
         seed=seed,
         optimizer=client_optimizer,
-        loss_fn=loss_fn,
+        loss_fn=local_training.loss_from(loss, spec),
     )
+    return shared_base_round(
+        spec,
+        model_fn,
+        client_training,
+        base_indices=base_indices,
+        personal_indices=personal_indices,
+        server_optimizer=server_optimizer or settings.server_optimizer(),
+        model_aggregator=model_aggregator,
+        metrics=metrics,
+        seed=seed,
+    )
+
+
+def shared_base_round(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    client_training: tff.Computation,
+    *,
+    base_indices,
+    personal_indices,
+    server_optimizer: tff.learning.optimizers.Optimizer,
+    model_aggregator: averaging.Aggregator | None,
+    metrics: local_training.MetricsArg | None,
+    seed: int,
+) -> template.PersonalizedProcess:
+    """The round of a shared base and a personal head (FedPer's, FedRep's), around the clients' training.
+
+    The server holds and averages the base; each client keeps its head in
+    its state (every head starts from the run seed's initial model), trains
+    the whole model with `client_training` from the base it receives and
+    its head, keeps the trained head and uploads the base's update.
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      client_training: `(weights, round_num, client_id) -> <update, weight,
+        metric_sums>` on the whole model's weights, as
+        `building_blocks.build_client_training` returns it (FedPer's: SGD on
+        every layer; FedRep's: the head, then the base).
+      base_indices: the shared variables' indices (`split_layers`).
+      personal_indices: the head's.
+      server_optimizer: applied to the mean base update.
+      model_aggregator: aggregation of the base updates; None: the
+        example-weighted mean.
+      metrics: extra per-client test metrics (`local_training.metrics_from`).
+      seed: run seed.
+
+    Returns:
+      A `template.PersonalizedProcess`: server state `<model (the base's
+      weights), optimizer_state, aggregator_state, round_num>`, client state
+      `<client_id, num_participations, last_round, head>`, `evaluate`'s
+      `personalized_model` the base with the client's head.
+    """
+    base_type = model_weights.weights_type(model_fn, base_indices)
     client_evaluation = building_blocks.build_client_evaluation(
         spec, model_fn, metrics=local_training.metrics_from(metrics, spec)
     )
@@ -196,7 +251,7 @@ def build_fedper_process(
         client_work=client_work,
         initial_client_state=initial_client_state,
         evaluate_client=evaluate_client,
-        server_optimizer=server_optimizer or settings.server_optimizer(),
+        server_optimizer=server_optimizer,
         shared_indices=base_indices,
         model_aggregator=model_aggregator,
         seed=seed,

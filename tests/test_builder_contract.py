@@ -26,6 +26,7 @@ from processes import (
     feddf,
     fedfomo,
     fedper,
+    fedrep,
     kdpdfl,
     ktpfl,
     ktpfl_homo,
@@ -71,6 +72,15 @@ def _builders(work=LOCAL):
                 **kw,
             ),
             {c, s, a, lo, m},
+        ),
+        'build_fedrep_process': (
+            lambda spec, fn, **kw: fedrep.build_fedrep_process(
+                spec,
+                functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes),
+                fedrep.FedRepSettings(**work, fedrep_head_epochs=1),
+                **kw,
+            ),
+            {s, a, lo, m},
         ),
         'build_fedbn_process': (
             lambda spec, fn, **kw: fedbn.build_fedbn_process(
@@ -403,6 +413,8 @@ FUNCTIONAL = {
     'build_persfl_process': "model_fn: PersFL's distillation grid cannot train 'functional_model'",
     'build_fedper_process': 'model_fn: FedPer splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
+    'build_fedrep_process': 'model_fn: FedRep splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
     'build_fedbn_process': 'model_fn: FedBN keeps the BatchNormalization layers on the clients and '
     "'functional_model' has no Keras layers",
     'build_kdpdfl_process': "model_fn: KD-PDFL's logit distances run the neighbours' models stacked and cannot run",
@@ -418,6 +430,13 @@ def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
 
         def build(spec, fn):
             return fedper.build_fedper_process(spec, fn, fedper.FedPerSettings(**LOCAL))
+
+    if builder == 'build_fedrep_process':  # the same
+
+        def build(spec, fn):
+            return fedrep.build_fedrep_process(spec, fn, fedrep.FedRepSettings(**LOCAL))
+
+        model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes)
 
     if builder == 'build_fedbn_process':  # the same: built here on the functional model
 

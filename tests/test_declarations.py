@@ -176,7 +176,7 @@ def test_model_update_builder_passes_the_runs_aggregator_and_seed_on():
     run = algorithm.RunOptions(seed=7, make_model_aggregator=lambda: 'dp factory')
     assert build('settings', 'spec', 'model_fn', run) == 'process'
     assert calls == [('spec', 'model_fn', 'settings', 'dp factory', 7)]
-    # The algorithms whose uploads are one model update per client (eight builders, eleven names) declare it.
+    # The algorithms whose uploads are one model update per client (nine builders, twelve names) declare it.
     users = [n for n in algorithms.names() if algorithms.get(n).build.__qualname__.startswith('model_update_builder')]
     assert users == [
         'apfl',
@@ -185,6 +185,7 @@ def test_model_update_builder_passes_the_runs_aggregator_and_seed_on():
         'fedavg_ft',
         'fedbn',
         'fedper',
+        'fedrep',
         'perfedavg_fo',
         'perfedavg_hf',
         'persfl',

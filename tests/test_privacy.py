@@ -452,7 +452,8 @@ def test_secure_aggregation_gives_the_plain_round(tmp_path, tff_runtime):
 @pytest.mark.parametrize('name', sorted(a for a in algorithms.names() if algorithms.get(a).privacy.uploads))
 def test_the_audit_reads_secure_and_dp_aggregation_from_the_round(name, tmp_path):
     spec = make_linear_problem(tmp_path / 'data', public_examples=12)
-    model_name = {'fedper': 'mnist_dnn', 'fedbn': 'mnist_dnn_bn'}.get(name, 'logistic')
+    # The model the algorithm runs on vector data (FedPer, FedRep and FedBN need more than one layer).
+    model_name = algorithms.get(name).default_models.get('synthetic', 'logistic')
     model_fn = functools.partial(models.get(model_name), spec.feature_shape, spec.num_classes)
     params = sum(int(np.prod(w.shape)) for w in model_fn().trainable_weights)
     built = {}

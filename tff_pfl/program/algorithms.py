@@ -36,6 +36,7 @@ MODULE_NAMES = (
     'fedamp',
     'pfedhn',
     'fedfomo',
+    'fedrep',
 )
 
 _MODULES = tuple(importlib.import_module(f'{processes.__name__}.{name}') for name in MODULE_NAMES)
