@@ -334,6 +334,9 @@ def test_main_writes_checks_and_refuses_bad_input(tmp_path, monkeypatch, capsys)
     assert err.startswith('scoreboard: error: ') and 'paper.FedAvg.natural.top5: unknown metric' in err
     assert err.count('\n') == 1
     (tmp_path / 'benchmarks' / 'suites' / 'bad.toml').unlink()
+    # A sitting that completed tuning trials and no run writes an empty summary: nothing to score yet.
+    (tmp_path / 'benchmarks' / 'results' / 'fake_suite' / 'summary.csv').write_text('\n')
+    assert scoreboard._read_summary(str(tmp_path / 'benchmarks' / 'results' / 'fake_suite')) is None
     (tmp_path / 'benchmarks' / 'results' / 'fake_suite' / 'summary.csv').write_text('a,b\n1,2\n')
     assert scoreboard.main([]) == 2
     assert 'fake_suite/summary.csv: not a tff-pfl-bench summary.csv' in capsys.readouterr().err

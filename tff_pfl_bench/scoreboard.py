@@ -117,7 +117,9 @@ def _read_summary(directory: str) -> dict | None:
         return None
     with open(path, newline='', encoding='utf-8') as f:
         reader = csv.DictReader(f)
-        if not {'partition', 'algorithm', 'runs'} <= set(reader.fieldnames or ()):
+        if not reader.fieldnames:  # no run complete yet (a sitting that finished only tuning trials)
+            return None
+        if not {'partition', 'algorithm', 'runs'} <= set(reader.fieldnames):
             raise bench_suite.SuiteError(f'{path}: not a tff-pfl-bench summary.csv (no partition, algorithm, runs)')
         return {(row['partition'], row['algorithm']): row for row in reader}
 
@@ -327,7 +329,7 @@ def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
             dict(
                 suite=suite.name,
                 suite_path=suite_path,
-                report=os.path.relpath(report, root) if summary and os.path.exists(report) else None,
+                report=os.path.relpath(report, root) if os.path.exists(report) else None,
                 what=' '.join(suite.description.split()),
                 runs=f'{complete}/{len(suite.runs())}',
                 command=run_command(suite, suite_path),
