@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedavg, fedbn, fedper, persfl
+from processes import fedavg, fedbn, fedper, fedrep, persfl
 from tests.test_builder_contract import LOCAL, USERS, _builders, make_data
 from tff_pfl import models
 from tff_pfl.computations import builder_inputs
@@ -56,6 +56,11 @@ def test_every_builder_refuses_a_client_data_where_the_spec_goes(data, builder):
 
         def build(spec, fn):
             return fedbn.build_fedbn_process(spec, fn, fedbn.FedBNSettings(**LOCAL))
+
+    if builder == 'build_fedrep_process':  # the same
+
+        def build(spec, fn):
+            return fedrep.build_fedrep_process(spec, fn, fedrep.FedRepSettings(**LOCAL))
 
     with pytest.raises(TypeError, match=r'^spec must be a ClientDataSpec, got TestClientData; .*from_federated_data'):
         build(client_data, model_fn)
