@@ -46,6 +46,12 @@ EPOCH = dict(local_epochs=1, batch_size=16, client_learning_rate=0.1)
 PUBLIC = dict(public_examples=40, public_batch=20, public_distill_batch_size=10)
 
 
+def _own_model(builder, spec):
+    """The model function of an entry that needs more than one layer; it reads `spec` only when called, so a
+    builder given a wrong `spec` refuses it before any model is built."""
+    return lambda: builder(spec.feature_shape, spec.num_classes)
+
+
 def _builders(work=LOCAL):
     """builder name -> (build(spec, model_fn, **keywords), the contract keywords it uses); `work`: the local work."""
     c, s, a, lo, m = building_blocks.CONTRACT_KEYWORDS
@@ -67,7 +73,7 @@ def _builders(work=LOCAL):
         'build_fedper_process': (
             lambda spec, fn, **kw: fedper.build_fedper_process(
                 spec,
-                functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes),
+                _own_model(models.mnist_dnn, spec),
                 fedper.FedPerSettings(**work),
                 **kw,
             ),
@@ -76,7 +82,7 @@ def _builders(work=LOCAL):
         'build_fedrep_process': (
             lambda spec, fn, **kw: fedrep.build_fedrep_process(
                 spec,
-                functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes),
+                _own_model(models.mnist_dnn, spec),
                 fedrep.FedRepSettings(**work, fedrep_head_epochs=1),
                 **kw,
             ),
@@ -85,7 +91,7 @@ def _builders(work=LOCAL):
         'build_fedbn_process': (
             lambda spec, fn, **kw: fedbn.build_fedbn_process(
                 spec,
-                functools.partial(models.mnist_dnn_bn, spec.feature_shape, spec.num_classes),
+                _own_model(models.mnist_dnn_bn, spec),
                 fedbn.FedBNSettings(**work),
                 **kw,
             ),

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedavg, fedbn, fedper, fedrep, persfl
+from processes import fedavg, persfl
 from tests.test_builder_contract import LOCAL, USERS, _builders, make_data
 from tff_pfl import models
 from tff_pfl.computations import builder_inputs
@@ -47,21 +47,6 @@ def test_every_builder_refuses_a_client_data_where_the_spec_goes(data, builder):
     spec, model_fn = data
     build, _ = _builders()[builder]
     client_data = tff.simulation.datasets.TestClientData({'a': collections.OrderedDict(x=np.zeros((2, 6)), y=[0, 1])})
-    if builder == 'build_fedper_process':  # its table entry reads the spec for its own model
-
-        def build(spec, fn):
-            return fedper.build_fedper_process(spec, fn, fedper.FedPerSettings(**LOCAL))
-
-    if builder == 'build_fedbn_process':  # the same
-
-        def build(spec, fn):
-            return fedbn.build_fedbn_process(spec, fn, fedbn.FedBNSettings(**LOCAL))
-
-    if builder == 'build_fedrep_process':  # the same
-
-        def build(spec, fn):
-            return fedrep.build_fedrep_process(spec, fn, fedrep.FedRepSettings(**LOCAL))
-
     with pytest.raises(TypeError, match=r'^spec must be a ClientDataSpec, got TestClientData; .*from_federated_data'):
         build(client_data, model_fn)
 
