@@ -40,7 +40,9 @@ class FedPerSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
     """FedPer (`fedper`): FedAvg on the base layers; the last `personal_layers` stay on the clients."""
 
     personal_layers: int = settings_lib.setting(
-        1, 'FedPer, FedRep: how many of the last layers with weights stay on the clients (1: the classifier head).'
+        1,
+        'FedPer, FedRep, FedBABU: how many of the last layers with weights are the head (1: the classifier): '
+        'kept on each client in FedPer and FedRep, fixed at its initialization in FedBABU.',
     )
 
     def _checks(self):
@@ -50,7 +52,12 @@ class FedPerSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
 
 
 def split_layers(
-    model_fn: Callable[[], tf.keras.Model], personal_layers: int, who: str = 'FedPer'
+    model_fn: Callable[[], tf.keras.Model],
+    personal_layers: int,
+    who: str = 'FedPer',
+    *,
+    setting: str = 'personal_layers',
+    rest: str = 'shared',
 ) -> tuple[list[int], list[int]]:
     """Indices of the base and of the personal trainable variables of `model_fn()`'s model.
 
@@ -63,6 +70,9 @@ def split_layers(
       personal_layers: how many of the last layers with trainable weights are
         personal (`FedPerSettings.personal_layers`).
       who: the algorithm, for the messages (FedPer, FedRep).
+      setting: the setting that holds `personal_layers`, for the messages
+        (LG-FedAvg's `global_layers` counts its shared layers from the end).
+      rest: what the layers before them are, for the messages.
 
     Returns:
       `(base_indices, personal_indices)` into the model's
@@ -84,8 +94,8 @@ def split_layers(
         if not 1 <= personal_layers < len(layers):
             count = f'{len(layers)} layer{"" if len(layers) == 1 else "s"}'
             raise ValueError(
-                f'personal_layers={personal_layers} leaves no shared layer: model {model.name!r} has {count} '
-                f'with weights; {who} needs at least personal_layers + 1 = {personal_layers + 1}'
+                f'{setting}={personal_layers} leaves no {rest} layer: model {model.name!r} has {count} '
+                f'with weights; {who} needs at least {setting} + 1 = {personal_layers + 1}'
             )
         personal_refs = {v.ref() for layer in layers[-personal_layers:] for v in layer.trainable_weights}
         base, personal = [], []
@@ -182,6 +192,7 @@ def shared_base_round(
     model_aggregator: averaging.Aggregator | None,
     metrics: local_training.MetricsArg | None,
     seed: int,
+    personal_field: str = 'head',
 ) -> template.PersonalizedProcess:
     """The round of a shared base and a personal head (FedPer's, FedRep's), around the clients' training.
 
@@ -204,6 +215,8 @@ def shared_base_round(
         example-weighted mean.
       metrics: extra per-client test metrics (`local_training.metrics_from`).
       seed: run seed.
+      personal_field: the client state's name for the personal part
+        (LG-FedAvg's is its lower layers, `local_layers`).
 
     Returns:
       A `template.PersonalizedProcess`: server state `<model (the base's
@@ -219,12 +232,14 @@ def shared_base_round(
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
         weights = model_weights.initial_weights(model_fn, seed)
-        return building_blocks.participation_state(client_id, head=[weights[i] for i in personal_indices])
+        return building_blocks.participation_state(
+            client_id, **{personal_field: [weights[i] for i in personal_indices]}
+        )
 
     client_state_type = initial_client_state.type_signature.result
 
     def full_weights(base, client_state):
-        return model_weights.merge_weights([(base_indices, base), (personal_indices, client_state['head'])])
+        return model_weights.merge_weights([(base_indices, base), (personal_indices, client_state[personal_field])])
 
     @tff.tensorflow.computation(base_type, np.int32, client_state_type)
     def client_work(base, round_num, client_state):
@@ -232,12 +247,12 @@ def shared_base_round(
         # and the head part (kept).
         result = client_training(full_weights(base, client_state), round_num, client_state['client_id'])
         update = result['update']
-        head = [h - update[i] for h, i in zip(client_state['head'], personal_indices)]
+        head = [h - update[i] for h, i in zip(client_state[personal_field], personal_indices)]
         return collections.OrderedDict(
             update=[update[i] for i in base_indices],
             weight=result['weight'],
             metric_sums=result['metric_sums'],
-            client_state=building_blocks.participated(client_state, round_num, head=head),
+            client_state=building_blocks.participated(client_state, round_num, **{personal_field: head}),
         )
 
     @tff.tensorflow.computation(base_type, client_state_type)

@@ -47,7 +47,9 @@ class FedRepSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
     """FedRep (`fedrep`): per round, the head alone, then the shared body alone; the body is averaged."""
 
     personal_layers: int = settings_lib.setting(
-        1, 'FedPer, FedRep: how many of the last layers with weights stay on the clients (1: the classifier head).'
+        1,
+        'FedPer, FedRep, FedBABU: how many of the last layers with weights are the head (1: the classifier): '
+        'kept on each client in FedPer and FedRep, fixed at its initialization in FedBABU.',
     )
     fedrep_head_epochs: int = settings_lib.setting(
         10, 'FedRep: tau_h, epochs of head training (body frozen) before the body epochs of a round.'

@@ -22,6 +22,7 @@ from processes import (
     ditto,
     fedamp,
     fedavg,
+    fedbabu,
     fedbn,
     feddf,
     fedfomo,
@@ -30,6 +31,7 @@ from processes import (
     kdpdfl,
     ktpfl,
     ktpfl_homo,
+    lgfedavg,
     local,
     perfedavg,
     persfl,
@@ -46,9 +48,12 @@ EPOCH = dict(local_epochs=1, batch_size=16, client_learning_rate=0.1)
 PUBLIC = dict(public_examples=40, public_batch=20, public_distill_batch_size=10)
 
 
-def _own_model(builder, spec):
-    """The model function of an entry that needs more than one layer; it reads `spec` only when called, so a
-    builder given a wrong `spec` refuses it before any model is built."""
+def _own_model(fn, builder, spec):
+    """The model of an entry that needs more than one Keras layer: `fn` itself where it is a FunctionalModel (which
+    such a builder refuses, `FUNCTIONAL`), else a function of `builder`'s model that reads `spec` only when called,
+    so a builder given a wrong `spec` refuses it before any model is built."""
+    if isinstance(fn, tff.learning.models.FunctionalModel):
+        return fn
     return lambda: builder(spec.feature_shape, spec.num_classes)
 
 
@@ -73,7 +78,7 @@ def _builders(work=LOCAL):
         'build_fedper_process': (
             lambda spec, fn, **kw: fedper.build_fedper_process(
                 spec,
-                _own_model(models.mnist_dnn, spec),
+                _own_model(fn, models.mnist_dnn, spec),
                 fedper.FedPerSettings(**work),
                 **kw,
             ),
@@ -82,16 +87,34 @@ def _builders(work=LOCAL):
         'build_fedrep_process': (
             lambda spec, fn, **kw: fedrep.build_fedrep_process(
                 spec,
-                _own_model(models.mnist_dnn, spec),
+                _own_model(fn, models.mnist_dnn, spec),
                 fedrep.FedRepSettings(**work, fedrep_head_epochs=1),
                 **kw,
             ),
             {s, a, lo, m},
         ),
+        'build_fedbabu_process': (
+            lambda spec, fn, **kw: fedbabu.build_fedbabu_process(
+                spec,
+                _own_model(fn, models.mnist_dnn, spec),
+                fedbabu.FedBABUSettings(**work, fedbabu_finetune_epochs=1),
+                **kw,
+            ),
+            {s, a, lo, m},
+        ),
+        'build_lgfedavg_process': (
+            lambda spec, fn, **kw: lgfedavg.build_lgfedavg_process(
+                spec,
+                _own_model(fn, models.mnist_dnn, spec),
+                lgfedavg.LGFedAvgSettings(**work),
+                **kw,
+            ),
+            {c, s, a, lo, m},
+        ),
         'build_fedbn_process': (
             lambda spec, fn, **kw: fedbn.build_fedbn_process(
                 spec,
-                _own_model(models.mnist_dnn_bn, spec),
+                _own_model(fn, models.mnist_dnn_bn, spec),
                 fedbn.FedBNSettings(**work),
                 **kw,
             ),
@@ -421,6 +444,10 @@ FUNCTIONAL = {
     "'functional_model' has no Keras layers",
     'build_fedrep_process': 'model_fn: FedRep splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
+    'build_fedbabu_process': 'model_fn: FedBABU splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
+    'build_lgfedavg_process': 'model_fn: LG-FedAvg splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
     'build_fedbn_process': 'model_fn: FedBN keeps the BatchNormalization layers on the clients and '
     "'functional_model' has no Keras layers",
     'build_kdpdfl_process': "model_fn: KD-PDFL's logit distances run the neighbours' models stacked and cannot run",
@@ -431,24 +458,6 @@ FUNCTIONAL = {
 def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
     spec, model_fn = data
     build, _ = _builders()[builder]
-    if builder == 'build_fedper_process':  # its table entry builds a two-layer model of its own
-        model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes)
-
-        def build(spec, fn):
-            return fedper.build_fedper_process(spec, fn, fedper.FedPerSettings(**LOCAL))
-
-    if builder == 'build_fedrep_process':  # the same
-
-        def build(spec, fn):
-            return fedrep.build_fedrep_process(spec, fn, fedrep.FedRepSettings(**LOCAL))
-
-        model_fn = functools.partial(models.mnist_dnn, spec.feature_shape, spec.num_classes)
-
-    if builder == 'build_fedbn_process':  # the same: built here on the functional model
-
-        def build(spec, fn):
-            return fedbn.build_fedbn_process(spec, fn, fedbn.FedBNSettings(**LOCAL))
-
     input_spec = (tf.TensorSpec([None, *spec.feature_shape], tf.float32), tf.TensorSpec([None], tf.int32))
     functional = tff.learning.models.functional_model_from_keras(
         model_fn(), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), input_spec

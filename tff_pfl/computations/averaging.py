@@ -312,8 +312,8 @@ def build_averaging_process(
         global_model='model' if shared_indices is None else None,
         non_trainable=model_weights.non_trainable_values(model_fn, seed) if shared_indices is None else (),
         no_global_model=(
-            'its server holds only the shared layers of the model; each client keeps the others '
-            '(the personalized model is the client state)'
+            'its server holds only the shared layers of the model, not a whole model (FedPer, FedRep, LG-FedAvg: '
+            'each client keeps the others; FedBABU: its head stays at the initialization)'
         ),
         **declared_outputs,
     )

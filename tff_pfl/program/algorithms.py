@@ -37,6 +37,8 @@ MODULE_NAMES = (
     'pfedhn',
     'fedfomo',
     'fedrep',
+    'lgfedavg',
+    'fedbabu',
 )
 
 _MODULES = tuple(importlib.import_module(f'{processes.__name__}.{name}') for name in MODULE_NAMES)
