@@ -225,5 +225,6 @@ ALGORITHMS = (
         lambda state: {'alpha': float(state['alpha'])},
         _plots,
         privacy=algorithm.Privacy("the global model w's updates (v_i and alpha_i stay on the clients)"),
+        family='model interpolation',
     ),
 )

@@ -248,5 +248,6 @@ ALGORITHMS = (
         DittoSettings,
         algorithm.model_update_builder(build_ditto_process),
         privacy=algorithm.Privacy("the global model's updates (v_i stays on the clients)"),
+        family='regularized personal model',
     ),
 )

@@ -244,6 +244,7 @@ ALGORITHMS = (
         FedAvgSettings,
         algorithm.model_update_builder(build_fedavg_process),
         privacy=algorithm.Privacy('model updates'),
+        family='global model',
     ),
     algorithm.Algorithm(
         'fedavg_ft',
@@ -253,5 +254,6 @@ ALGORITHMS = (
         lambda state: {'finetune_epochs': int(state['finetune_epochs'])},
         _finetune_plots,
         privacy=algorithm.Privacy('model updates (fine-tuning stays on the clients)'),
+        family='fine-tuning',
     ),
 )

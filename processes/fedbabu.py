@@ -217,5 +217,6 @@ ALGORITHMS = (
         # Logistic regression has one layer: there would be no body to train.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy("the body's updates (the head is fixed and never sent)"),
+        family='parameter decoupling',
     ),
 )

@@ -227,5 +227,6 @@ ALGORITHMS = (
             'npz': 'mnist_dnn_bn',
         },
         privacy=algorithm.Privacy("the shared layers' updates (the batch-norm layers stay on the clients)"),
+        family='parameter decoupling',
     ),
 )

@@ -481,6 +481,7 @@ def _declare(name, title, settings_cls):
             secure_needs_dp=SECURE_NEEDS_DP,
             dp_uploads=_per_architecture_uploads,
         ),
+        family='knowledge distillation',
     )
 
 

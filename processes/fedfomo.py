@@ -660,5 +660,6 @@ ALGORITHMS = (
         client_columns=algorithm.participation_columns,
         plots=_plots,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
+        family='personalized aggregation',
     ),
 )

@@ -282,5 +282,6 @@ ALGORITHMS = (
         # Logistic regression has one layer: nothing would be shared.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy("the shared base's updates (the head stays on the clients)"),
+        family='parameter decoupling',
     ),
 )

@@ -228,5 +228,6 @@ ALGORITHMS = (
         # Logistic regression has one layer: there would be no body to share.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy("the shared body's updates (the head stays on the clients)"),
+        family='parameter decoupling',
     ),
 )

@@ -599,10 +599,18 @@ NOT_ONE_AGGREGATION = (
 )
 
 
-def _declare(name, title, settings_cls, plots=None):
+def _declare(name, title, settings_cls, plots=None, family='decentralized'):
     """A KD-PDFL-family entry: its settings (whose type is the exchange mode), run by the serverless loop."""
     return algorithm.Algorithm(
-        name, title, settings_cls, _build, _columns, plots, serverless=True, not_one_aggregation=NOT_ONE_AGGREGATION
+        name,
+        title,
+        settings_cls,
+        _build,
+        _columns,
+        plots,
+        serverless=True,
+        not_one_aggregation=NOT_ONE_AGGREGATION,
+        family=family,
     )
 
 
@@ -621,5 +629,10 @@ ALGORITHMS = (
         'Serverless FedAvg, then local fine-tuning from a slot on (KD-PDFL baseline)',
         ServerlessFedAvgPlusSettings,
     ),
-    _declare('kdpdfl_local', 'Local learning in the serverless loop (KD-PDFL baseline)', ServerlessLocalSettings),
+    _declare(
+        'kdpdfl_local',
+        'Local learning in the serverless loop (KD-PDFL baseline)',
+        ServerlessLocalSettings,
+        family='local',
+    ),
 )

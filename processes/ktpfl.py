@@ -611,5 +611,6 @@ ALGORITHMS = (
         privacy=ktpfl_rounds.local_dp_privacy(
             "each client's soft predictions, clipped and noised on the client (local DP)", _soft_prediction_uploads
         ),
+        family='knowledge distillation',
     ),
 )

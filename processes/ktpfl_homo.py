@@ -428,5 +428,6 @@ ALGORITHMS = (
         _build,
         plots=ktpfl_rounds.plots,
         privacy=ktpfl_rounds.local_dp_privacy("each client's parameters, clipped and noised on the client (local DP)"),
+        family='knowledge distillation',
     ),
 )

@@ -145,5 +145,6 @@ ALGORITHMS = (
         # Logistic regression has one layer: there would be no local representation.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy("the global layers' updates (the representation stays on the clients)"),
+        family='parameter decoupling',
     ),
 )

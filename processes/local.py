@@ -188,5 +188,6 @@ ALGORITHMS = (
         LocalSettings,
         _build,
         privacy=algorithm.Privacy(why_not='uploads nothing but training metrics: there is no model to protect'),
+        family='local',
     ),
 )

@@ -261,6 +261,7 @@ ALGORITHMS = (
         PerFedAvgSettings,
         algorithm.model_update_builder(build_perfedavg_process),
         privacy=algorithm.Privacy('meta-model updates'),
+        family='meta-learning',
     ),
     algorithm.Algorithm(
         'perfedavg_hf',
@@ -268,5 +269,6 @@ ALGORITHMS = (
         PerFedAvgHFSettings,
         algorithm.model_update_builder(build_perfedavg_process),
         privacy=algorithm.Privacy('meta-model updates'),
+        family='meta-learning',
     ),
 )

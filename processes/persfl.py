@@ -397,6 +397,7 @@ def _declare(name, title, settings_cls):
         _columns,
         _plots,
         privacy=algorithm.Privacy("stage 1's model updates (stage 2 stays on the clients)"),
+        family='knowledge distillation',
     )
 
 

@@ -474,5 +474,6 @@ ALGORITHMS = (
         client_columns=algorithm.participation_columns,
         not_one_aggregation=NOT_ONE_AGGREGATION,
         privacy=algorithm.Privacy(why_not=NO_PRIVACY),
+        family='hypernetwork',
     ),
 )

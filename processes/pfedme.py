@@ -225,5 +225,6 @@ ALGORITHMS = (
         PFedMeSettings,
         algorithm.model_update_builder(build_pfedme_process),
         privacy=algorithm.Privacy("the local models' updates (the personalized theta_i stays on the clients)"),
+        family='regularized personal model',
     ),
 )

@@ -540,5 +540,6 @@ ALGORITHMS = (
             fixed_clip_only=ADAPTIVE_CLIP_REFUSED,
             secure_needs_dp=SECURE_NEEDS_DP,
         ),
+        family='model interpolation',
     ),
 )

@@ -12,6 +12,22 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+# The families of personalized FL an algorithm declares (`Algorithm.family`), as the zoo table groups them
+# (docs/zoo.md), with what makes each a family.
+FAMILIES = {
+    'global model': 'one model for every client, trained by averaging',
+    'local': 'each client trains alone',
+    'fine-tuning': 'a global model, then adapted on each client',
+    'parameter decoupling': 'some layers shared and averaged, the others kept or fixed per client',
+    'regularized personal model': "each client's own model, pulled towards a global one",
+    'meta-learning': 'a global initialization that one local step personalizes',
+    'model interpolation': "a mix of a global and a client's own model",
+    'personalized aggregation': "each client's model aggregated from the others' with its own weights",
+    'knowledge distillation': 'knowledge shared as predictions, distilled into each model',
+    'hypernetwork': "a server network that writes each client's model",
+    'decentralized': 'no server: clients exchange models with neighbours',
+}
+
 # Completes "<algorithm> ..." for an algorithm that declares no private uploads.
 NO_PRIVACY = 'does not take user-level DP yet (docs/privacy.md lists the algorithms that do)'
 
@@ -125,6 +141,8 @@ class Algorithm:
       check: `(settings, client_fraction) -> problem or None`, the algorithm's
         conditions on the run beyond its settings (e.g. full participation).
       privacy: the privacy modes it takes (`Privacy`).
+      family: its family of personalized FL, a key of `FAMILIES` (the zoo
+        table, docs/zoo.md).
     """
 
     name: str
@@ -138,6 +156,7 @@ class Algorithm:
     default_models: Mapping[str, str] = dataclasses.field(default_factory=dict)
     check: Callable | None = None
     privacy: Privacy = Privacy()
+    family: str = ''
 
     @property
     def own_architectures(self) -> bool:
