@@ -20,6 +20,7 @@ import processes
 from processes import (
     apfl,
     ditto,
+    fedala,
     fedamp,
     fedavg,
     fedbabu,
@@ -28,6 +29,7 @@ from processes import (
     fedfomo,
     fedper,
     fedrep,
+    fedrod,
     kdpdfl,
     ktpfl,
     ktpfl_homo,
@@ -93,6 +95,12 @@ def _builders(work=LOCAL):
             ),
             {s, a, lo, m},
         ),
+        'build_fedrod_process': (
+            lambda spec, fn, **kw: fedrod.build_fedrod_process(
+                spec, _own_model(fn, models.mnist_dnn, spec), fedrod.FedRoDSettings(**work), **kw
+            ),
+            {s, a, lo, m},
+        ),
         'build_fedbabu_process': (
             lambda spec, fn, **kw: fedbabu.build_fedbabu_process(
                 spec,
@@ -101,6 +109,15 @@ def _builders(work=LOCAL):
                 **kw,
             ),
             {s, a, lo, m},
+        ),
+        'build_fedala_process': (
+            lambda spec, fn, **kw: fedala.build_fedala_process(
+                spec,
+                _own_model(fn, models.mnist_dnn, spec),
+                fedala.FedALASettings(**work, fedala_start_passes=2),
+                **kw,
+            ),
+            {c, s, a, lo, m},
         ),
         'build_lgfedavg_process': (
             lambda spec, fn, **kw: lgfedavg.build_lgfedavg_process(
@@ -234,29 +251,6 @@ def test_every_builder_of_the_processes_package_is_in_the_contract_table():
         f'builders with no entry in FUNCTIONAL here (a FunctionalModel taken or refused): {sorted(missing)}'
     )
     assert takes_model == set(FUNCTIONAL)
-
-
-@pytest.mark.parametrize('builder', sorted(_builders()))
-def test_a_builder_takes_every_keyword_it_uses(data, builder):
-    spec, model_fn = data
-    build, uses = _builders()[builder]
-    process = build(spec, model_fn, **{k: VALUES[k]() for k in uses})
-    assert process.initialize.type_signature.result.placement is tff.SERVER
-
-
-@pytest.mark.parametrize('builder', sorted(b for b, (_, uses) in _builders().items() if 'loss' in uses))
-def test_a_builder_that_takes_a_loss_trains_on_it(data, builder):
-    """Building traces the client computations: a loss the builder passes on is called beyond its one try."""
-    spec, model_fn = data
-    build, _ = _builders()[builder]
-    calls = []
-
-    def counted(labels, logits):
-        calls.append(1)
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
-
-    build(spec, model_fn, loss=counted)
-    assert len(calls) > 1  # 1: local_training.loss_from's try on the spec's shapes
 
 
 def _fedavg_weights(spec, model_fn, learning_rate=LOCAL['client_learning_rate'], **keywords):
@@ -444,7 +438,11 @@ FUNCTIONAL = {
     "'functional_model' has no Keras layers",
     'build_fedrep_process': 'model_fn: FedRep splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
+    'build_fedrod_process': 'model_fn: FedRoD splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
     'build_fedbabu_process': 'model_fn: FedBABU splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
+    'build_fedala_process': 'model_fn: FedALA mixes the top fedala_layers Keras layers element-wise and '
     "'functional_model' has no Keras layers",
     'build_lgfedavg_process': 'model_fn: LG-FedAvg splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
@@ -473,17 +471,33 @@ def test_a_functional_model_is_taken_or_refused_in_one_line(data, builder):
 
 
 @pytest.mark.parametrize('builder', sorted(_builders()))
-def test_every_builder_trains_and_evaluates_a_users_client_data_by_their_ids(data, tff_runtime, builder):
-    """With three metrics of the user's: Keras's cross-entropy is the reported loss, top-3 of 3 classes is 1,
-    a Keras metric object's accuracy is the reported accuracy."""
+def test_every_builder_takes_every_keyword_it_uses_and_trains_and_evaluates_a_users_client_data(
+    data, tff_runtime, builder
+):
+    """Built with every contract keyword it uses (a user's optimizers and aggregator, a loss of the user's, which
+    building traces: called beyond `local_training.loss_from`'s one try on the spec's shapes), one round runs and
+    the evaluation reports three metrics of the user's: Keras's cross-entropy is the reported loss, top-3 of 3
+    classes is 1, a Keras metric object's accuracy is the reported accuracy."""
     spec, model_fn = data
-    build, _ = _builders()[builder]
+    build, uses = _builders()[builder]
+    calls = []
+
+    def counted(labels, logits):
+        calls.append(1)
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
     user_metrics = {
         'keras_ce': tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         'top3': functools.partial(tf.keras.metrics.sparse_top_k_categorical_accuracy, k=3),
         'keras_acc': tf.keras.metrics.SparseCategoricalAccuracy(),
     }
-    process = build(spec, model_fn, metrics=user_metrics)
+    keywords = {k: VALUES[k]() for k in uses if k not in ('loss', 'metrics')}
+    if 'loss' in uses:
+        keywords['loss'] = counted
+    process = build(spec, model_fn, metrics=user_metrics, **keywords)
+    assert process.initialize.type_signature.result.placement is tff.SERVER
+    if 'loss' in uses:
+        assert len(calls) > 1  # 1: local_training.loss_from's try on the spec's shapes
     state, clients = process.initialize(), process.initial_client_states(spec.client_ids)
     if isinstance(process, template.ServerlessProcess):  # KD-PDFL: one interval of local work
         clients, _ = process.local_work(clients, [2] * spec.num_clients, np.int32(0))

@@ -20,6 +20,8 @@ GLOBAL_MODEL = {
     'ditto',
     'fedavg',
     'fedavg_ft',
+    'fedala',
+    'fedrod',
     'perfedavg_fo',
     'perfedavg_hf',
     'persfl',
@@ -55,7 +57,10 @@ def test_runs_from_its_defaults_and_takes_exactly_the_local_steps_asked(algorith
     # Declared outputs only: nothing is assigned to a process after construction.
     assert [k for k in vars(process) if not k.startswith('_')] == []
     # TFF's tools read the global model where there is one; elsewhere one line says why not.
-    assert process.has_global_model == (algorithm in GLOBAL_MODEL)
+    assert process.has_global_model == (algorithm in GLOBAL_MODEL), (
+        f'{algorithm}: has_global_model is {process.has_global_model}; GLOBAL_MODEL (tests/test_registry.py) lists '
+        'the algorithms whose server state holds one whole model'
+    )
     if process.has_global_model:
         weights_type = process.get_model_weights.type_signature.result
         assert weights_type.python_container is tff.learning.models.ModelWeights

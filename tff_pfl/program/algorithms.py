@@ -39,6 +39,8 @@ MODULE_NAMES = (
     'fedrep',
     'lgfedavg',
     'fedbabu',
+    'fedala',
+    'fedrod',
 )
 
 _MODULES = tuple(importlib.import_module(f'{processes.__name__}.{name}') for name in MODULE_NAMES)
