@@ -28,6 +28,7 @@ from processes import (
     feddf,
     fedfomo,
     fedper,
+    fedproto,
     fedrep,
     fedrod,
     kdpdfl,
@@ -100,6 +101,12 @@ def _builders(work=LOCAL):
                 spec, _own_model(fn, models.mnist_dnn, spec), fedrod.FedRoDSettings(**work), **kw
             ),
             {s, a, lo, m},
+        ),
+        'build_fedproto_process': (
+            lambda spec, fn, **kw: fedproto.build_fedproto_process(
+                spec, _own_model(fn, models.mnist_dnn, spec), fedproto.FedProtoSettings(**work), **kw
+            ),
+            {c, lo, m},
         ),
         'build_fedbabu_process': (
             lambda spec, fn, **kw: fedbabu.build_fedbabu_process(
@@ -439,6 +446,8 @@ FUNCTIONAL = {
     'build_fedrep_process': 'model_fn: FedRep splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
     'build_fedrod_process': 'model_fn: FedRoD splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
+    'build_fedproto_process': "model_fn: FedProto reads the embedding between the model's Keras layers and "
     "'functional_model' has no Keras layers",
     'build_fedbabu_process': 'model_fn: FedBABU splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",

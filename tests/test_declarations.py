@@ -185,6 +185,7 @@ def test_model_update_builder_passes_the_runs_aggregator_and_seed_on():
         'fedamp',  # the server gathers every client's model (gathering_builder)
         'feddf',  # the server distills the averaged models on public data
         'fedfomo',  # gathering_builder
+        'fedproto',  # per-class prototype sums, no model
         'kdpdfl',  # serverless: no server aggregation
         'kdpdfl_fedavg',
         'kdpdfl_fedavg_plus',

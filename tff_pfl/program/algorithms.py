@@ -41,6 +41,7 @@ MODULE_NAMES = (
     'fedbabu',
     'fedala',
     'fedrod',
+    'fedproto',
 )
 
 _MODULES = tuple(importlib.import_module(f'{processes.__name__}.{name}') for name in MODULE_NAMES)
