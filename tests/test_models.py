@@ -51,6 +51,7 @@ def test_logistic_regression_and_registry():
         'mnist_dnn',
         'mnist_dnn_bn',
         'persfl_cnn',
+        'pfllib_cnn',
         'resnet18',
         'resnet_small',
         'shufflenet_small',
@@ -204,6 +205,18 @@ def test_fedavg_cnn_is_mcmahans_cnn():
     assert [w.shape.as_list() for w in model.trainable_weights if len(w.shape) == 2] == [[3136, 512], [512, 10]]
     assert model(tf.zeros([2, 28, 28, 1])).shape == (2, 10)
     assert model.layers[-1].get_config()['activation'] == 'linear'  # logits
+
+
+def test_pfllib_cnn_is_pfllibs_fedavg_cnn():
+    model = models.get('pfllib_cnn')((28, 28, 1), 10)
+    # 'valid' 5x5 convolutions and 2x2 pools: 28 -> 24 -> 12 -> 8 -> 4, so 4 * 4 * 64 = 1,024 features.
+    want = _conv(5, 1, 32) + _conv(5, 32, 64) + _dense(4 * 4 * 64, 512) + _dense(512, 10)
+    assert _params(model) == want == 582_026
+    assert [w.shape.as_list() for w in model.trainable_weights if len(w.shape) == 2] == [[1024, 512], [512, 10]]
+    assert model(tf.zeros([2, 28, 28, 1])).shape == (2, 10)
+    assert model.layers[-1].get_config()['activation'] == 'linear'  # logits
+    with pytest.raises(ValueError, match='at least 16x16'):
+        models.get('pfllib_cnn')((15, 15, 1), 10)
 
 
 def test_resnet18_parameters_and_cifar_stem():

@@ -90,6 +90,62 @@ def test_dirichlet_labels_sizes(labels):
     assert sizes(parts) == varied
 
 
+def _pfllib_dir_reference(labels, num_clients, alpha, least_samples, rng):
+    """PFLlib's separate_data(partition='dir') loop, written out plainly, drawing from `rng`."""
+    n = len(labels)
+    min_size = 0
+    while min_size < least_samples:
+        idx_batch = [[] for _ in range(num_clients)]
+        for k in range(int(labels.max()) + 1):
+            idx_k = np.where(labels == k)[0]
+            rng.shuffle(idx_k)
+            proportions = rng.dirichlet(np.repeat(alpha, num_clients))
+            proportions = np.array([p * (len(idx_j) < n / num_clients) for p, idx_j in zip(proportions, idx_batch)])
+            proportions = proportions / proportions.sum()
+            cuts = (np.cumsum(proportions) * len(idx_k)).astype(int)[:-1]
+            idx_batch = [idx_j + idx.tolist() for idx_j, idx in zip(idx_batch, np.split(idx_k, cuts))]
+            min_size = min(len(idx_j) for idx_j in idx_batch)
+    return [np.sort(np.array(idx_j, dtype=np.int64)) for idx_j in idx_batch]
+
+
+@pytest.mark.parametrize('seed', range(5))
+def test_dirichlet_per_class_matches_pfllibs_loop_draw_for_draw(seed):
+    tiny = np.random.default_rng(7).permutation(np.repeat(np.arange(3), [9, 6, 5]))
+    parts = partition.dirichlet_per_class(tiny, 4, seed, alpha=0.5, min_examples=3)
+    want = _pfllib_dir_reference(tiny, 4, 0.5, 3, np.random.default_rng(seed))
+    for got, expected in zip(parts, want, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_dirichlet_per_class_assigns_every_example_once_and_keeps_the_minimum(labels):
+    parts = partition.dirichlet_per_class(labels, 10, seed=0)
+    assert_valid(parts, labels.size)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
+    # PFLlib's least_samples: min(10 / (1 - 0.75), 600 / 10 / 2) = 30.
+    assert partition.pfllib_min_examples(labels.size, 10) == 30
+    assert min(sizes(parts)) >= 30
+    assert partition.pfllib_min_examples(70_000, 20) == 40  # Fashion-MNIST, 20 clients
+    assert partition.pfllib_min_examples(10, 20) == 1
+    assert min(sizes(partition.dirichlet_per_class(labels, 8, seed=0, min_examples=50))) >= 50
+
+
+@pytest.mark.parametrize('seed', range(3))
+def test_dirichlet_per_class_closes_a_client_once_it_holds_a_fair_share(labels, seed):
+    """PFLlib's rule: a client holding N / num_clients examples gets nothing of the later classes."""
+    histogram = partition.class_histogram(partition.dirichlet_per_class(labels, 10, seed), labels, NUM_CLASSES)
+    held_before = np.cumsum(histogram, axis=1) - histogram
+    assert np.all(held_before[histogram > 0] < labels.size / 10)
+
+
+def test_dirichlet_per_class_alpha_sets_the_skew(labels):
+    skewed = partition.class_histogram(partition.dirichlet_per_class(labels, 10, 0, alpha=0.05), labels, NUM_CLASSES)
+    even = partition.class_histogram(partition.dirichlet_per_class(labels, 10, 0, alpha=1e4), labels, NUM_CLASSES)
+    largest_share = lambda h: (h.max(axis=1) / h.sum(axis=1)).mean()  # noqa: E731
+    assert largest_share(skewed) > 0.5
+    assert largest_share(even) < 0.15
+    assert np.all((even >= 5) & (even <= 7))  # 6 of each class per client, up to the cuts' rounding
+
+
 def test_power_law_counts_by_hand():
     # Classes of 20, 16 and 12 examples; three clients of two classes each
     # (client 0: classes 0, 1; client 1: 1, 2; client 2: 2, 0), 2 base examples.
@@ -180,6 +236,7 @@ def test_natural_validates_and_sorts():
         ('dirichlet', {'alpha': 0.3, 'examples_per_client': 20}),
         ('dirichlet_clients', {'alpha': 0.5}),
         ('shards', {'shards_per_client': 3}),
+        ('dirichlet_per_class', {'alpha': 0.5}),
     ],
 )
 def test_determinism_and_dispatch(labels, name, params):
@@ -213,6 +270,10 @@ def _error_cases():
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=[5]), '1 entries for 2 clients'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=0), '>= 1'),
         (lambda: partition.dirichlet_labels(labels, 2, 0, alpha=1, examples_per_client=20), 'runs out'),
+        (lambda: partition.dirichlet_per_class(labels, 2, 0, alpha=0), 'alpha must be > 0'),
+        (lambda: partition.dirichlet_per_class(labels, 2, 0, min_examples=0), 'min_examples must be >= 1'),
+        (lambda: partition.dirichlet_per_class(labels, 4, 0, min_examples=11), 'exceeds'),
+        (lambda: partition.dirichlet_per_class(labels, 8, 0, alpha=0.01, min_examples=5), '1000 Dirichlet draws'),
         (lambda: paper_partitions.persfl_ds3(labels, 2, 0, classes_per_client=5), 'classes_per_client must be in'),
         (lambda: paper_partitions.persfl_ds3(labels, 2, 0, base_examples=0), 'base examples per class must be >= 1'),
         (lambda: paper_partitions.persfl_ds3(labels, 30, 0, base_examples=21), 'fewer than 21 for each of its'),

@@ -8,9 +8,9 @@ Impossible requests raise `PartitionError` with a one-line message.
 
 This module holds that error, the input checks and class-pool draws every
 partitioner shares, the generic partitioners (`iid`, `dirichlet_labels`,
-`shards`, `natural`) and what is done with a partition: `split_client` and
-`class_histogram`. The papers' own partitions (PersFL's DS-1 to DS-3,
-KT-pFL's and KD-PDFL's) are in `paper_partitions`;
+`dirichlet_per_class` (PFLlib's), `shards`, `natural`) and what is done with a
+partition: `split_client` and `class_histogram`. The papers' own partitions
+(PersFL's DS-1 to DS-3, KT-pFL's and KD-PDFL's) are in `paper_partitions`;
 `partition_registry.build_partition` builds any of them by its `--partition`
 name.
 """
@@ -215,6 +215,103 @@ def dirichlet_labels(
     counts = rng.multinomial(sizes, proportions)
     classes = np.broadcast_to(np.arange(num_classes), counts.shape)
     return draw_from_pools(pools, classes, counts)
+
+
+# PFLlib's dataset_utils.py: batch_size = 10, train_ratio = 0.75 (the 75/25 split of each client).
+_PFLLIB_BATCH_SIZE = 10
+_PFLLIB_TRAIN_FRACTION = 0.75
+# PFLlib redraws without end; we stop after this many draws.
+_PER_CLASS_MAX_DRAWS = 1000
+
+
+def pfllib_min_examples(num_examples: int, num_clients: int) -> int:
+    """PFLlib's `least_samples`: one test batch per client, at most half a fair share.
+
+    `int(min(batch_size / (1 - train_ratio), N / num_clients / 2))` with
+    PFLlib's batch size 10 and training fraction 0.75, i.e.
+    `min(40, N // (2 * num_clients))`, and at least 1.
+
+    Args:
+      num_examples: `N`, the examples of the pool.
+      num_clients: Number of clients.
+
+    Returns:
+      The minimum number of examples per client.
+    """
+    least = min(_PFLLIB_BATCH_SIZE / (1 - _PFLLIB_TRAIN_FRACTION), num_examples / num_clients / 2)
+    return max(1, int(least))
+
+
+def dirichlet_per_class(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    alpha: float = 0.1,
+    min_examples: int | None = None,
+    num_classes: int | None = None,
+) -> list[np.ndarray]:
+    """PFLlib's Dirichlet partition (`separate_data`, partition='dir').
+
+    One draw, with `rng = default_rng(seed)`: for each class `k` in turn, the
+    class's example indices are shuffled (`rng.shuffle`), proportions
+    `q_k ~ Dirichlet(alpha * ones(num_clients))` are drawn, every client
+    already holding at least `N / num_clients` examples gets proportion 0,
+    the rest are renormalised, and the shuffled indices are cut at
+    `int(cumsum(q_k) * n_k)` (the last cut left out), client `j` taking the
+    `j`-th piece. Every example is assigned. The whole draw, shuffles
+    included, is repeated until every client holds at least `min_examples`
+    examples. PFLlib's `balance` flag does not touch this partition.
+
+    Args:
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed.
+      alpha: Dirichlet concentration; smaller is more heterogeneous (PFLlib: 0.1).
+      min_examples: Minimum number of examples per client, or `None` for
+        PFLlib's `least_samples` (`pfllib_min_examples`: 40 unless clients
+        are smaller than 80 examples on average).
+      num_classes: Number of classes, or `None` for max label + 1.
+
+    Returns:
+      One sorted int64 index array per client.
+
+    Raises:
+      PartitionError: If `alpha <= 0`, `min_examples < 1`, the clients cannot
+        all hold `min_examples`, or 1000 draws give none where they do.
+    """
+    labels, num_classes = check_labels(labels, num_clients, num_classes)
+    if alpha <= 0:
+        raise PartitionError(f'alpha must be > 0, got {alpha}')
+    n = labels.size
+    if min_examples is None:
+        min_examples = pfllib_min_examples(n, num_clients)
+    if min_examples < 1:
+        raise PartitionError(f'min_examples must be >= 1, got {min_examples}')
+    if num_clients * min_examples > n:
+        raise PartitionError(f'{num_clients} clients x {min_examples} min_examples exceeds the {n} examples available')
+    rng = np.random.default_rng(seed)
+    members = [np.flatnonzero(labels == k) for k in range(num_classes)]
+    for _ in range(_PER_CLASS_MAX_DRAWS):
+        parts = [[] for _ in range(num_clients)]
+        held = np.zeros(num_clients, dtype=np.int64)
+        for indices in members:
+            shuffled = indices.copy()
+            rng.shuffle(shuffled)
+            q = rng.dirichlet(np.full(num_clients, alpha))
+            q = q * (held < n / num_clients)  # PFLlib's cap: a client at a fair share takes no more
+            if q.sum() == 0:  # every open client drew 0 (underflow at tiny alpha): draw again
+                break
+            cuts = (np.cumsum(q / q.sum()) * shuffled.size).astype(np.int64)[:-1]
+            for client, piece in enumerate(np.split(shuffled, cuts)):
+                parts[client].append(piece)
+                held[client] += piece.size
+        else:
+            if held.min() >= min_examples:
+                return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+    raise PartitionError(
+        f'no client split with >= {min_examples} examples each in {_PER_CLASS_MAX_DRAWS} Dirichlet'
+        f' draws (alpha={alpha}); raise alpha, lower min_examples or use fewer clients'
+    )
 
 
 def shards(

@@ -21,6 +21,7 @@ _PARTITIONERS = {
     'kt_case1': paper_partitions.ktpfl_case1,
     'kt_case2': paper_partitions.ktpfl_case2,
     'kd_dirichlet': paper_partitions.kdpdfl_dirichlet,
+    'dirichlet_per_class': partition.dirichlet_per_class,
 }
 
 
@@ -50,9 +51,10 @@ def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, 
     needs `alpha` and `examples_per_client`), `dirichlet_clients`
     (`paper_partitions.dirichlet_over_clients`), `shards` (`partition.shards`),
     `kt_case1` (`paper_partitions.ktpfl_case1`), `kt_case2`
-    (`paper_partitions.ktpfl_case2`) and `kd_dirichlet`
+    (`paper_partitions.ktpfl_case2`), `kd_dirichlet`
     (`paper_partitions.kdpdfl_dirichlet`, which returns each client already
-    split).
+    split) and `dirichlet_per_class` (`partition.dirichlet_per_class`,
+    PFLlib's).
 
     Args:
       name: The partition name.

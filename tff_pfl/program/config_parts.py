@@ -136,6 +136,15 @@ class KdDirichletPartition(PartitionSettings):
 
 
 @dataclasses.dataclass(frozen=True)
+class DirichletPerClassPartition(PartitionSettings):
+    """PFLlib's partition: each class split over the clients by a Dirichlet draw, capped at a fair share."""
+
+    name: typing.ClassVar[str] = 'dirichlet_per_class'
+    _params: typing.ClassVar[dict] = {'dirichlet_alpha': 'alpha'}
+    dirichlet_alpha: float | None = _setting(None, 'Dirichlet concentration (default 0.1).')
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardsPartition(PartitionSettings):
     """McMahan et al.'s shards: label-sorted shards dealt to the clients."""
 
@@ -210,6 +219,7 @@ PARTITIONS = {
         DirichletClientsPartition,
         DirichletPartition,
         KdDirichletPartition,
+        DirichletPerClassPartition,
         ShardsPartition,
         IidPartition,
         Ds3Partition,
