@@ -130,6 +130,42 @@ def test_dirichlet_per_class_assigns_every_example_once_and_keeps_the_minimum(la
 
 
 @pytest.mark.parametrize('seed', range(3))
+def test_classes_in_turn_deals_two_classes_to_blocks_of_clients(labels, seed):
+    """PFLlib's pathological split: 20 clients, 10 classes, 2 each: clients 4j .. 4j + 3 hold classes 2j and 2j + 1,
+    every example of every class is given, and all but the last piece of a class are at least the lower bound."""
+    parts = partition.classes_in_turn(labels, 20, seed)
+    assert_valid(parts, labels.size)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(labels.size))
+    histogram = partition.class_histogram(parts, labels, NUM_CLASSES)
+    for client in range(20):
+        block = client // 4
+        assert set(np.flatnonzero(histogram[client])) == {2 * block, 2 * block + 1}, (client, histogram[client])
+    # Lower bound: max(60 / 4 / 10, least_samples / 10) with least_samples = min(40, 600 / 20 / 2) = 15: 1.
+    for k in range(NUM_CLASSES):
+        pieces = [histogram[c][k] for c in range(20) if histogram[c][k]]
+        assert len(pieces) == 4 and sum(pieces) == PER_CLASS and min(pieces[:-1]) >= 1 and max(pieces[:-1]) < 15
+    # The class's examples in pool order: the first taker holds the first of them.
+    first = np.flatnonzero(labels == 0)
+    assert parts[0][np.isin(parts[0], first)][0] == first[0]
+
+
+def test_classes_in_turn_is_seeded_and_refuses_in_one_line(labels):
+    for a, b in zip(partition.classes_in_turn(labels, 20, 3), partition.classes_in_turn(labels, 20, 3), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(partition.classes_in_turn(labels, 20, 3), partition.classes_in_turn(labels, 20, 4))
+    )
+    with pytest.raises(partition.PartitionError, match=r'^classes_per_client must be in \[1, 10\], got 11$'):
+        partition.classes_in_turn(labels, 20, 0, classes_per_client=11)
+    # Classes 10 and 11 are empty: dealt to one client each they leave it nothing, to two they cannot be cut.
+    with pytest.raises(partition.PartitionError, match=r'^2 of 12 clients get no examples: '):
+        partition.classes_in_turn(labels, 12, 0, classes_per_client=1, num_classes=12)
+    with pytest.raises(partition.PartitionError, match=r'^class 10 has too few examples \(0\) for 2 clients$'):
+        partition.classes_in_turn(labels, 24, 0, classes_per_client=1, num_classes=12)
+
+
+@pytest.mark.parametrize('seed', range(3))
 def test_dirichlet_per_class_closes_a_client_once_it_holds_a_fair_share(labels, seed):
     """PFLlib's rule: a client holding N / num_clients examples gets nothing of the later classes."""
     histogram = partition.class_histogram(partition.dirichlet_per_class(labels, 10, seed), labels, NUM_CLASSES)

@@ -8,7 +8,8 @@ Impossible requests raise `PartitionError` with a one-line message.
 
 This module holds that error, the input checks and class-pool draws every
 partitioner shares, the generic partitioners (`iid`, `dirichlet_labels`,
-`dirichlet_per_class` (PFLlib's), `shards`, `natural`) and what is done with a
+`dirichlet_per_class` and `classes_in_turn` (PFLlib's), `shards`,
+`natural`) and what is done with a
 partition: `split_client` and `class_histogram`. The papers' own partitions
 (PersFL's DS-1 to DS-3, KT-pFL's and KD-PDFL's) are in `paper_partitions`;
 `partition_registry.build_partition` builds any of them by its `--partition`
@@ -312,6 +313,78 @@ def dirichlet_per_class(
         f'no client split with >= {min_examples} examples each in {_PER_CLASS_MAX_DRAWS} Dirichlet'
         f' draws (alpha={alpha}); raise alpha, lower min_examples or use fewer clients'
     )
+
+
+def classes_in_turn(
+    labels: np.ndarray,
+    num_clients: int,
+    seed: int,
+    classes_per_client: int = 2,
+    min_examples: int | None = None,
+    num_classes: int | None = None,
+) -> list[np.ndarray]:
+    """PFLlib's pathological partition (`separate_data`, partition='pat', balance=False).
+
+    Classes are dealt in turn: for each class `k` in order, the first
+    `ceil(num_clients / num_classes * classes_per_client)` clients that still
+    lack classes (each wants `classes_per_client`) take it, in client order.
+    The class's examples, in their pooled order, are cut into one piece per
+    taker: all but the last of sizes drawn uniformly from
+    `[max(n_k / s / 10, min_examples / num_classes), n_k / s)` (integer
+    bounds; `s` takers), the last the rest. So with 20 clients, 10 classes and
+    2 classes each, clients 0-3 hold classes 0 and 1, clients 4-7 classes 2
+    and 3, and so on; only the sizes are random. A class no client still
+    wants is left out, as in PFLlib.
+
+    Args:
+      labels: Integer labels of shape `[N]`.
+      num_clients: Number of clients.
+      seed: Random seed (the piece sizes).
+      classes_per_client: Classes each client takes (PFLlib: 2).
+      min_examples: PFLlib's `least_samples` in the lower bound, or `None`
+        for `pfllib_min_examples`.
+      num_classes: Number of classes, or `None` for max label + 1.
+
+    Returns:
+      One sorted int64 index array per client.
+
+    Raises:
+      PartitionError: If `classes_per_client` is not in `[1, num_classes]`,
+        a class has too few examples for its takers, or a client is left
+        without examples (its classes are empty).
+    """
+    labels, num_classes = check_labels(labels, num_clients, num_classes)
+    if not 1 <= classes_per_client <= num_classes:
+        raise PartitionError(f'classes_per_client must be in [1, {num_classes}], got {classes_per_client}')
+    if min_examples is None:
+        min_examples = pfllib_min_examples(labels.size, num_clients)
+    rng = np.random.default_rng(seed)
+    wants = np.full(num_clients, classes_per_client)
+    parts = [[] for _ in range(num_clients)]
+    takers_per_class = int(np.ceil(num_clients / num_classes * classes_per_client))
+    for k in range(num_classes):
+        takers = np.flatnonzero(wants > 0)[:takers_per_class]
+        if takers.size == 0:
+            break
+        members = np.flatnonzero(labels == k)
+        share = members.size / takers.size
+        low, high = int(max(share / 10, min_examples / num_classes)), int(share)
+        if takers.size > 1 and low >= high:
+            raise PartitionError(f'class {k} has too few examples ({members.size}) for {takers.size} clients')
+        sizes = rng.integers(low, high, takers.size - 1).tolist() if takers.size > 1 else []
+        sizes.append(members.size - sum(sizes))
+        start = 0
+        for client, size in zip(takers, sizes):
+            parts[client].append(members[start : start + size])
+            start += size
+            wants[client] -= 1
+    empty = [c for c in range(num_clients) if not parts[c] or not sum(p.size for p in parts[c])]
+    if empty:
+        raise PartitionError(
+            f'{len(empty)} of {num_clients} clients get no examples: the classes dealt to them '
+            f'({takers_per_class} clients a class) have none'
+        )
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
 
 
 def shards(

@@ -22,6 +22,7 @@ _PARTITIONERS = {
     'kt_case2': paper_partitions.ktpfl_case2,
     'kd_dirichlet': paper_partitions.kdpdfl_dirichlet,
     'dirichlet_per_class': partition.dirichlet_per_class,
+    'classes_in_turn': partition.classes_in_turn,
 }
 
 
@@ -53,8 +54,9 @@ def build_partition(name: str, labels: np.ndarray, num_clients: int, seed: int, 
     `kt_case1` (`paper_partitions.ktpfl_case1`), `kt_case2`
     (`paper_partitions.ktpfl_case2`), `kd_dirichlet`
     (`paper_partitions.kdpdfl_dirichlet`, which returns each client already
-    split) and `dirichlet_per_class` (`partition.dirichlet_per_class`,
-    PFLlib's).
+    split), `dirichlet_per_class` (`partition.dirichlet_per_class`,
+    PFLlib's Dirichlet) and `classes_in_turn` (`partition.classes_in_turn`,
+    PFLlib's pathological).
 
     Args:
       name: The partition name.

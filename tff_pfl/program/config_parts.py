@@ -145,6 +145,15 @@ class DirichletPerClassPartition(PartitionSettings):
 
 
 @dataclasses.dataclass(frozen=True)
+class ClassesInTurnPartition(PartitionSettings):
+    """PFLlib's pathological partition: classes dealt to the clients in turn, random sizes."""
+
+    name: typing.ClassVar[str] = 'classes_in_turn'
+    _params: typing.ClassVar[dict] = {'classes_per_client': 'classes_per_client'}
+    classes_per_client: int | None = _setting(None, 'classes per client (default 2).')
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardsPartition(PartitionSettings):
     """McMahan et al.'s shards: label-sorted shards dealt to the clients."""
 
@@ -220,6 +229,7 @@ PARTITIONS = {
         DirichletPartition,
         KdDirichletPartition,
         DirichletPerClassPartition,
+        ClassesInTurnPartition,
         ShardsPartition,
         IidPartition,
         Ds3Partition,
