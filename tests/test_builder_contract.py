@@ -25,6 +25,7 @@ from processes import (
     fedavg,
     fedbabu,
     fedbn,
+    feddbe,
     feddf,
     fedfomo,
     fedper,
@@ -101,6 +102,12 @@ def _builders(work=LOCAL):
                 spec, _own_model(fn, models.mnist_dnn, spec), fedrod.FedRoDSettings(**work), **kw
             ),
             {s, a, lo, m},
+        ),
+        'build_feddbe_process': (
+            lambda spec, fn, **kw: feddbe.build_feddbe_process(
+                spec, _own_model(fn, models.mnist_dnn, spec), feddbe.FedDBESettings(**work), **kw
+            ),
+            {s, lo, m},
         ),
         'build_fedproto_process': (
             lambda spec, fn, **kw: fedproto.build_fedproto_process(
@@ -446,6 +453,8 @@ FUNCTIONAL = {
     'build_fedrep_process': 'model_fn: FedRep splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
     'build_fedrod_process': 'model_fn: FedRoD splits the model into shared and personal Keras layers and '
+    "'functional_model' has no Keras layers",
+    'build_feddbe_process': 'model_fn: FedDBE splits the model into shared and personal Keras layers and '
     "'functional_model' has no Keras layers",
     'build_fedproto_process': "model_fn: FedProto reads the embedding between the model's Keras layers and "
     "'functional_model' has no Keras layers",

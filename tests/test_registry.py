@@ -21,6 +21,7 @@ GLOBAL_MODEL = {
     'fedavg',
     'fedavg_ft',
     'fedala',
+    'feddbe',
     'fedrod',
     'perfedavg_fo',
     'perfedavg_hf',

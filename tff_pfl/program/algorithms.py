@@ -42,6 +42,7 @@ MODULE_NAMES = (
     'fedala',
     'fedrod',
     'fedproto',
+    'feddbe',
 )
 
 _MODULES = tuple(importlib.import_module(f'{processes.__name__}.{name}') for name in MODULE_NAMES)
