@@ -42,7 +42,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedper
+from processes import fedper, head_split
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import (
@@ -81,48 +81,12 @@ class FedDBESettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         ]
 
 
-class _Split:
-    """A model's feature extractor f and head h (the last layer with weights and those after it; TF code)."""
-
-    def __init__(self, model: tf.keras.Model):
-        weighted = [layer for layer in model.layers if layer.trainable_weights]
-        start = model.layers.index(weighted[-1])
-        self.head = model.layers[start:]
-        if isinstance(model, tf.keras.Sequential):
-            self.body = model.layers[:start]
-        else:  # a functional model: its graph up to the head's input
-            self.body = [tf.keras.Model(model.inputs, model.layers[start].input)]
-
-    @staticmethod
-    def _chain(layers, h, training):
-        for layer in layers:
-            h = layer(h, training=training)
-        return h
-
-    def features(self, x, training=False):
-        return self._chain(self.body, x, training)
-
-    def logits(self, z, training=False):
-        return self._chain(self.head, z, training)
-
-
 def _representation_width(model_fn: Callable[[], tf.keras.Model]) -> int:
     """z's width; refuses, in one line, a model whose head is not one chain ending at the output or z not a vector."""
-    with tf.Graph().as_default():
-        model = model_fn()
-        split = _Split(model)
-        try:
-            chain = isinstance(model, tf.keras.Sequential) or (
-                all(later.input is earlier.output for earlier, later in zip(split.head, split.head[1:]))
-                and len(model.outputs) == 1
-                and split.head[-1].output is model.outputs[0]
-            )
-            shape = tuple(split.head[0].input.shape)
-        except (AttributeError, TypeError, ValueError):  # a layer called more than once, or no graph
-            chain, shape = False, ()
-    if not chain or len(shape) != 2 or shape[-1] is None:
+    name, is_chain, shape, _ = head_split.inspect(model_fn)
+    if not is_chain or len(shape) != 2 or shape[-1] is None:
         raise ValueError(
-            f"model_fn: FedDBE adds a bias to the head's input, and in {model.name!r} the layers from the last with "
+            f"model_fn: FedDBE adds a bias to the head's input, and in {name!r} the layers from the last with "
             'weights on are not one chain on a [batch, width] input ending at the output'
         )
     return int(shape[-1])
@@ -227,7 +191,7 @@ def build_feddbe_process(
         dbe = tf.cast(round_num > 0, tf.float32)  # round 0: no bias, no MR (zbar^g not formed yet)
         data = client_data.read_split(spec, client_id, 'train')
         model = model_fn()
-        split = _Split(model)
+        split = head_split.BodyHead(model)
         bias = tf.Variable(tf.zeros([width]), name='prbm')
         variables = model.trainable_variables + [bias]
         assigned = model_weights.fresh_weights(model, weights) + [bias.assign(client_state['bias'])]
@@ -295,7 +259,7 @@ def build_feddbe_process(
     @tff.tensorflow.computation(weights_type, client_state_type)
     def evaluate_client(weights, client_state):
         model = model_fn()
-        split = _Split(model)
+        split = head_split.BodyHead(model)
         assigned = model_weights.fresh_weights(model, weights)
         with tf.control_dependencies(assigned):
             data = client_data.read_split(spec, client_state['client_id'], spec.evaluation_split)

@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_federated as tff
 
-from processes import fedper
+from processes import fedper, head_split
 from tff_pfl import algorithm, losses
 from tff_pfl import settings as settings_lib
 from tff_pfl.computations import averaging, builder_inputs, building_blocks, local_training, model_weights, template
@@ -90,33 +90,16 @@ class FedRoDSettings(settings_lib.LocalTraining, settings_lib.ServerSGD):
         ]
 
 
-def _head_start(model: tf.keras.Model, head_layers: int) -> int:
-    """The index in `model.layers` of the G-head's first layer (the first of the last `head_layers` with weights)."""
-    weighted = [layer for layer in model.layers if layer.trainable_weights]
-    return model.layers.index(weighted[-head_layers])
-
-
 def _logits_width(model_fn: Callable[[], tf.keras.Model], head_layers: int) -> int:
     """The model's number of logits; refuses, in one line, a functional model whose head is not one chain.
 
     The head is the layers from the G-head's first on; they run one after another on the body's features.
     """
-    with tf.Graph().as_default():
-        model = model_fn()
-        head = model.layers[_head_start(model, head_layers) :]
-        try:
-            chain = isinstance(model, tf.keras.Sequential) or (
-                all(later.input is earlier.output for earlier, later in zip(head, head[1:]))
-                and len(model.outputs) == 1
-                and head[-1].output is model.outputs[0]
-            )
-        except (AttributeError, TypeError, ValueError):  # a layer called more than once, or no graph
-            chain = False
-        width = int(model.output_shape[-1]) if chain else 0
-    if not chain:
+    name, is_chain, _, width = head_split.inspect(model_fn, head_layers)
+    if not is_chain:
         raise ValueError(
             f'model_fn: FedRoD runs the layers from the generic head on (fedrod_head_layers={head_layers}) one '
-            f"after another on the body's features, and in {model.name!r} they are not one chain ending at the output"
+            f"after another on the body's features, and in {name!r} they are not one chain ending at the output"
         )
     return width
 
@@ -128,33 +111,22 @@ class _TwoHeads:
     """
 
     def __init__(self, model, personal, head_layers, head_indices):
-        start = _head_start(model, head_layers)
-        self._head = model.layers[start:]
-        self._personal_head = personal.layers[start:]
-        if isinstance(model, tf.keras.Sequential):
-            self._body = model.layers[:start]
-        else:  # a functional model: its graph up to the G-head's input (_logits_width)
-            self._body = [tf.keras.Model(model.inputs, model.layers[start].input)]
+        self._split = head_split.BodyHead(model, head_layers)
+        self._personal_head = personal.layers[self._split.start :]
         self.shared_variables = model.trainable_variables
         self.personal_variables = [personal.trainable_variables[i] for i in head_indices]
 
-    @staticmethod
-    def _chain(layers, h, training):
-        for layer in layers:
-            h = layer(h, training=training)
-        return h
-
     def features(self, x, training=False):
         """z = f(x; theta)."""
-        return self._chain(self._body, x, training)
+        return self._split.features(x, training)
 
     def generic(self, z, training=False):
         """g = G(z; psi)."""
-        return self._chain(self._head, z, training)
+        return self._split.logits(z, training)
 
     def personal(self, z, training=False):
         """P(z; phi_m)."""
-        return self._chain(self._personal_head, z, training)
+        return head_split.chain(self._personal_head, z, training)
 
     def personalized(self, x, training=False):
         """The personalized model's logits, g + P(z)."""

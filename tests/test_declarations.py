@@ -24,6 +24,7 @@ SHARED_PARTS = {
     'ktpfl_coefficients': {'ktpfl', 'ktpfl_homo'},
     'kdpdfl_exchange': {'kdpdfl'},
     'pfedhn_network': {'pfedhn'},
+    'head_split': {'fedrod', 'feddbe'},
 }
 
 
