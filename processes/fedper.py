@@ -160,6 +160,57 @@ def build_fedper_process(
         metrics=metrics,
     )
     base_indices, personal_indices = split_layers(model_fn, settings.personal_layers)
+    return joint_training_round(
+        spec,
+        model_fn,
+        settings,
+        base_indices=base_indices,
+        personal_indices=personal_indices,
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
+        model_aggregator=model_aggregator,
+        loss=loss,
+        metrics=metrics,
+        seed=seed,
+    )
+
+
+def joint_training_round(
+    spec: client_data.ClientDataSpec,
+    model_fn: Callable[[], tf.keras.Model],
+    settings: settings_lib.LocalTraining,
+    *,
+    base_indices,
+    personal_indices,
+    client_optimizer: tff.learning.optimizers.Optimizer | None,
+    server_optimizer: tff.learning.optimizers.Optimizer | None,
+    model_aggregator: averaging.Aggregator | None,
+    loss: local_training.Loss | None,
+    metrics: local_training.MetricsArg | None,
+    seed: int,
+    personal_field: str = 'head',
+) -> template.PersonalizedProcess:
+    """`shared_base_round` with both parts trained together by local SGD (FedPer's round, LG-FedAvg's).
+
+    Args:
+      spec: the client partition on disk.
+      model_fn: no-arg function returning a fresh Keras model (logits out).
+      settings: the local training (`training_config()`) and the server
+        learning rate (`server_optimizer()`) when `server_optimizer` is None.
+      base_indices: the shared variables' indices (`split_layers`).
+      personal_indices: the personal ones'.
+      client_optimizer: the clients' optimizer, or None for SGD.
+      server_optimizer: applied to the mean update of the shared part, or
+        None.
+      model_aggregator: aggregation of the shared part's updates, or None.
+      loss: the clients' training loss (`local_training.loss_from`).
+      metrics: extra per-client test metrics.
+      seed: run seed.
+      personal_field: the client state's name for the personal part.
+
+    Returns:
+      The `template.PersonalizedProcess` of `shared_base_round`.
+    """
     client_training = building_blocks.build_client_training(
         spec,
         model_fn,
@@ -178,6 +229,7 @@ def build_fedper_process(
         model_aggregator=model_aggregator,
         metrics=metrics,
         seed=seed,
+        personal_field=personal_field,
     )
 
 

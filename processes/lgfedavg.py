@@ -114,22 +114,16 @@ def build_lgfedavg_process(
     local_indices, global_indices = fedper.split_layers(
         model_fn, settings.global_layers, who='LG-FedAvg', setting='global_layers', rest='local'
     )
-    client_training = building_blocks.build_client_training(
+    return fedper.joint_training_round(
         spec,
         model_fn,
-        settings.training_config(),
-        seed=seed,
-        optimizer=client_optimizer,
-        loss_fn=local_training.loss_from(loss, spec),
-    )
-    return fedper.shared_base_round(
-        spec,
-        model_fn,
-        client_training,
+        settings,
         base_indices=global_indices,
         personal_indices=local_indices,
-        server_optimizer=server_optimizer or settings.server_optimizer(),
+        client_optimizer=client_optimizer,
+        server_optimizer=server_optimizer,
         model_aggregator=model_aggregator,
+        loss=loss,
         metrics=metrics,
         seed=seed,
         personal_field='local_layers',
