@@ -31,6 +31,10 @@ round 0). zbar^g then stays fixed. The model update is averaged as FedAvg's,
 Theta^{t+1} = Theta^t - eta_g sum_i (n_i / n) (Theta^t - theta_i^{t+1}); the
 bias never leaves the client. `global_model` is Theta; `personalized_model`
 is h(f(x; Theta) + zbar_i^p; Psi), the global model with the client's bias.
+With a `model_aggregator` (DP, secure sums) each client uploads one record,
+[Theta^t - theta_i^{t+1}, zbar_i] (zeros in zbar_i's place after round 0),
+aggregated as one: a weighted factory, given n_i, forms both means above; DP
+clips the record jointly, so user-level DP covers zbar_i too.
 docs/algorithms/feddbe.md maps each equation to the code.
 """
 
@@ -118,10 +122,16 @@ def build_feddbe_process(
         `feddbe_kl_weight`; None: `FedDBESettings()`.
       client_optimizer: not taken (ValueError if given): each step is SGD on
         the model and the bias at `client_learning_rate`.
-      server_optimizer: applied to the example-weighted mean of the model
-        updates; None: SGD at `settings.server_learning_rate`.
-      model_aggregator: not taken (ValueError if given): round 0 sums the
-        representation means with the updates in the clear.
+      server_optimizer: applied to the mean of the model updates (by
+        examples, unless `model_aggregator` says otherwise); None: SGD at
+        `settings.server_learning_rate`.
+      model_aggregator: aggregation of each client's one record, the model
+        update and its running mean zbar_i (round 0; zeros later) as
+        `[update tensors..., zbar_i]`. A weighted factory receives n_i (the
+        paper's example-weighted means); an unweighted one (user-level DP,
+        `privacy.DPConfig.factory`) counts every client once and clips the
+        record jointly. Default (None): the example-weighted means, fused
+        into one `federated_sum` with the metrics.
       loss: l, as the builder contract takes it (`local_training.loss_from`;
         None: cross-entropy).
       metrics: extra per-client test metrics (`local_training.metrics_from`).
@@ -129,8 +139,10 @@ def build_feddbe_process(
 
     Returns:
       A `template.PersonalizedProcess`. Server state: `<model, optimizer_state,
-      global_mean, round_num>`; client state: `<client_id, num_participations,
-      last_round, bias>`; `evaluate`: `<global_model, personalized_model>`.
+      global_mean, round_num>`, and `aggregator_state` with a
+      `model_aggregator` (whose measurements are the metrics' `aggregator`);
+      client state: `<client_id, num_participations, last_round, bias>`;
+      `evaluate`: `<global_model, personalized_model>`.
 
     Raises:
       SettingsError: a setting out of range (one line).
@@ -143,7 +155,6 @@ def build_feddbe_process(
         'build_feddbe_process',
         dict(
             client_optimizer='each step is SGD on the model and the bias at client_learning_rate',
-            model_aggregator='round 0 sums the representation means in the clear with the example-weighted mean',
         ),
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
@@ -162,6 +173,16 @@ def build_feddbe_process(
     optimizer_init, optimizer_apply = building_blocks.build_server_update(
         weights_type, server_optimizer or settings.server_optimizer()
     )
+    # The default: the example-weighted means of the updates and of the running means in one `federated_sum`.
+    fused = model_aggregator is None
+    weighted = isinstance(model_aggregator, tff.aggregators.WeightedAggregationFactory)
+    if not fused:
+        # One record a client, so that DP clips (and secure sums bound) the running mean with the update.
+        record_type = tff.StructWithPythonType([*weights_type, tff.TensorType(np.float32, [width])], list)
+        if weighted:
+            aggregation = model_aggregator.create(record_type, tff.TensorType(np.float32))
+        else:
+            aggregation = model_aggregator.create(record_type)
 
     @tff.tensorflow.computation(np.str_)
     def initial_client_state(client_id):
@@ -178,7 +199,21 @@ def build_feddbe_process(
             round_num=tf.constant(0, tf.int32),
         )
 
-    initialize = building_blocks.server_initialize(server_init)
+    if fused:
+        initialize = building_blocks.server_initialize(server_init)
+    else:
+
+        @tff.tensorflow.computation(
+            server_init.type_signature.result, aggregation.initialize.type_signature.result.member
+        )
+        def with_aggregator(state, aggregator_state):
+            return collections.OrderedDict(**state, aggregator_state=aggregator_state)
+
+        @tff.federated_computation
+        def initialize():
+            made = tff.federated_eval(server_init, tff.SERVER)
+            return tff.federated_map(with_aggregator, (made, aggregation.initialize()))
+
     server_state_type = initialize.type_signature.result
 
     @tff.tensorflow.computation(server_state_type.member)
@@ -225,33 +260,67 @@ def build_feddbe_process(
             trained = [tf.identity(v) for v in model.trainable_variables]
             new_bias = tf.identity(bias)
         n = tf.cast(data.num_examples, tf.float32)
+        update = [w - t for w, t in zip(weights, trained)]
+        metric_sums = building_blocks.training_metric_sums(stats)
+        new_state = building_blocks.participated(client_state, round_num, bias=new_bias)
+        if not fused:  # the record the aggregator weighs (n_i), clips and sums; its mean is read in round 0 only
+            outputs = collections.OrderedDict(record=update + [(1.0 - dbe) * running])
+            if weighted:
+                outputs['weight'] = n
+            outputs.update(metric_sums=metric_sums, client_state=new_state)
+            return outputs
         return collections.OrderedDict(
             sums=collections.OrderedDict(
-                weighted_update=averaging.weigh([w - t for w, t in zip(weights, trained)], n),
+                weighted_update=averaging.weigh(update, n),
                 weight=n,
                 weighted_mean=(1.0 - dbe) * n * running,  # read in round 0 only
-                metric_sums=building_blocks.training_metric_sums(stats),
+                metric_sums=metric_sums,
             ),
-            client_state=building_blocks.participated(client_state, round_num, bias=new_bias),
+            client_state=new_state,
         )
 
-    sums_type = client_work.type_signature.result['sums']
-
-    @tff.tensorflow.computation(server_state_type.member, sums_type)
-    def server_update(state, totals):
-        update = averaging.divide_by_weight(totals['weighted_update'], totals['weight'])
+    def server_step(state, update, formed):
+        """The server optimizer on the mean update; zbar^g set to `formed` in round 0, then kept (TF code)."""
         applied = optimizer_apply(state['optimizer_state'], state['model'], update)
-        formed = totals['weighted_mean'] / tf.maximum(totals['weight'], 1e-12)  # zbar^g
-        return collections.OrderedDict(
+        new_state = collections.OrderedDict(state)
+        new_state.update(
             model=applied['weights'],
             optimizer_state=applied['optimizer_state'],
             global_mean=tf.cond(state['round_num'] > 0, lambda: state['global_mean'], lambda: formed),
             round_num=state['round_num'] + 1,
         )
+        return new_state
+
+    if fused:
+
+        @tff.tensorflow.computation(server_state_type.member, client_work.type_signature.result['sums'])
+        def server_update(state, totals):
+            update = averaging.divide_by_weight(totals['weighted_update'], totals['weight'])
+            formed = totals['weighted_mean'] / tf.maximum(totals['weight'], 1e-12)  # zbar^g
+            return server_step(state, update, formed)
+
+    else:
+
+        @tff.tensorflow.computation(
+            server_state_type.member, record_type, aggregation.next.type_signature.result.state.member
+        )
+        def server_update(state, mean, aggregator_state):
+            new_state = server_step(state, mean[:-1], mean[-1])  # [the mean update, zbar^g]
+            new_state['aggregator_state'] = aggregator_state
+            return new_state
 
     def finish(state, outputs):
-        totals = tff.federated_sum(outputs.sums)
-        return tff.federated_map(server_update, (state, totals)), building_blocks.training_metrics(totals.metric_sums)
+        """Aggregation, server step and metrics of a round (federated code)."""
+        if fused:
+            totals = tff.federated_sum(outputs.sums)
+            metrics = building_blocks.training_metrics(totals.metric_sums)
+            return tff.federated_map(server_update, (state, totals)), metrics
+        if weighted:
+            aggregated = aggregation.next(state.aggregator_state, outputs.record, outputs.weight)
+        else:
+            aggregated = aggregation.next(state.aggregator_state, outputs.record)
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums, aggregated.measurements)
+        return tff.federated_map(server_update, (state, aggregated.result, aggregated.state)), metrics
 
     # The round, written once: `next` in process and the device form are both made from it.
     phases = [device_state.Phase('next', broadcast, client_work, finish)]
@@ -296,6 +365,14 @@ def build_feddbe_process(
     )
 
 
+def _record_upload(settings, spec, process, client_fraction):
+    """One noised mean: the model's parameters and the representation's width, over client_fraction x N clients."""
+    del settings
+    state = process.initialize.type_signature.result.member
+    dimension = sum(int(np.prod(t.shape)) for t in [*state['model'], state['global_mean']])
+    return [algorithm.Upload(dimension, client_fraction * spec.num_clients)]
+
+
 ALGORITHMS = (
     algorithm.Algorithm(
         'feddbe',
@@ -306,8 +383,9 @@ ALGORITHMS = (
         # Logistic regression has one layer: there would be no representation under the head.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy(
-            why_not='sums the representation means with the model updates in the clear in round 0: DP and secure '
-            'sums are not wired for them'
+            'the model updates and, in round 0, the representation mean, as one record per client (the personal '
+            'bias stays on the clients)',
+            dp_uploads=_record_upload,
         ),
         family='parameter decoupling',
     ),

@@ -29,6 +29,17 @@ server sums both and takes, for each class some sampled client has,
 a class no sampled client has has no global prototype in the next round (the
 authors' server rebuilds them from each round's uploads). There is no global
 model: `evaluate` reports each client's own model as `personalized_model`.
+
+Privacy (`dp=`, `secure=`): the record r_i = (u_i, [j in D_i]) is one upload
+per client. Under user-level DP it is clipped as a whole to L2 norm C (scale
+s_i = min(1, C / ||r_i||), the same for both parts), summed, noised with
+N(0, (z C)^2) per coordinate and divided by the expected clients per round
+(TFF's `DifferentiallyPrivateFactory`); the ratio above is then a mean
+weighted by s_i, and a class keeps a global prototype only where its noised
+count exceeds max(3 z, 0.001) C over the clients per round (a count within
+three noise deviations of 0 would divide noise by noise). Secure sums carry
+the record without DP within TFF's adaptive range; a class then needs a count
+above 1/2 (the plain sum's counts are whole numbers).
 docs/algorithms/fedproto.md maps each equation to the code.
 """
 
@@ -42,7 +53,15 @@ import tensorflow_federated as tff
 
 from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import builder_inputs, building_blocks, device_state, local_training, model_weights, template
+from tff_pfl.computations import (
+    builder_inputs,
+    building_blocks,
+    device_state,
+    local_training,
+    model_weights,
+    privacy,
+    template,
+)
 from tff_pfl.data import client_data
 from tff_pfl.models import adapters
 
@@ -51,6 +70,13 @@ __all__ = ['build_fedproto_process', 'FedProtoSettings']
 
 # Examples per forward pass when a client computes its prototypes (memory bound only).
 _PROTOTYPE_BATCH = 1000
+# Under DP a class keeps a global prototype where its noised count exceeds this many noise deviations
+# (z C), with a floor of _DP_COUNT_FLOOR C for z = 0 (the secure sum's quantization is not zero).
+_DP_COUNT_DEVIATIONS = 3.0
+_DP_COUNT_FLOOR = 1e-3
+# Without DP the counts are whole numbers: a class has a prototype from one client on (the secure sum's
+# quantization can leave a count of about 1e-9 where no client had the class).
+_PLAIN_COUNT_THRESHOLD = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +178,8 @@ def build_fedproto_process(
     loss: local_training.Loss | None = None,
     metrics: local_training.MetricsArg | None = None,
     seed: int = 0,
+    dp: privacy.DPConfig | None = None,
+    secure: bool = False,
 ) -> template.PersonalizedProcess:
     """Builds FedProto as a `PersonalizedProcess`.
 
@@ -170,26 +198,33 @@ def build_fedproto_process(
       server_optimizer: not taken (ValueError if given): the server averages
         prototypes, it takes no optimizer step.
       model_aggregator: not taken (ValueError if given): no model is
-        uploaded; the prototypes are summed.
+        uploaded; the prototypes are summed (`dp`, `secure`).
       loss: the supervised loss L_S on the logits, as the builder contract
         takes it (`local_training.loss_from`; None: cross-entropy); the
         prototype term is added to it.
       metrics: extra per-client test metrics, as the builder contract takes
         them (`local_training.metrics_from`).
       seed: run seed; fixes the common initial model and the batch orders.
+      dp: user-level DP of the prototype uploads, with a fixed clip (the
+        module docstring: each client's record clipped as a whole, noised at
+        SERVER); None: summed in the clear.
+      secure: sum the records with TFF's secure sums (`SecureSumFactory`:
+        in [-C, C] under DP, in TFF's adaptive range without).
 
     Returns:
       A `template.PersonalizedProcess`. Server state: `<prototypes [K, d],
       prototype_clients [K] (how many clients of the last round had the
-      class; 0: no global prototype), round_num>`; client state:
+      class, under DP its clipped, noised count over the clients per round;
+      0: no global prototype), round_num>`, with `aggregator_state` under DP
+      or secure sums; client state:
       `<client_id, num_participations, last_round, model>`; metrics: the
       training metrics and `num_prototypes`; `evaluate`:
       `<personalized_model>` per client.
 
     Raises:
       SettingsError: a setting out of range (one line).
-      ValueError: sequence labels, or a model without a body or a `[batch,
-        d]` embedding (one line).
+      ValueError: sequence labels, a model without a body or a `[batch,
+        d]` embedding, or `dp` with adaptive clipping (one line).
     """
     model_fn = adapters.keras_model_fn(model_fn)
     settings = (FedProtoSettings() if settings is None else settings).validate()
@@ -197,7 +232,10 @@ def build_fedproto_process(
         'build_fedproto_process',
         dict(
             server_optimizer='the server averages the prototypes, it takes no optimizer step',
-            model_aggregator='FedProto uploads no model: the per-class prototypes are summed',
+            model_aggregator=(
+                'FedProto uploads no model: its per-class prototypes are summed; pass dp= and secure= for DP and '
+                'secure sums'
+            ),
         ),
         client_optimizer=client_optimizer,
         server_optimizer=server_optimizer,
@@ -207,6 +245,11 @@ def build_fedproto_process(
     )
     if tuple(spec.label_shape):
         raise ValueError(f'FedProto takes one class label per example, got labels of shape {tuple(spec.label_shape)}')
+    if dp is not None and dp.adaptive:
+        raise ValueError(
+            "dp: FedProto's DP needs a fixed clip (its count threshold is a multiple of it): pass a DPConfig with "
+            'clip=, not target_quantile='
+        )
     start, width = _embedding_layer(model_fn, settings.fedproto_head_layers)
     num_classes = spec.num_classes
     loss_fn = local_training.loss_from(loss, spec)
@@ -230,14 +273,10 @@ def build_fedproto_process(
             round_num=tf.constant(0, tf.int32),
         )
 
-    initialize = building_blocks.server_initialize(server_init)
-    server_state_type = initialize.type_signature.result
+    # What the clients receive: the server state without the aggregator's.
+    broadcast_type = server_init.type_signature.result
 
-    @tff.tensorflow.computation(server_state_type.member)
-    def broadcast(state):
-        return collections.OrderedDict((k, state[k]) for k in ('prototypes', 'prototype_clients', 'round_num'))
-
-    @tff.tensorflow.computation(broadcast.type_signature.result, client_state_type)
+    @tff.tensorflow.computation(broadcast_type, client_state_type)
     def client_work(value, client_state):
         client_id, round_num = client_state['client_id'], value['round_num']
         prototypes = value['prototypes']
@@ -271,22 +310,59 @@ def build_fedproto_process(
             client_state=building_blocks.participated(client_state, round_num, model=trained),
         )
 
-    @tff.tensorflow.computation(server_state_type.member, client_work.type_signature.result['prototypes'])
-    def server_update(state, summed):
-        clients = summed['clients']
-        prototypes = summed['sums'] / tf.maximum(clients, 1.0)[:, None]  # 0 where no client had the class
-        new_state = collections.OrderedDict(
-            prototypes=prototypes, prototype_clients=clients, round_num=state['round_num'] + 1
-        )
+    record_type = client_work.type_signature.result['prototypes']
+    aggregation, threshold = _record_aggregation(record_type, dp, secure)
+    if aggregation is None:
+        initialize = building_blocks.server_initialize(server_init)
+    else:
+
+        @tff.federated_computation
+        def initialize():
+            init = tff.federated_eval(server_init, tff.SERVER)
+            return tff.federated_zip(
+                collections.OrderedDict(
+                    prototypes=init.prototypes,
+                    prototype_clients=init.prototype_clients,
+                    round_num=init.round_num,
+                    aggregator_state=aggregation.initialize(),
+                )
+            )
+
+    server_state_type = initialize.type_signature.result
+
+    @tff.tensorflow.computation(server_state_type.member)
+    def broadcast(state):
+        return collections.OrderedDict((k, state[k]) for k in ('prototypes', 'prototype_clients', 'round_num'))
+
+    @tff.tensorflow.computation(np.int32, record_type)
+    def server_update(round_num, summed):
+        clients = tf.where(summed['clients'] > threshold, summed['clients'], 0.0)  # 0: no global prototype
+        prototypes = tf.math.divide_no_nan(summed['sums'], clients[:, None])
+        new_state = collections.OrderedDict(prototypes=prototypes, prototype_clients=clients, round_num=round_num + 1)
         return collections.OrderedDict(
             state=new_state,
             metrics=collections.OrderedDict(num_prototypes=tf.reduce_sum(tf.cast(clients > 0, tf.int32))),
         )
 
     def finish(state, outputs):
-        updated = tff.federated_map(server_update, (state, tff.federated_sum(outputs.prototypes)))
-        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums)
-        return updated.state, building_blocks.with_server_metrics(metrics, updated.metrics)
+        if aggregation is None:
+            summed, measurements = tff.federated_sum(outputs.prototypes), None
+        else:
+            aggregated = aggregation.next(state.aggregator_state, outputs.prototypes)
+            summed, measurements = aggregated.result, aggregated.measurements
+        updated = tff.federated_map(server_update, (state.round_num, summed))
+        new_state = updated.state
+        if aggregation is not None:
+            new_state = tff.federated_zip(
+                collections.OrderedDict(
+                    prototypes=new_state.prototypes,
+                    prototype_clients=new_state.prototype_clients,
+                    round_num=new_state.round_num,
+                    aggregator_state=aggregated.state,
+                )
+            )
+        metrics = building_blocks.aggregate_training_metrics(outputs.metric_sums, measurements)
+        return new_state, building_blocks.with_server_metrics(metrics, updated.metrics)
 
     # The round, written once: `next` in process and the device form are both made from it.
     phases = [device_state.Phase('next', broadcast, client_work, finish)]
@@ -314,8 +390,38 @@ def build_fedproto_process(
     )
 
 
+def _record_aggregation(record_type, dp, secure):
+    """`(aggregation process or None, the count a class needs for a global prototype)`.
+
+    None: the plain `federated_sum` (kept as the default's one sum). Under DP,
+    `dp.factory`: the record clipped as a whole, summed (securely with
+    `secure`), noised, divided by the expected clients per round; without DP,
+    `secure` sums it in TFF's adaptive range.
+    """
+    if dp is not None:
+        deviations = max(_DP_COUNT_DEVIATIONS * float(dp.noise_multiplier), _DP_COUNT_FLOOR)
+        threshold = deviations * float(dp.clip) / float(dp.clients_per_round)
+        return dp.factory(secure=secure).create(record_type), threshold
+    if secure:
+        return tff.aggregators.SecureSumFactory(privacy.secure_range()).create(record_type), _PLAIN_COUNT_THRESHOLD
+    return None, _PLAIN_COUNT_THRESHOLD
+
+
+def _uploads(settings, spec, process, client_fraction):
+    """The noised mean of a DP round: one record of K x (d + 1) coordinates per client."""
+    width = int(process.initialize.type_signature.result.member['prototypes'].shape[1])
+    return [algorithm.Upload(spec.num_classes * (width + 1), client_fraction * spec.num_clients, 'prototypes')]
+
+
 def _build(settings, spec, model_fn, run):
-    return build_fedproto_process(spec, model_fn, settings, seed=run.seed)
+    return build_fedproto_process(spec, model_fn, settings, seed=run.seed, dp=run.dp, secure=run.secure)
+
+
+# Why FedProto's DP takes a fixed clip (one line): the count threshold is a multiple of it.
+ADAPTIVE_CLIP_REFUSED = (
+    "FedProto's DP keeps a global prototype only where a class's noised count clears a multiple of the clip, which "
+    'must be fixed: give --dp_clip, not --dp_target_quantile'
+)
 
 
 ALGORITHMS = (
@@ -327,7 +433,9 @@ ALGORITHMS = (
         # Logistic regression has one layer: there would be no body to take the embedding from.
         default_models={'synthetic': 'mnist_dnn'},
         privacy=algorithm.Privacy(
-            why_not='uploads per-class prototypes summed in the clear: DP and secure sums are not wired for them'
+            "each client's per-class prototypes with their presence, as one record (the models stay on the clients)",
+            fixed_clip_only=ADAPTIVE_CLIP_REFUSED,
+            dp_uploads=_uploads,
         ),
         family='knowledge distillation',
     ),

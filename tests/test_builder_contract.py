@@ -107,7 +107,7 @@ def _builders(work=LOCAL):
             lambda spec, fn, **kw: feddbe.build_feddbe_process(
                 spec, _own_model(fn, models.mnist_dnn, spec), feddbe.FedDBESettings(**work), **kw
             ),
-            {s, lo, m},
+            {s, a, lo, m},
         ),
         'build_fedproto_process': (
             lambda spec, fn, **kw: fedproto.build_fedproto_process(

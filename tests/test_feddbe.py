@@ -11,8 +11,9 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import feddbe
+from tff_pfl import algorithm
 from tff_pfl import settings as settings_lib
-from tff_pfl.computations import audit
+from tff_pfl.computations import audit, privacy
 from tff_pfl.data import client_data, federated
 
 USERS = ('ann', 'ben', 'cat')
@@ -57,9 +58,9 @@ def _softmax_grad(logits, y):
     return p / len(y), loss
 
 
-def _reference_round(spec, weights, biases, global_mean):
-    """One round of full-batch steps; global_mean None: round 0 (no bias, no MR). Returns the example-weighted
-    mean model, the biases, the example-weighted mean of the running means and the train loss."""
+def _reference_clients(spec, weights, biases, global_mean):
+    """Each client's full-batch steps; global_mean None: round 0 (no bias, no MR). Returns the clients' models,
+    biases, running means, training examples and the sum of their losses times their examples."""
     models, new_biases, means, sizes, loss_sum = [], [], [], [], 0.0
     dbe = global_mean is not None
     for client_id, bias in zip(spec.client_ids, biases):
@@ -84,6 +85,13 @@ def _reference_round(spec, weights, biases, global_mean):
         new_biases.append(bias)
         means.append(running)
         sizes.append(n)
+    return models, new_biases, means, sizes, loss_sum
+
+
+def _reference_round(spec, weights, biases, global_mean):
+    """One round of full-batch steps; global_mean None: round 0 (no bias, no MR). Returns the example-weighted
+    mean model, the biases, the example-weighted mean of the running means and the train loss."""
+    models, new_biases, means, sizes, loss_sum = _reference_clients(spec, weights, biases, global_mean)
     total = sum(sizes)
     mean = [sum(n * m[k] for n, m in zip(sizes, models)) / total for k in range(4)]
     formed = sum(n * m for n, m in zip(sizes, means)) / total
@@ -100,13 +108,22 @@ def _close(got, want):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-5)
 
 
-def _build(spec, **changes):
+def _build(spec, model_aggregator=None, **changes):
     # One batch holds a client's whole training split: each epoch is one full-batch step.
     values = dict(
         local_epochs=STEPS, batch_size=64, client_learning_rate=LR, feddbe_momentum=MU, feddbe_kl_weight=KAPPA
     )
     settings = feddbe.FedDBESettings(**{**values, **changes})
-    return feddbe.build_feddbe_process(spec, _linear_two_layer, settings, metrics=LOGIT_MEANS, seed=SEED)
+    return feddbe.build_feddbe_process(
+        spec, _linear_two_layer, settings, model_aggregator=model_aggregator, metrics=LOGIT_MEANS, seed=SEED
+    )
+
+
+def _rounds(process, spec, rounds):
+    state, clients = process.initialize(), process.initial_client_states(spec.client_ids)
+    for _ in range(rounds):
+        state, clients, metrics = process.next(state, clients)
+    return state, clients, metrics
 
 
 @pytest.fixture(scope='module')
@@ -170,11 +187,72 @@ def test_the_bias_never_crosses_to_the_server(spec):
     assert 'bias' in str(process.next.type_signature.parameter[1])  # it is in the client state
 
 
-def test_a_client_optimizer_and_a_model_aggregator_are_refused_in_one_line(spec):
+def test_a_weighted_mean_factory_is_the_default_round(spec, two_rounds):
+    """MeanFactory over the record [update, n_i-weighted running mean]: the fused default's means, by examples."""
+    state, clients, metrics = _rounds(_build(spec, tff.aggregators.MeanFactory()), spec, 2)
+    want_state, want_clients, _ = two_rounds['rounds'][1]
+    for got, want in zip(state['model'], want_state['model']):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(state['global_mean'], want_state['global_mean'], rtol=1e-6, atol=1e-6)
+    for got, want in zip(clients, want_clients):
+        np.testing.assert_allclose(got['bias'], want['bias'], rtol=1e-6, atol=1e-6)
+    assert 'aggregator_state' in state and 'train_loss' in metrics
+
+
+def test_dp_clips_the_update_and_the_round_0_mean_as_one_record(spec, two_rounds):
+    """Noise 0, clip C: each client's [update, zbar_i] scaled by min(1, C / its L2 norm), summed, over q N."""
+    clip = 0.55
+    process = _build(spec, privacy.DPConfig(0.0, clients_per_round=len(USERS), clip=clip).factory())
+    state, _, _ = _rounds(process, spec, 1)
+    initial = two_rounds['initial']
+    models, _, means, _, _ = _reference_clients(spec, initial, [np.zeros(HIDDEN)] * len(USERS), None)
+    records = [[w - m for w, m in zip(initial, model)] + [mean] for model, mean in zip(models, means)]
+    norms = [np.sqrt(sum(np.sum(part**2) for part in record)) for record in records]
+    assert min(norms) < clip < sorted(norms)[1]  # one record kept whole, two clipped
+    mean = [
+        sum(part * min(1.0, clip / norm) for part, norm in zip(parts, norms)) / len(USERS) for parts in zip(*records)
+    ]
+    for got, w, update in zip(state['model'], initial, mean[:-1]):
+        _close(got, w - update)
+    _close(state['global_mean'], mean[-1])
+    # Clipped, the mean part is not the example-weighted mean of the running means.
+    assert np.abs(mean[-1] - np.asarray(two_rounds['rounds'][0][0]['global_mean'])).max() > 1e-3
+    assert 'l2_norm_clip' in str(process.next.type_signature.parameter[0])  # its state is the server's
+    # The noised mean a DP run declares: the model's parameters and the representation's width.
+    dimension = sum(w.size for w in initial) + HIDDEN
+    assert feddbe._record_upload(None, spec, process, 1.0) == [algorithm.Upload(dimension, float(len(USERS)))]
+
+
+def test_secure_sums_give_the_plain_rounds(spec, two_rounds):
+    """The example-weighted means through secure sums, up to the 32-bit quantization of their range."""
+    process = _build(spec, privacy.secure_mean_factory(max(SIZES)))
+    state, clients, metrics = _rounds(process, spec, 2)
+    want_state, want_clients, _ = two_rounds['rounds'][1]
+    for got, want in zip(state['model'], want_state['model']):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(state['global_mean'], want_state['global_mean'], atol=1e-5)
+    for got, want in zip(clients, want_clients):
+        np.testing.assert_allclose(got['bias'], want['bias'], atol=1e-5)
+    assert metrics['aggregator']['mean_value']['secure_upper_clipped_count'] == 0
+    # What crosses as large as the head's layer (the metric sums are smaller): the record, through secure sums.
+    layer_bytes = 4 * (HIDDEN + 1) * CLASSES
+    uploads = {uri for uri, t in audit.clients_to_server_values(process.next) if audit.type_bytes(t) >= layer_bytes}
+    assert uploads == {'federated_secure_sum_bitwidth'}, uploads
+
+
+def test_the_device_form_sends_what_the_round_does_with_dp_and_secure_sums(spec):
+    process = _build(spec, privacy.DPConfig(1.0, clients_per_round=len(USERS), clip=1.0).factory(secure=True))
+
+    def crossings(comps):
+        return sorted((uri, str(t)) for comp in comps for uri, t in audit.clients_to_server_values(comp))
+
+    assert crossings(process.device.phases.values()) == crossings([process.next])
+    assert not any('bias' in t for _, t in crossings([process.next]))
+
+
+def test_a_client_optimizer_is_refused_in_one_line(spec):
     with pytest.raises(ValueError, match=r'^build_feddbe_process takes no client_optimizer: [^\n]+$'):
         feddbe.build_feddbe_process(spec, _linear_two_layer, client_optimizer=tff.learning.optimizers.build_sgdm(0.1))
-    with pytest.raises(ValueError, match=r'^build_feddbe_process takes no model_aggregator: [^\n]+$'):
-        feddbe.build_feddbe_process(spec, _linear_two_layer, model_aggregator=tff.aggregators.MeanFactory())
 
 
 def test_a_model_with_one_layer_is_refused_in_one_line(spec):

@@ -11,7 +11,7 @@ import tensorflow as tf
 import tensorflow_federated as tff
 
 from processes import fedproto
-from tff_pfl.computations import device_state
+from tff_pfl.computations import device_state, privacy
 from tff_pfl.data import client_data, federated
 
 USERS = ('ann', 'ben', 'cat')
@@ -87,11 +87,11 @@ def _reference_server(uploads):
     return sums / np.maximum(clients, 1.0)[:, None], clients
 
 
-def _build(spec, model_fn=_linear_two_layer, **changes):
+def _build(spec, model_fn=_linear_two_layer, dp=None, secure=False, **changes):
     # One batch holds a client's whole training split: each epoch is one full-batch step, whatever the order.
     values = dict(local_epochs=STEPS, batch_size=64, client_learning_rate=LR, fedproto_lambda=LAMBDA)
     return fedproto.build_fedproto_process(
-        spec, model_fn, fedproto.FedProtoSettings(**{**values, **changes}), seed=SEED
+        spec, model_fn, fedproto.FedProtoSettings(**{**values, **changes}), seed=SEED, dp=dp, secure=secure
     )
 
 
@@ -216,4 +216,59 @@ def test_refuses_a_model_without_a_body_in_one_line(spec):
 
     with pytest.raises(ValueError, match='^fedproto_head_layers=1 leaves no body') as raised:
         _build(spec, one_layer)
+    assert '\n' not in str(raised.value)
+
+
+def _one_round(process, spec):
+    """Round 1 of `process` with all three clients from the initial model (no prototype term yet)."""
+    state = process.initialize()
+    state1, _, metrics = process.next(state, process.initial_client_states(spec.client_ids))
+    return state1, metrics
+
+
+def test_dp_clips_each_clients_record_as_a_whole(spec, rounds, tff_runtime):
+    """Noise 0: the global prototypes are the clients' means weighted by s_i = min(1, C / ||(u_i, presence_i)||)."""
+    start = [np.asarray(a) for a in rounds['initial'][0]['model']]
+    records = []
+    for client_id in spec.client_ids:
+        _, means, present, _ = _reference_client(spec, client_id, start, np.zeros((CLASSES, HIDDEN)), np.zeros(CLASSES))
+        records.append((means * present[:, None], present))
+    norms = [np.sqrt(np.sum(u**2) + np.sum(p**2)) for u, p in records]
+    clip = float(np.median(norms))  # clips one client or two, leaves the others whole
+    scales = [min(1.0, clip / n) for n in norms]
+    assert min(scales) < 1.0 == max(scales)
+    sums = sum(s * u for s, (u, _) in zip(scales, records)) / len(USERS)
+    counts = sum(s * p for s, (_, p) in zip(scales, records)) / len(USERS)
+    dp = privacy.DPConfig(0.0, clients_per_round=len(USERS), clip=clip)
+    state1, metrics = _one_round(_build(spec, dp=dp), spec)
+    _close(state1['prototype_clients'], counts)
+    _close(state1['prototypes'], sums / counts[:, None])
+    assert int(metrics['num_prototypes']) == CLASSES
+
+
+def test_the_dp_count_threshold_is_three_noise_deviations_with_a_floor():
+    record = tff.StructWithPythonType(
+        [('sums', tff.TensorType(np.float32, [CLASSES, HIDDEN])), ('clients', tff.TensorType(np.float32, [CLASSES]))],
+        collections.OrderedDict,
+    )
+    _, noised = fedproto._record_aggregation(record, privacy.DPConfig(1.5, clients_per_round=20.0, clip=2.0), False)
+    assert noised == pytest.approx(3 * 1.5 * 2.0 / 20.0)
+    _, exact = fedproto._record_aggregation(record, privacy.DPConfig(0.0, clients_per_round=20.0, clip=2.0), False)
+    assert exact == pytest.approx(1e-3 * 2.0 / 20.0)
+    assert fedproto._record_aggregation(record, None, False) == (None, 0.5)
+
+
+def test_secure_sums_give_the_plain_round(spec, tff_runtime):
+    plain, _ = _one_round(_build(spec), spec)
+    secure, metrics = _one_round(_build(spec, secure=True), spec)
+    np.testing.assert_allclose(np.asarray(secure['prototypes']), np.asarray(plain['prototypes']), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(secure['prototype_clients']), [3.0, 3.0, 2.0], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(plain['prototype_clients']), [3.0, 3.0, 2.0])
+    assert metrics['aggregator']['secure_upper_clipped_count'] == 0  # nothing beyond the secure sum's range
+
+
+def test_dp_refuses_adaptive_clipping_in_one_line(spec):
+    dp = privacy.DPConfig(0.0, clients_per_round=3.0, target_quantile=0.5)
+    with pytest.raises(ValueError, match="^dp: FedProto's DP needs a fixed clip") as raised:
+        _build(spec, dp=dp)
     assert '\n' not in str(raised.value)
