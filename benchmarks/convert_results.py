@@ -55,7 +55,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import metrics as metrics_lib  # noqa: E402
 from tff_pfl import reports  # noqa: E402
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite  # noqa: E402
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_parse, bench_suite  # noqa: E402
 
 RESULTS = os.path.join('benchmarks', 'results')
 SOURCE = 'results.csv'
@@ -121,7 +121,7 @@ def records(results_dir: str) -> list[tuple[bench_suite.Run, dict]]:
       bench_suite.SuiteError: the suite.toml does not load.
     """
     suite_path = os.path.join(results_dir, bench_layout.SUITE_FILE)
-    suite = bench_suite.parse_suite(bench_layout.file_text(suite_path), suite_path)
+    suite = bench_parse.parse_suite(bench_layout.file_text(suite_path), suite_path)
     by_label = {(run.partition.name, run.algorithm.name, run.seed): run for run in suite.runs()}
     rows = collections.defaultdict(list)
     for row in _read_csv(os.path.join(results_dir, SOURCE)):

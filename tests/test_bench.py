@@ -16,7 +16,7 @@ from tests.conftest import make_linear_problem
 from tff_pfl import models
 from tff_pfl.computations import audit
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_record, bench_report, bench_run, bench_suite
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_parse, bench_record, bench_report, bench_run, bench_suite
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +98,7 @@ def test_type_bytes():
 
 
 def test_precedence_defaults_partition_overrides_partition_overrides():
-    suite = bench_suite.parse_suite(
+    suite = bench_parse.parse_suite(
         """
 name = "p"
 [defaults]
@@ -221,7 +221,7 @@ def _suite_with(old, new):
 )
 def test_suite_errors_are_one_line_naming_file_and_key(text, message):
     with pytest.raises(bench_suite.SuiteError) as error:
-        bench_suite.parse_suite(text, 'tiny.toml')
+        bench_parse.parse_suite(text, 'tiny.toml')
     assert message in str(error.value)
     assert '\n' not in str(error.value)
 
@@ -233,7 +233,7 @@ def test_paper_table_forms():
         '"PersFL" = { IID = { top10 = 45.5, weighted = 40 }, natural = 61.25 }\n'
         '[paper.FedAvg]\nnatural = [50, 10.0]\nIID = { worst10 = 20.0, mean = [70.0, 3.5] }',
     )
-    suite = bench_suite.parse_suite(text, 'tiny.toml')
+    suite = bench_parse.parse_suite(text, 'tiny.toml')
     assert suite.paper == {
         'FedAvg': {'natural': {'mean': (50.0, 10.0)}, 'IID': {'mean': (70.0, 3.5), 'worst10': (20.0, None)}},
         'PersFL': {'IID': {'weighted': (40.0, None), 'top10': (45.5, None)}, 'natural': {'mean': (61.25, None)}},
@@ -241,13 +241,13 @@ def test_paper_table_forms():
     assert list(suite.paper['PersFL']['IID']) == ['weighted', 'top10']
     assert suite.paper_source == 'A paper, Table 1, Synthetic(1,1)'
     assert tuple(bench_aggregate.METRICS) == bench_suite.PAPER_METRICS
-    plain = bench_suite.parse_suite(TINY.split('[paper]')[0], 'tiny.toml')
+    plain = bench_parse.parse_suite(TINY.split('[paper]')[0], 'tiny.toml')
     assert plain.paper == {} and plain.paper_source == ''
 
 
 def test_paper_table_lists_clients_up_to_the_limit_then_quantiles():
     """Up to MAX_CLIENT_ROWS clients one row each; beyond, quantiles of the seed-averaged accuracies."""
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
 
     def rows(per_client):
         return [
@@ -307,7 +307,7 @@ def _fake_record(suite, partition, algorithm, seed, accuracies, splits):
 
 def test_sample_weighted_and_top_10_by_hand():
     """11 clients: the top 10% are ceil(1.1) = 2; weights are train + val + test examples."""
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     # Seed 0: client i holds 20 (i + 1) examples, test sets shrinking with i (11 - i), so that
     # weighting by test examples would pick other clients. Accuracy 0.5, but 0.0 for client 9
     # (200 examples) and 1.0 for client 10 (220).
@@ -362,14 +362,14 @@ def test_sample_weighted_and_top_10_by_hand():
 
 def test_load_suite_errors(tmp_path):
     with pytest.raises(bench_suite.SuiteError, match='suite file not found'):
-        bench_suite.load_suite(str(tmp_path / 'nope.toml'))
+        bench_parse.load_suite(str(tmp_path / 'nope.toml'))
     (tmp_path / 'bad.toml').write_bytes(b'\xff\xfe')
     with pytest.raises(bench_suite.SuiteError, match='not UTF-8'):
-        bench_suite.load_suite(str(tmp_path / 'bad.toml'))
+        bench_parse.load_suite(str(tmp_path / 'bad.toml'))
 
 
 def test_selection():
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     assert len(suite.runs()) == 8
     runs = suite.select(seeds=[1], algorithms=['PersFL'])
     assert [r.label for r in runs] == ['natural/PersFL/seed1', 'IID/PersFL/seed1']
@@ -386,7 +386,7 @@ def test_selection():
 def test_an_unquoted_label_with_commas_gets_the_quoting_in_its_error():
     """`--algorithms=KT-pFL, step 0.5` arrives split at the comma: the error shows the quoted flag."""
     text = TINY.replace('name = "PersFL"', 'name = "PersFL, short"').replace('"PersFL" = {', '"PersFL, short" = {')
-    suite = bench_suite.parse_suite(text, 'tiny.toml')
+    suite = bench_parse.parse_suite(text, 'tiny.toml')
     with pytest.raises(bench_suite.SuiteError) as raised:
         suite.select(algorithms=['PersFL', 'short'])
     assert str(raised.value) == (
@@ -399,10 +399,10 @@ def test_an_unquoted_label_with_commas_gets_the_quoting_in_its_error():
 
 
 def test_committed_suites():
-    smoke = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'smoke.toml'))
+    smoke = bench_parse.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'smoke.toml'))
     assert len(smoke.runs()) == 4 and smoke.defaults['dataset'] == 'synthetic'
     path = os.path.join(REPO, 'benchmarks', 'suites', 'persfl_mnist.toml')
-    suite = bench_suite.load_suite(path)
+    suite = bench_parse.load_suite(path)
     assert [p.name for p in suite.partitions] == ['ds1', 'ds2', 'ds3'] and suite.seeds == (0, 1, 2)
     assert [a.name for a in suite.algorithms] == [
         'FedAvg',
@@ -424,7 +424,7 @@ def test_committed_suites():
         'FedAvg+FT': [100, 50, 100],
     }
     assert suite.paper['PersFL']['ds3'] == {'mean': (99.4, 0.3)}
-    baselines = bench_suite.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
+    baselines = bench_parse.load_suite(os.path.join(REPO, 'benchmarks', 'suites', 'baselines_mnist.toml'))
     names = {a.algorithm for a in baselines.algorithms}
     assert {'local', 'fedavg_ft', 'fedper', 'ditto', 'pfedme', 'perfedavg_fo', 'perfedavg_hf', 'apfl'} <= names
 
@@ -450,7 +450,7 @@ def tiny_run(tmp_path_factory, tff_runtime):
     out = str(tmp_path_factory.mktemp('bench') / 'tiny')
     suite_path = tmp_path_factory.mktemp('suite') / 'tiny.toml'
     suite_path.write_text(TINY)
-    suite = bench_suite.load_suite(str(suite_path))
+    suite = bench_parse.load_suite(str(suite_path))
     first = []
     bench_run.run_suite(suite, out, seeds=[0], command='first', log=first.append)
     seed0 = {r.label: _result_state(r.directory(out)) for r in suite.select(seeds=[0])}
@@ -715,17 +715,17 @@ def test_a_run_on_another_partition_fails_loudly(tiny_run, tmp_path):
 def test_a_different_suite_is_refused(tiny_run, tmp_path):
     out = tiny_run['out']
     state = {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
-    changed = bench_suite.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
+    changed = bench_parse.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
     with pytest.raises(bench_suite.SuiteError, match='holds results of a different suite'):
         bench_run.run_suite(changed, out, log=lambda line: None)
     with pytest.raises(bench_suite.SuiteError, match='different suite'):
         bench_run.check_report_dir(changed, out)
     assert state == {name: os.stat(os.path.join(out, name)).st_mtime_ns for name in os.listdir(out)}
     # Comments and layout are not content; nor are the description and the paper numbers.
-    bench_run.check_report_dir(bench_suite.parse_suite('# a comment\n' + TINY, 'tiny.toml'), out)
+    bench_run.check_report_dir(bench_parse.parse_suite('# a comment\n' + TINY, 'tiny.toml'), out)
     renamed = TINY.replace('source = "A paper, Table 1, Synthetic(1,1)"', 'source = "Another table"')
     assert bench_suite.same_runs(
-        TINY, bench_suite.parse_suite(renamed.replace('[50.0, 10.0]', '[60.0, 5.0]'), 't.toml')
+        TINY, bench_parse.parse_suite(renamed.replace('[50.0, 10.0]', '[60.0, 5.0]'), 't.toml')
     )
     assert not bench_suite.same_runs(TINY, changed) and not bench_suite.same_runs(None, changed)
     # A directory that holds something else is not taken over without --overwrite.
@@ -743,7 +743,7 @@ def test_a_suite_that_only_adds_runs_keeps_the_results(tiny_run, tmp_path):
     local = '[[algorithms]]\nname = "Local"\nalgorithm = "local"\nmodel = "personalized_model"\n[paper]'
     grown = TINY.replace('seeds = [0, 1]', 'seeds = [0, 1, 2]').replace('[paper]', local, 1)
     grown = grown.replace('[[algorithms]]', '[[partitions]]\nname = "more"\npartition = "iid"\n[[algorithms]]', 1)
-    extended = bench_suite.parse_suite(grown, 'tiny.toml')
+    extended = bench_parse.parse_suite(grown, 'tiny.toml')
     assert len(extended.runs()) == 3 * 3 * 3
     assert bench_suite.same_runs(TINY, extended) and not bench_suite.same_runs(grown, tiny_run['suite'])
     bench_run.check_report_dir(extended, out)
@@ -760,7 +760,7 @@ def test_a_suite_that_only_adds_runs_keeps_the_results(tiny_run, tmp_path):
         TINY.replace('seeds = [0, 1]', 'seeds = [0]'),
         TINY.replace('batch_size = 16', 'batch_size = 8').replace('seeds = [0, 1]', 'seeds = [0, 1, 2]'),
     ):
-        assert not bench_suite.same_runs(TINY, bench_suite.parse_suite(other, 'tiny.toml'))
+        assert not bench_suite.same_runs(TINY, bench_parse.parse_suite(other, 'tiny.toml'))
 
 
 def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run, tmp_path):
@@ -819,7 +819,7 @@ def test_results_dir_keeps_records_and_a_fresh_output_dir_adds_to_them(tiny_run,
     # Bad results directories: refused before anything is written.
     with pytest.raises(bench_suite.SuiteError, match='is the output directory'):
         bench_run.run_suite(suite, fresh, results_dir=fresh, log=lines.append)
-    changed = bench_suite.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
+    changed = bench_parse.parse_suite(TINY.replace('rounds = 2', 'rounds = 3'), 'tiny.toml')
     with pytest.raises(bench_suite.SuiteError, match='results_dir .* holds results of a different suite'):
         bench_run.run_suite(changed, str(tmp_path / 'other'), results_dir=results, log=lines.append)
     assert not os.path.exists(tmp_path / 'other')
@@ -973,7 +973,7 @@ def test_a_dp_suite_reports_epsilon_and_plots_accuracy_against_it(tmp_path, tff_
 
     path = tmp_path / 'dp.toml'
     path.write_text(DP_SUITE)
-    suite = bench_suite.load_suite(str(path))
+    suite = bench_parse.load_suite(str(path))
     out = str(tmp_path / 'out')
     rows = bench_run.run_suite(suite, out, log=lambda line: None)
     by_name = {row['algorithm']: row for row in rows}
@@ -1018,7 +1018,7 @@ def test_a_command_repeated_over_sittings_is_listed_once_with_its_count():
 
 
 def test_accuracy_by_client_architecture_by_hand():
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     splits = [(20, 5, 5)] * 11
     seed0 = _fake_record(suite, 'natural', 'FedAvg', 0, [i / 10 for i in range(11)], splits)
     seed1 = _fake_record(suite, 'natural', 'FedAvg', 1, [0.5] * 11, splits)
@@ -1051,7 +1051,7 @@ def test_accuracy_by_client_architecture_by_hand():
 
 
 def test_a_published_report_reproduces_into_the_default_output_dir_not_the_one_it_was_rebuilt_in():
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     records = [_fake_record(suite, 'natural', 'FedAvg', 0, [0.5] * 11, [(20, 5, 5)] * 11)]
     rows = bench_aggregate.aggregate(suite, records)
 
@@ -1065,7 +1065,7 @@ def test_a_published_report_reproduces_into_the_default_output_dir_not_the_one_i
 
 
 def test_records_made_by_different_code_are_flagged_in_the_communication_table():
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     splits = [(20, 5, 5)] * 11
     records = [_fake_record(suite, 'natural', 'FedAvg', seed, [0.5] * 11, splits) for seed in (0, 1)]
     for r in records:  # what seed 0's code sent up: 20 slots; the later seeds': one row
@@ -1082,7 +1082,7 @@ def test_records_made_by_different_code_are_flagged_in_the_communication_table()
 
 
 def test_minutes_of_a_run_recorded_before_sittings_were_summed_are_flagged():
-    suite = bench_suite.parse_suite(TINY, 'tiny.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny.toml')
     splits = [(20, 5, 5)] * 11
     records = [_fake_record(suite, 'natural', 'FedAvg', seed, [0.5] * 11, splits) for seed in (0, 1)]
     for r, seconds in zip(records, (600.0, 1200.0)):

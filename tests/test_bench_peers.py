@@ -12,7 +12,16 @@ import pytest
 from tff_pfl import models
 from tff_pfl.data import client_data
 from tff_pfl.program import config_parts, experiment, run_config
-from tff_pfl_bench import bench_layout, bench_peers, bench_record, bench_run, bench_suite
+from tff_pfl_bench import (
+    bench_layout,
+    bench_parse,
+    bench_peers,
+    bench_record,
+    bench_run,
+    bench_suite,
+    peer_processes,
+    peer_scoring,
+)
 
 # Synthetic(1,1) with 3 clients, 2 rounds: our FedAvg and the two peers.
 TINY = """
@@ -72,7 +81,7 @@ RECORD_KEYS = (
 def peers_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp('peers') / 'out')
     results = str(tmp_path_factory.mktemp('peers') / 'results')
-    suite = bench_suite.parse_suite(TINY, 'tiny_peers.toml')
+    suite = bench_parse.parse_suite(TINY, 'tiny_peers.toml')
     lines = []
     rows = bench_run.run_suite(suite, out, results_dir=results, log=lines.append)
     records = {}
@@ -181,7 +190,7 @@ def test_a_setting_a_peer_does_not_take_is_one_line(override, message):
         f'algorithm = "tff_fed_recon"\nmodel = "personalized_model"\n[algorithms.overrides]\n{override}\n',
     )
     with pytest.raises(bench_suite.SuiteError, match=message) as error:
-        bench_suite.parse_suite(text, 'tiny_peers.toml')
+        bench_parse.parse_suite(text, 'tiny_peers.toml')
     assert '\n' not in str(error.value) and str(error.value).startswith('tiny_peers.toml: algorithms "TFF FedRecon"')
 
 
@@ -189,7 +198,7 @@ def test_a_model_a_peer_does_not_report_is_one_line():
     text = TINY.replace('algorithm = "tff_fed_recon"\nmodel = "personalized_model"', 'algorithm = "tff_fed_recon"')
     text = text.replace('seeds = [0]', 'seeds = [0]\nheadline_model = "global_model"')
     with pytest.raises(bench_suite.SuiteError, match='tff_fed_recon reports personalized_model, not .global_model.'):
-        bench_suite.parse_suite(text, 'tiny_peers.toml')
+        bench_parse.parse_suite(text, 'tiny_peers.toml')
 
 
 def test_peers_are_not_registered_algorithms():
@@ -217,7 +226,7 @@ def test_an_interrupted_peer_continues_from_its_checkpoint_to_the_same_numbers(l
     """4 rounds, a checkpoint every 2, cut during round 4: the harness continues from round 2."""
     # 2 of the 3 clients a round: a continued run must draw the clients an uninterrupted one draws.
     text = TINY.replace('rounds = 2', 'rounds = 4\nclient_fraction = 0.6')
-    suite = bench_suite.parse_suite(text, 'tiny_peers.toml')
+    suite = bench_parse.parse_suite(text, 'tiny_peers.toml')
     run = suite.select(algorithms=[label])[0]
     uninterrupted = bench_run.run_config(suite, str(tmp_path / 'a'), run, 2)
     expected_lines = []
@@ -261,25 +270,25 @@ def test_marked_labels_survive_float32_for_every_client_a_peer_takes():
     """TFF's FedRecon passes labels through a Keras MeanMetricWrapper (float32) before the loss reads them."""
     import tensorflow as tf
 
-    y = np.array([-1, 0, 1, 89, bench_peers._TEST_MARK - 2], np.int32)
-    for index in (0, 15, 16, 612, bench_peers.MAX_MARKED_CLIENTS - 1):
-        marked = tf.cast(tf.constant(bench_peers.mark_test(y, index)), tf.float32)
-        assert bench_peers._label(marked).numpy().tolist() == y.tolist(), index
-        assert set(bench_peers._client_tag(marked).numpy().tolist()) == {index + 1}, index
+    y = np.array([-1, 0, 1, 89, peer_scoring.TEST_MARK - 2], np.int32)
+    for index in (0, 15, 16, 612, peer_scoring.MAX_MARKED_CLIENTS - 1):
+        marked = tf.cast(tf.constant(peer_scoring.mark_test(y, index)), tf.float32)
+        assert peer_scoring.label(marked).numpy().tolist() == y.tolist(), index
+        assert set(peer_scoring.client_tag(marked).numpy().tolist()) == {index + 1}, index
     # The loss as FedRecon's evaluation computes it: through MeanMetricWrapper.
-    logits = tf.one_hot(np.maximum(y, 0), bench_peers._TEST_MARK - 1) * 5.0
-    wrapped = tf.keras.metrics.MeanMetricWrapper(bench_peers.ScoredCrossEntropy(), name='loss')
-    wrapped.update_state(bench_peers.mark_test(y, 612), logits)
-    direct = bench_peers.ScoredCrossEntropy()(y, logits)
+    logits = tf.one_hot(np.maximum(y, 0), peer_scoring.TEST_MARK - 1) * 5.0
+    wrapped = tf.keras.metrics.MeanMetricWrapper(peer_scoring.ScoredCrossEntropy(), name='loss')
+    wrapped.update_state(peer_scoring.mark_test(y, 612), logits)
+    direct = peer_scoring.ScoredCrossEntropy()(y, logits)
     assert float(wrapped.result()) == pytest.approx(float(direct), rel=1e-6)
 
 
 def test_a_peer_refuses_more_clients_than_its_marks_hold():
-    too_many = [f'c{i}' for i in range(bench_peers.MAX_MARKED_CLIENTS + 1)]
-    clients = bench_peers._Clients(types.SimpleNamespace(client_ids=too_many, num_classes=10), {})
+    too_many = [f'c{i}' for i in range(peer_scoring.MAX_MARKED_CLIENTS + 1)]
+    clients = peer_processes.Clients(types.SimpleNamespace(client_ids=too_many, num_classes=10), {})
     with pytest.raises(bench_peers.run_config.ConfigError, match=r'tff_fed_recon scores at most 16383 clients'):
         bench_peers._check_markable('tff_fed_recon', clients)
-    clients = bench_peers._Clients(types.SimpleNamespace(client_ids=['c0'], num_classes=bench_peers._TEST_MARK), {})
+    clients = peer_processes.Clients(types.SimpleNamespace(client_ids=['c0'], num_classes=peer_scoring.TEST_MARK), {})
     with pytest.raises(bench_peers.run_config.ConfigError, match=r'at most 1023 classes'):
         bench_peers._check_markable('tff_fed_recon', clients)
 

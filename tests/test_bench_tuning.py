@@ -11,7 +11,16 @@ import types
 import pytest
 
 from tff_pfl.program import experiment
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_record, bench_report, bench_run, bench_suite, tuning
+from tff_pfl_bench import (
+    bench_aggregate,
+    bench_layout,
+    bench_parse,
+    bench_record,
+    bench_report,
+    bench_run,
+    bench_suite,
+    tuning,
+)
 
 # Two partitions, FedAvg, Ditto and Local, seeds 0-2; no tuning.
 PLAIN = """
@@ -79,7 +88,7 @@ def test_selected_round_and_best_round_on_test_by_hand():
 
 
 def test_the_record_keeps_the_validation_curve_and_the_selected_round():
-    suite = bench_suite.parse_suite(PLAIN, 'plain.toml')
+    suite = bench_parse.parse_suite(PLAIN, 'plain.toml')
     run = suite.select(seeds=[0], algorithms=['FedAvg'], partitions=['natural'])[0]
     config = suite.config(run.partition, run.algorithm, 0, 'x')
     rows = _rows('global_model', [0.3, 0.6, 0.5], [0.4, 0.5, 0.8])
@@ -131,7 +140,7 @@ def _aggregate_record(suite, algorithm, seed, selected, best, test=0.5):
 
 
 def test_summary_and_report_give_the_test_accuracy_at_the_validation_selected_round():
-    suite = bench_suite.parse_suite(PLAIN, 'plain.toml')
+    suite = bench_parse.parse_suite(PLAIN, 'plain.toml')
     records = [
         _aggregate_record(
             suite,
@@ -229,7 +238,7 @@ def _tuned_with(old, new):
 
 
 def test_trials_are_the_product_of_the_tune_lists_over_the_run_configuration():
-    suite = bench_suite.parse_suite(
+    suite = bench_parse.parse_suite(
         _tuned_with('ditto_lambda = [0.1, 1.0]', 'ditto_lambda = [0.1, 1.0]\npersonal_epochs = [1]'), 'tuned.toml'
     )
     assert suite.tuning == bench_suite.Tuning(seed=1, trials=2, select='last')
@@ -259,7 +268,7 @@ def test_trials_are_the_product_of_the_tune_lists_over_the_run_configuration():
     assert tuning.trial_config(suite, trials[3]).settings.ditto_lambda == 1.0
     assert config.flat_value('eval_validation') is True
     # Product order: the keys in file order, the last varying fastest.
-    grid = bench_suite.parse_suite(
+    grid = bench_parse.parse_suite(
         _tuned_with('trials = 2', 'trials = 4')
         .replace('client_learning_rate = [0.05, 0.5]', 'client_learning_rate = [0.05, 0.5]\nlocal_epochs = [1, 2]')
         .replace('client_learning_rate = [0.1]', 'client_learning_rate = [0.1, 0.2]'),
@@ -278,7 +287,7 @@ def test_trials_are_the_product_of_the_tune_lists_over_the_run_configuration():
         'IID/Ditto/trials/client_learning_rate-0.1-ditto_lambda-1.0-personal_epochs-1',
     ]
     # Without [tuning] nothing changes.
-    plain = bench_suite.parse_suite(PLAIN, 'plain.toml')
+    plain = bench_parse.parse_suite(PLAIN, 'plain.toml')
     assert plain.tuning is None and tuning.trials(plain) == [] and len(plain.runs()) == 18
 
 
@@ -376,7 +385,7 @@ def test_trials_are_the_product_of_the_tune_lists_over_the_run_configuration():
 )
 def test_tuning_errors_are_one_line_naming_file_and_key(text, message):
     with pytest.raises(bench_suite.SuiteError) as error:
-        bench_suite.parse_suite(text, 'tuned.toml')
+        bench_parse.parse_suite(text, 'tuned.toml')
     assert message in str(error.value)
     assert '\n' not in str(error.value)
 
@@ -401,7 +410,7 @@ def _trial_record(val, test, final_round=3):
 
 
 def test_the_choice_reads_validation_never_test():
-    suite = bench_suite.parse_suite(TUNED, 'tuned.toml')
+    suite = bench_parse.parse_suite(TUNED, 'tuned.toml')
     mine = [t for t in tuning.trials(suite) if t.partition.name == 'natural' and t.algorithm.name == 'Ditto']
     # Trial 0 peaks on validation at round 2 but ends low; trial 1 ends highest on validation; on test,
     # trial 0 is far better everywhere.
@@ -512,7 +521,7 @@ def _record(path):
 
 
 def test_tuning_runs_trials_first_chooses_on_validation_and_reuses_the_chosen_trial(tmp_path, fake_runs):
-    suite = bench_suite.parse_suite(TUNED, 'tuned.toml')
+    suite = bench_parse.parse_suite(TUNED, 'tuned.toml')
     out, results = str(tmp_path / 'out'), str(tmp_path / 'results')
     natural, iid = suite.partitions
     fedavg, ditto, local = suite.algorithms
@@ -700,7 +709,7 @@ def test_tuning_runs_trials_first_chooses_on_validation_and_reuses_the_chosen_tr
 
 
 def test_seeds_without_the_tuning_seed_run_once_the_trials_are_complete(tmp_path, fake_runs):
-    suite = bench_suite.parse_suite(TUNED, 'tuned.toml')
+    suite = bench_parse.parse_suite(TUNED, 'tuned.toml')
     out = str(tmp_path / 'out')
     bench_run.run_suite(suite, out, seeds=[1], algorithms=['FedAvg'], partitions=['IID'], log=lambda line: None)
     assert [label for label, _, _ in fake_runs.calls] == [
@@ -718,7 +727,7 @@ def test_seeds_without_the_tuning_seed_run_once_the_trials_are_complete(tmp_path
 
 
 def test_a_suite_without_tuning_writes_no_tuning_files(tmp_path, fake_runs):
-    suite = bench_suite.parse_suite(PLAIN, 'plain.toml')
+    suite = bench_parse.parse_suite(PLAIN, 'plain.toml')
     out, results = str(tmp_path / 'out'), str(tmp_path / 'results')
     lines = []
     bench_run.run_suite(suite, out, seeds=[0], partitions=['natural'], results_dir=results, log=lines.append)
@@ -772,7 +781,7 @@ def test_real_trials_resume_from_their_checkpoint_and_the_choice_runs_the_other_
         if 'client_learning_rate-0.5' in self._path and line.startswith('round 1/2'):
             raise _Interrupted
 
-    suite = bench_suite.parse_suite(REAL, 'tuned_real.toml')
+    suite = bench_parse.parse_suite(REAL, 'tuned_real.toml')
     out = str(tmp_path / 'out')
     with monkeypatch.context() as patch:
         patch.setattr(bench_run._RunLog, '__call__', interrupting)

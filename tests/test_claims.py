@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tff_pfl_bench import bench_suite, claims
+from tff_pfl_bench import bench_parse, bench_suite, claims
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -282,7 +282,7 @@ def test_verdict(claim, settings, expected):
 def _suite_of(name):
     texts = {'fake': SUITE, 'other': OTHER}
     return (
-        (bench_suite.parse_suite(texts[name], f'{name}.toml'), f'benchmarks/suites/{name}.toml')
+        (bench_parse.parse_suite(texts[name], f'{name}.toml'), f'benchmarks/suites/{name}.toml')
         if (name in texts)
         else None
     )
@@ -555,6 +555,6 @@ worse_suite = "fake"
             'c.toml',
             lambda name: (
                 _suite_of(name)
-                or ((bench_suite.parse_suite(more, 'more.toml'), 'more.toml') if name == 'more' else None)
+                or ((bench_parse.parse_suite(more, 'more.toml'), 'more.toml') if name == 'more' else None)
             ),
         )

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_report, bench_suite, scoreboard
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_parse, bench_report, bench_suite, scoreboard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -277,7 +277,7 @@ def test_paper_errors_are_marked_and_left_out_of_the_counts(tmp_path):
 def test_paper_errors_are_validated(errors, message):
     suite = SUITE.replace('IID = { weighted = 90.0, top10 = 99.0 }', 'IID = 90.0').replace(', IID = 50', '')
     with pytest.raises(bench_suite.SuiteError) as raised:
-        bench_suite.parse_suite(suite + '[paper_errors]\n' + errors + '\n', 'x.toml')
+        bench_parse.parse_suite(suite + '[paper_errors]\n' + errors + '\n', 'x.toml')
     assert str(raised.value).startswith('x.toml: ') and message in str(raised.value)
     assert '\n' not in str(raised.value)
 
@@ -382,7 +382,7 @@ def _read_csv(path):
 
 def _record_problems(results_dir):
     """Runs of results.csv without a record in the harness's format at `bench_layout.record_path`, one line each."""
-    suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
+    suite = bench_parse.load_suite(os.path.join(results_dir, 'suite.toml'))
     runs = {(r.partition.name, r.algorithm.name, r.seed): r for r in suite.runs()}
     clients = {}
     for row in _read_csv(os.path.join(results_dir, 'results.csv')):
@@ -412,7 +412,7 @@ def _record_problems(results_dir):
 
 def _summary_mismatches(results_dir):
     """Where aggregating the records (what --report_only --results_dir does) differs from the committed summary.csv."""
-    suite = bench_suite.load_suite(os.path.join(results_dir, 'suite.toml'))
+    suite = bench_parse.load_suite(os.path.join(results_dir, 'suite.toml'))
     rows = {
         (r['partition'], r['algorithm']): r
         for r in bench_aggregate.aggregate(suite, bench_aggregate.load_records(suite, results_dir))
@@ -441,7 +441,7 @@ def test_every_committed_results_folder_is_read_by_the_scoreboard():
     listed = {o['suite']: o for o in scoreboard.unscored(REPO)}
     read = []
     for path in scoreboard.suite_paths(REPO):
-        suite = bench_suite.load_suite(path)
+        suite = bench_parse.load_suite(path)
         directory = scoreboard.results_dir(REPO, suite)
         if not os.path.isdir(directory):
             continue
@@ -527,7 +527,7 @@ def test_converting_results_csv_into_records(tmp_path):
             ]
     (results / 'results.csv').write_text('\n'.join(lines) + '\n')
     assert convert.convert(str(results)) == (4, 0)
-    suite = bench_suite.parse_suite(SUITE, 'fake.toml')
+    suite = bench_parse.parse_suite(SUITE, 'fake.toml')
     records = {(r['partition'], r['seed']): r for r in bench_aggregate.load_records(suite, str(results))}
     assert sorted(records) == [('IID', 0), ('natural', 0), ('natural', 1), ('natural', 2)]
     single, multi = records['IID', 0], records['natural', 1]

@@ -396,7 +396,7 @@ def run_suite(
     process is doing (its lock is held) is left alone.
 
     Args:
-      suite: the suite (`bench_suite.load_suite`).
+      suite: the suite (`bench_parse.load_suite`).
       output_dir: the benchmark's directory; created if needed.
       seeds: run only these seeds (None: all).
       algorithms: run only these algorithm labels (None: all).

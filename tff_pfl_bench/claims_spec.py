@@ -36,7 +36,7 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 
-from tff_pfl_bench import bench_layout, bench_suite, scoreboard
+from tff_pfl_bench import bench_layout, bench_parse, bench_suite, scoreboard
 
 CLAIMS_FILE = os.path.join('benchmarks', 'claims.toml')
 # What a comparison reads from a record: the across-client mean test accuracy
@@ -183,7 +183,7 @@ def load_claims(root: str, path: str = CLAIMS_FILE) -> list[Claim]:
         if name not in files:
             return None
         if name not in loaded:
-            loaded[name] = bench_suite.load_suite(os.path.join(root, files[name]))
+            loaded[name] = bench_parse.load_suite(os.path.join(root, files[name]))
         return loaded[name], files[name]
 
     return parse_claims(text, path, suite_of, sorted(files))

@@ -9,7 +9,7 @@ command resumes), then aggregates every complete run into `report.md`,
 sittings or over processes; `--report_only` only re-aggregates;
 `--results_dir` keeps every run's record beside the committed report, so a
 later sitting on a fresh checkout adds to it. See
-`tff_pfl_bench.bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
+`tff_pfl_bench.bench_parse`, `bench_suite`, `bench_run`, `bench_report` and docs/benchmarks.md.
 
 Bad input prints one line `tff-pfl-bench: error: ...` and exits with 2.
 """
@@ -74,7 +74,7 @@ def _seeds():
 def _read_suite(path: str) -> str:
     """The suite file's text, checked to be TOML before TensorFlow is imported.
 
-    `bench_suite.parse_suite` validates the rest; reading and parsing here first
+    `bench_parse.parse_suite` validates the rest; reading and parsing here first
     keeps the commonest mistakes (a wrong path, a typo in the TOML) fast.
     """
     try:
@@ -123,14 +123,14 @@ def main(argv) -> None:
     runtime.refuse_implicit_runtime()
     from tff_pfl.data import partition, sources
     from tff_pfl.program import run_config
-    from tff_pfl_bench import bench_report, bench_run, bench_suite
+    from tff_pfl_bench import bench_parse, bench_report, bench_run, bench_suite
 
     logging.set_verbosity(logging.WARNING)
     errors = (bench_suite.SuiteError, run_config.ConfigError, sources.DataError, partition.PartitionError)
     # The suite and the selection are checked before re-executing in a network
     # namespace: a bad suite costs one start-up, not two.
     try:
-        suite = bench_suite.parse_suite(text, _SUITE.value)
+        suite = bench_parse.parse_suite(text, _SUITE.value)
         suite.select(seeds=seeds, algorithms=_ALGORITHMS.value, partitions=_PARTITIONS.value)
         output_dir = _OUTPUT_DIR.value or bench_report.default_output_dir(suite)
         if _REPORT_ONLY.value and not _RESULTS_DIR.value:

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import reports, runtime
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_parse, bench_suite
 
 SUITES_DIR = os.path.join('benchmarks', 'suites')
 RESULTS_DIR = os.path.join('benchmarks', 'results')
@@ -232,7 +232,7 @@ def entries(root: str, paths: Sequence[str] | None = None) -> list[dict]:
     """
     result = []
     for path in suite_paths(root) if paths is None else paths:
-        suite = bench_suite.load_suite(path)
+        suite = bench_parse.load_suite(path)
         if not suite.paper:
             continue
         suite_path = os.path.relpath(path, root)
@@ -317,7 +317,7 @@ def unscored(root: str, paths: Sequence[str] | None = None) -> list[dict]:
     """
     result = []
     for path in suite_paths(root) if paths is None else paths:
-        suite = bench_suite.load_suite(path)
+        suite = bench_parse.load_suite(path)
         if suite.paper:
             continue
         suite_path = os.path.relpath(path, root)

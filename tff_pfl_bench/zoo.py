@@ -26,7 +26,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from tff_pfl import algorithm, reports, runtime
 from tff_pfl.program import algorithms
-from tff_pfl_bench import bench_layout, bench_suite, scoreboard
+from tff_pfl_bench import bench_layout, bench_parse, bench_suite, scoreboard
 
 OUTPUT = os.path.join('docs', 'zoo.md')
 GENERATE = 'uv run --locked python -m tff_pfl_bench.zoo'
@@ -45,7 +45,7 @@ def protocols(root: str) -> dict[str, list[tuple[str, str, str]]]:
     """
     found = collections.defaultdict(list)
     for path in scoreboard.suite_paths(root):
-        suite = bench_suite.load_suite(path)
+        suite = bench_parse.load_suite(path)
         folder = scoreboard.results_dir(root, suite)
         recorded = set()
         for entry in suite.algorithms:

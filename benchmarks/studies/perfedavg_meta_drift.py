@@ -35,7 +35,7 @@ from tff_pfl import models, reports
 from tff_pfl.computations import local_training
 from tff_pfl.data import client_data
 from tff_pfl.program import experiment, run_config
-from tff_pfl_bench import bench_suite
+from tff_pfl_bench import bench_parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +56,7 @@ WINDOW = 20  # steps per mean in the report's loss columns
 
 def _prepare(seed: int) -> tuple[client_data.ClientDataSpec, run_config.ExperimentConfig]:
     """The suite's Per-FedAvg run of `--partition` and `seed`: its partition (written once) and its settings."""
-    suite = bench_suite.load_suite(SUITE)
+    suite = bench_parse.load_suite(SUITE)
     runs = suite.select(seeds=[seed], algorithms=['Per-FedAvg'], partitions=[_PARTITION.value])
     if not runs:
         raise app.UsageError(f'{SUITE} has no Per-FedAvg run of partition {_PARTITION.value!r} and seed {seed}')
