@@ -574,3 +574,21 @@ def test_converting_results_csv_into_records(tmp_path):
         f.write('natural,Nope,0,0,c0,global_model,0.5,10\n')
     with pytest.raises(convert.ConversionError, match="run .*'Nope'.* is not a run of"):
         convert.records(str(results))
+
+
+def test_a_leaderboard_suite_is_scored_by_its_best_round_on_test(tmp_path):
+    """`measure = "best round on test"`: ours is summary.csv's best-round column, not the last round's mean."""
+    board = SUITE.replace('source = "Some paper, Table 2, digits"', 'source = "A leaderboard"\nmeasure = "best round on test"')
+    best = SUMMARY.replace(',rounds\n', ',rounds,best_test_accuracy_mean_optimistic\n', 1)
+    best = best.replace('natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2\n',
+                        'natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2,83.5\n')
+    root = _tree(tmp_path, summary=best, stored_suite=board)
+    (root / 'benchmarks' / 'suites' / 'fake.toml').write_text(board)
+    by_key = _by_key(scoreboard.entries(str(root)))
+    e = by_key[('fake', 'natural', 'FedAvg', 'best round')]
+    assert (e['paper'], e['ours'], e['ours_std'], e['diff']) == (80.0, 83.5, None, pytest.approx(3.5))
+    # The other metrics of a cell keep their own columns (last round).
+    assert by_key[('fake', 'natural', 'FT', 'worst10')]['ours'] == 58.5
+    text = scoreboard.render(list(by_key.values()))
+    assert '| digits / natural | FedAvg | mean, best round on test | 80.0 | 83.50 | 3/3 | +3.50 | no |' in text
+    assert '| FT | mean, best round on test | 70.25 | not available (a run without a validation curve) |' in text

@@ -32,6 +32,7 @@ Suite format (`tomllib`; see docs/benchmarks.md):
     "PersFL" = { ds1 = { mean = 98.6, top10 = 99.0 } }  # or metric -> value
     [paper_source]                     # optional, with [paper]: where the
     source = "PersFL, Table 3, MNIST"  # numbers come from (the scoreboard)
+    measure = "last round"             # or "best round on test" (leaderboard)
     [paper_errors]                     # optional: [paper] cells that are the
     "FedPer" = { ds2 = "..." }         # paper's own errors -> the reason
     [tuning]                           # optional: one tuning budget for all
@@ -86,7 +87,7 @@ from collections.abc import Mapping, Sequence
 from tff_pfl import settings as settings_lib
 from tff_pfl.program import algorithms as algorithms_lib
 from tff_pfl.program import config_parts, experiment, run_config
-from tff_pfl_bench import bench_peers, bench_suite
+from tff_pfl_bench import bench_peers, bench_suite, leaderboard
 
 _RESERVED = ('output_dir', 'algorithm', 'partition', 'seed')
 _COMMON_HINTS = {name: hint for _, name, hint, _, _ in run_config.ExperimentConfig.common_settings()}
@@ -262,13 +263,17 @@ def parse_suite(text: str, path: str = '<suite>') -> bench_suite.Suite:
             if partition_name not in partition_names:
                 fail(key, f'unknown partition label; the suite has {", ".join(partition_names)}')
             paper[algorithm_name][partition_name] = _paper_cell(value, key, fail)
-    paper_source = ''
+    paper_source, paper_measure = '', leaderboard.PAPER_MEASURES[0]
     if 'paper_source' in raw:
         source_table = _table(raw['paper_source'], 'paper_source', fail)
-        _unknown_keys(source_table, ('source',), 'paper_source', fail)
+        _unknown_keys(source_table, ('source', 'measure'), 'paper_source', fail)
         paper_source = source_table.get('source')
         if not isinstance(paper_source, str) or not paper_source.strip():
             fail('paper_source.source', 'required, a non-empty string (e.g. "KT-pFL, Table 2, Fashion-MNIST")')
+        paper_measure = source_table.get('measure', paper_measure)
+        if paper_measure not in leaderboard.PAPER_MEASURES:
+            known = ', '.join(f'"{m}"' for m in leaderboard.PAPER_MEASURES)
+            fail('paper_source.measure', f'must be one of {known}, got {paper_measure!r}')
         if not paper:
             fail('paper_source', 'given without a [paper] table')
     paper_errors = {}
@@ -298,6 +303,7 @@ def parse_suite(text: str, path: str = '<suite>') -> bench_suite.Suite:
         algorithms=tuple(entries),
         paper=paper,
         paper_source=paper_source.strip(),
+        paper_measure=paper_measure,
         paper_errors=paper_errors,
         tuning=tuning,
     )

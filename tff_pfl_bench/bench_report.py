@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from tff_pfl import reports
-from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite, tuning
+from tff_pfl_bench import bench_aggregate, bench_layout, bench_suite, leaderboard, tuning
 
 # The per-client table lists every client up to this many; beyond, it gives
 # these quantiles of the clients' (seed-averaged) accuracies instead.
@@ -421,6 +421,7 @@ def render_report(
         ]
     table, columns = paper_table(suite, rows)
     lines += [reports.markdown_table(table, columns) if rows else '(no complete runs)', '']
+    lines += leaderboard.leaderboard_lines(suite, records)
     lines += [
         '## Ours vs the paper (%)',
         '',

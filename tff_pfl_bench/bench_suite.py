@@ -220,6 +220,9 @@ class Suite:
       paper: algorithm label -> partition label -> metric (`PAPER_METRICS`)
         -> (value, std or None), in %; only `mean` has a std (across clients).
       paper_source: where the `[paper]` numbers come from, or ''.
+      paper_measure: what the `[paper]` numbers measure
+        (`leaderboard.PAPER_MEASURES`): the last round, or the best round on
+        test (then the report has a leaderboard section).
       paper_errors: algorithm label -> partition label -> why that `[paper]`
         cell is the paper's own error (a reason, one line).
       tuning: the `[tuning]` table, or None (no algorithm is tuned).
@@ -236,6 +239,7 @@ class Suite:
     algorithms: tuple
     paper: Mapping
     paper_source: str = ''
+    paper_measure: str = 'last round'
     paper_errors: Mapping = dataclasses.field(default_factory=dict)
     tuning: Tuning | None = None
 
