@@ -578,10 +578,13 @@ def test_converting_results_csv_into_records(tmp_path):
 
 def test_a_leaderboard_suite_is_scored_by_its_best_round_on_test(tmp_path):
     """`measure = "best round on test"`: ours is summary.csv's best-round column, not the last round's mean."""
-    board = SUITE.replace('source = "Some paper, Table 2, digits"', 'source = "A leaderboard"\nmeasure = "best round on test"')
+    source = 'source = "A leaderboard"\nmeasure = "best round on test"'
+    board = SUITE.replace('source = "Some paper, Table 2, digits"', source)
     best = SUMMARY.replace(',rounds\n', ',rounds,best_test_accuracy_mean_optimistic\n', 1)
-    best = best.replace('natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2\n',
-                        'natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2,83.5\n')
+    best = best.replace(
+        'natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2\n',
+        'natural,FedAvg,global_model,0 1 2,3/3,81.5,0.5,4.0,70,1,82,1,90,2,2,83.5\n',
+    )
     root = _tree(tmp_path, summary=best, stored_suite=board)
     (root / 'benchmarks' / 'suites' / 'fake.toml').write_text(board)
     by_key = _by_key(scoreboard.entries(str(root)))

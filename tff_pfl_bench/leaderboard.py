@@ -140,14 +140,15 @@ def leaderboard_lines(suite, records: Sequence[Mapping]) -> list[str]:
     if getattr(suite, 'paper_measure', PAPER_MEASURES[0]) != BEST_ROUND or not records:
         return []
     return [
-        '## Leaderboard: the paper\'s measure beside ours (%)',
+        "## Leaderboard: the paper's measure beside ours (%)",
         '',
         'The paper reports the best round on test: the highest across-client mean test accuracy over the',
         'evaluated rounds, a round chosen on the test data (optimistic). Ours by that measure, and by the',
-        'last round and the round chosen on validation (each run\'s own choice), each the mean over seeds ±',
+        "last round and the round chosen on validation (each run's own choice), each the mean over seeds ±",
         'the std over seeds; diff: ours (best round on test) - paper. Rounds run, and the minutes a run took',
-        f'(mean over seeds, across sittings). Still climbing: the seed-mean test accuracy rose more than {CLIMB_POINTS}',
-        f'points over the last {CLIMB_SHARE:.0%} of the rounds (from the evaluated round closest to it).',
+        '(mean over seeds, across sittings). Still climbing: the seed-mean test accuracy rose more than',
+        f'{CLIMB_POINTS} points over the last {CLIMB_SHARE:.0%} of the rounds (from the evaluated round closest',
+        'to it).',
         '',
         reports.markdown_table(leaderboard_rows(suite, records), list(COLUMNS)),
         '',
