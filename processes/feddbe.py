@@ -176,6 +176,7 @@ def build_feddbe_process(
     # The default: the example-weighted means of the updates and of the running means in one `federated_sum`.
     fused = model_aggregator is None
     weighted = isinstance(model_aggregator, tff.aggregators.WeightedAggregationFactory)
+    aggregation = None
     if not fused:
         # One record a client, so that DP clips (and secure sums bound) the running mean with the update.
         record_type = tff.StructWithPythonType([*weights_type, tff.TensorType(np.float32, [width])], list)
@@ -199,21 +200,7 @@ def build_feddbe_process(
             round_num=tf.constant(0, tf.int32),
         )
 
-    if fused:
-        initialize = building_blocks.server_initialize(server_init)
-    else:
-
-        @tff.tensorflow.computation(
-            server_init.type_signature.result, aggregation.initialize.type_signature.result.member
-        )
-        def with_aggregator(state, aggregator_state):
-            return collections.OrderedDict(**state, aggregator_state=aggregator_state)
-
-        @tff.federated_computation
-        def initialize():
-            made = tff.federated_eval(server_init, tff.SERVER)
-            return tff.federated_map(with_aggregator, (made, aggregation.initialize()))
-
+    initialize = building_blocks.server_initialize(server_init, aggregation)
     server_state_type = initialize.type_signature.result
 
     @tff.tensorflow.computation(server_state_type.member)

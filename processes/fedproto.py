@@ -312,21 +312,7 @@ def build_fedproto_process(
 
     record_type = client_work.type_signature.result['prototypes']
     aggregation, threshold = _record_aggregation(record_type, dp, secure)
-    if aggregation is None:
-        initialize = building_blocks.server_initialize(server_init)
-    else:
-
-        @tff.federated_computation
-        def initialize():
-            init = tff.federated_eval(server_init, tff.SERVER)
-            return tff.federated_zip(
-                collections.OrderedDict(
-                    prototypes=init.prototypes,
-                    prototype_clients=init.prototype_clients,
-                    round_num=init.round_num,
-                    aggregator_state=aggregation.initialize(),
-                )
-            )
+    initialize = building_blocks.server_initialize(server_init, aggregation)
 
     server_state_type = initialize.type_signature.result
 

@@ -351,22 +351,37 @@ def build_client_evaluation(
     return client_evaluation
 
 
-def server_initialize(server_init: tff.Computation) -> tff.Computation:
+def server_initialize(server_init: tff.Computation, aggregation=None) -> tff.Computation:
     """A process's `initialize`: the server state made at the server.
 
     Args:
       server_init: a no-arg `tff.tensorflow.computation` returning the server
-        state.
+        state (an ordered mapping).
+      aggregation: optional `tff.templates.AggregationProcess` whose state
+        the server keeps: appended to the state as `aggregator_state`.
 
     Returns:
-      A no-arg `tff.federated_computation` returning `server_init()@SERVER`.
+      A no-arg `tff.federated_computation` returning `server_init()@SERVER`,
+      with `aggregator_state` after its fields when `aggregation` is given.
     """
+    if aggregation is None:
+
+        @tff.federated_computation
+        def initialize():
+            return tff.federated_eval(server_init, tff.SERVER)
+
+        return initialize
+
+    @tff.tensorflow.computation(server_init.type_signature.result, aggregation.initialize.type_signature.result.member)
+    def with_aggregator(state, aggregator_state):
+        return collections.OrderedDict(**state, aggregator_state=aggregator_state)
 
     @tff.federated_computation
-    def initialize():
-        return tff.federated_eval(server_init, tff.SERVER)
+    def initialize_with_aggregator():
+        made = tff.federated_eval(server_init, tff.SERVER)
+        return tff.federated_map(with_aggregator, (made, aggregation.initialize()))
 
-    return initialize
+    return initialize_with_aggregator
 
 
 def build_round_number(state_type: tff.Type) -> tff.Computation:
